@@ -1,0 +1,72 @@
+"""Manifold-constrained hyper-connections (spec §3): N residual streams per token.
+
+Per site, from the flattened, RMS-normalised streams f in R^{N*D} (fp32 throughout):
+  m = fn @ f;  pre = sigmoid(m_pre*scale0 + base) + eps;  post = 2*sigmoid(m_post*scale1 + base);
+  C = Sinkhorn(softmax_rows(m_comb*scale2 + base) + eps)   (column first, then rows/cols),
+  block input u = sum_i pre_i X_i;   update X'[k] = post_k * y + sum_j C[j, k] X[j]   (C^T X).
+"""
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+
+def _flat_norm(x, eps):
+    f = x.reshape(*x.shape[:-2], -1).astype(jnp.float32)  # [b, t, n*d]
+    return f * jax.lax.rsqrt(jnp.mean(f * f, axis=-1, keepdims=True) + eps)
+
+
+def sinkhorn(logits: jax.Array, iters: int, eps: float) -> jax.Array:
+    """Row softmax + eps, then column-normalise, then (iters - 1) x (row, column)."""
+    c = jax.nn.softmax(logits, axis=-1) + eps
+    c = c / (jnp.sum(c, axis=-2, keepdims=True) + eps)
+    for _ in range(iters - 1):
+        c = c / (jnp.sum(c, axis=-1, keepdims=True) + eps)
+        c = c / (jnp.sum(c, axis=-2, keepdims=True) + eps)
+    return c
+
+
+class HyperConnection(nnx.Module):
+    """One mHC site (before attention or before the MoE)."""
+
+    def __init__(self, n: int, d: int, sinkhorn_iters: int, hc_eps: float, norm_eps: float):
+        self.fn = nnx.Param(jnp.zeros(((2 + n) * n, n * d), jnp.float32))
+        self.base = nnx.Param(jnp.zeros(((2 + n) * n,), jnp.float32))
+        self.scale = nnx.Param(jnp.ones((3,), jnp.float32))
+        self.n, self.iters, self.hc_eps, self.norm_eps = n, sinkhorn_iters, hc_eps, norm_eps
+
+    def pre(self, x: jax.Array):
+        """x [b, t, n, d] -> (u [b, t, d] block input, post [b, t, n], comb [b, t, n, n])."""
+        n = self.n
+        m = jnp.einsum("btf,cf->btc", _flat_norm(x, self.norm_eps), self.fn[...],
+                       precision=jax.lax.Precision.HIGHEST)
+        base, scale = self.base[...], self.scale[...]
+        pre = jax.nn.sigmoid(m[..., :n] * scale[0] + base[:n]) + self.hc_eps
+        post = 2.0 * jax.nn.sigmoid(m[..., n:2 * n] * scale[1] + base[n:2 * n])
+        comb_logits = m[..., 2 * n:].reshape(*m.shape[:-1], n, n) * scale[2] + base[2 * n:].reshape(n, n)
+        comb = sinkhorn(comb_logits, self.iters, self.hc_eps)
+        u = jnp.einsum("btn,btnd->btd", pre, x.astype(jnp.float32)).astype(x.dtype)
+        return u, post, comb
+
+    @staticmethod
+    def post(x: jax.Array, y: jax.Array, post: jax.Array, comb: jax.Array) -> jax.Array:
+        """X'[k] = post_k * y + sum_j comb[j, k] X[j], in x's dtype as the reference does."""
+        dt = x.dtype
+        mixed = jnp.einsum("btjk,btjd->btkd", comb.astype(dt), x, precision=jax.lax.Precision.HIGHEST)
+        return post.astype(dt)[..., None] * y[..., None, :] + mixed
+
+
+class HyperHead(nnx.Module):
+    """Final collapse of the N streams (pre weights only, no Sinkhorn)."""
+
+    def __init__(self, n: int, d: int, hc_eps: float, norm_eps: float):
+        self.hc_fn = nnx.Param(jnp.zeros((n, n * d), jnp.float32))
+        self.hc_base = nnx.Param(jnp.zeros((n,), jnp.float32))
+        self.hc_scale = nnx.Param(jnp.ones((1,), jnp.float32))
+        self.hc_eps, self.norm_eps = hc_eps, norm_eps
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        m = jnp.einsum("btf,cf->btc", _flat_norm(x, self.norm_eps), self.hc_fn[...],
+                       precision=jax.lax.Precision.HIGHEST)
+        pre = jax.nn.sigmoid(m * self.hc_scale[...] + self.hc_base[...]) + self.hc_eps
+        return jnp.einsum("btn,btnd->btd", pre, x.astype(jnp.float32)).astype(x.dtype)

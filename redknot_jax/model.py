@@ -1,0 +1,94 @@
+"""The DeepSeek-V4 backbone as Flax NNX modules, and its chunk-incremental forward.
+
+One code path serves prefill, chunked prefill and decode: `Model.forward(tokens, pos0,
+n_new, cache)` runs a chunk of t rows per sequence at absolute positions pos0 + [0, t), of
+which the first n_new are real (right padding), and returns the updated cache. Prefill is a
+forward from an empty cache; decode is a forward with t = 1.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from redknot_jax.attention import Attention
+from redknot_jax.config import SLIDING, ModelConfig
+from redknot_jax.mhc import HyperConnection, HyperHead
+from redknot_jax.moe import MoE
+from redknot_jax.norms import RMSNorm
+from redknot_jax.rope import inv_freq
+
+HIGHEST = jax.lax.Precision.HIGHEST
+
+
+class Block(nnx.Module):
+    """mHC -> attention -> mHC -> MoE (spec §3.3)."""
+
+    def __init__(self, cfg: ModelConfig, layer: int, dtype):
+        d, n = cfg.hidden_size, cfg.hc_mult
+        self.hc_attn = HyperConnection(n, d, cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.rms_norm_eps)
+        self.hc_ffn = HyperConnection(n, d, cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.rms_norm_eps)
+        self.attn_norm = RMSNorm(d, cfg.rms_norm_eps)
+        self.ffn_norm = RMSNorm(d, cfg.rms_norm_eps)
+        self.attn = Attention(cfg, layer, dtype)
+        self.ffn = MoE(cfg, layer, dtype)
+        self.compressed = cfg.layer_types[layer] != SLIDING
+
+    def __call__(self, x, ids, pos0, n_new, cache, freqs, block):
+        u, post, comb = self.hc_attn.pre(x)
+        a, cache = self.attn(self.attn_norm(u), pos0, n_new, cache, freqs, block)
+        x = HyperConnection.post(x, a, post, comb)
+        u, post, comb = self.hc_ffn.pre(x)
+        y = self.ffn(self.ffn_norm(u), ids)
+        return HyperConnection.post(x, y, post, comb), cache
+
+
+class Model(nnx.Module):
+    """DeepSeek-V4 for causal LM (embedding, blocks, mHC head, norm, LM head)."""
+
+    def __init__(self, cfg: ModelConfig, dtype=jnp.bfloat16):
+        self.cfg, self.dtype = cfg, dtype
+        self.embed = nnx.Param(jnp.zeros((cfg.vocab_size, cfg.hidden_size), dtype))
+        self.layers = nnx.List([Block(cfg, i, dtype) for i in range(cfg.num_layers)])
+        self.hc_head = HyperHead(cfg.hc_mult, cfg.hidden_size, cfg.hc_eps, cfg.rms_norm_eps)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.head = nnx.Param(jnp.zeros((cfg.vocab_size, cfg.hidden_size), dtype))
+        self.freqs_main = inv_freq(cfg, compressed=False)
+        self.freqs_compress = inv_freq(cfg, compressed=True)
+
+    def freqs(self, layer: int):
+        return self.freqs_compress if self.layers[layer].compressed else self.freqs_main
+
+    def init_cache(self, b: int, capacity: int) -> dict:
+        """Empty per-layer caches for b sequences of up to `capacity` positions."""
+        if capacity % self.cfg.hca_rate or capacity % self.cfg.csa_rate:
+            raise ValueError(f"cache capacity {capacity} must be a multiple of the compress rates "
+                             f"{self.cfg.csa_rate} and {self.cfg.hca_rate}")
+        return {"length": jnp.zeros((b,), jnp.int32),
+                "layers": [blk.attn.init_cache(b, capacity, self.dtype) for blk in self.layers]}
+
+    def embed_streams(self, ids):
+        e = self.embed[...][ids]  # [b, t, d]
+        return jnp.broadcast_to(e[:, :, None, :], (*e.shape[:2], self.cfg.hc_mult, e.shape[-1]))
+
+    def logits(self, x, rows):
+        """mHC head, final norm and LM head (fp32) for rows [b, r] of the chunk's streams x."""
+        xr = jnp.take_along_axis(x, rows[:, :, None, None], axis=1)  # [b, r, n, d]
+        h = self.norm(self.hc_head(xr))
+        return jnp.einsum("brd,vd->brv", h, self.head[...], preferred_element_type=jnp.float32,
+                          precision=HIGHEST)
+
+    def forward(self, ids, pos0, n_new, cache, rows, block: int = 256):
+        """Run a chunk. ids [b, t] int32, pos0/n_new [b] int32, rows [b, r] chunk indices whose
+        logits are wanted. Returns (logits [b, r, vocab] fp32, new cache)."""
+        t = ids.shape[1]
+        block = min(block, t)
+        if t % block:
+            raise ValueError(f"chunk length {t} must be a multiple of the query block {block}")
+        x = self.embed_streams(ids)
+        new_layers = []
+        for i, blk in enumerate(self.layers):
+            x, c = blk(x, ids, pos0, n_new, cache["layers"][i], self.freqs(i), block)
+            new_layers.append(c)
+        return self.logits(x, rows), {"length": pos0 + n_new, "layers": new_layers}

@@ -1,0 +1,109 @@
+"""Mixture of experts (spec §5): hash or learned router, clamped SwiGLU experts, shared expert.
+
+Router: scores s = sqrt(softplus(W_g x)) (fp32); selection = top-k of s + bias (learned
+layers) or tid2eid[token] (hash layers); weights = s[sel] / sum s[sel] * routed_scale.
+Experts run as grouped matmuls (`jax.lax.ragged_dot`) over assignments sorted by expert, so
+only the chosen experts' FLOPs are spent. An optional `keep` mask drops assignments (the
+RedKnot fan-out rule) without renormalising the kept weights.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from redknot_jax.config import ModelConfig
+
+HIGHEST = jax.lax.Precision.HIGHEST
+
+
+class Buffer(nnx.Variable):
+    """Non-trainable state loaded from the checkpoint (the hash table tid2eid)."""
+
+
+def swiglu(gate, up, limit):
+    """SiLU(min(gate, L)) * clip(up, -L, L), in fp32."""
+    gate = jnp.minimum(gate.astype(jnp.float32), limit)
+    up = jnp.clip(up.astype(jnp.float32), -limit, limit)
+    return jax.nn.silu(gate) * up
+
+
+class MoE(nnx.Module):
+    def __init__(self, cfg: ModelConfig, layer: int, dtype):
+        d, e, f = cfg.hidden_size, cfg.n_routed_experts, cfg.moe_inter_dim
+        self.is_hash = cfg.is_hash(layer)
+        self.gate = nnx.Param(jnp.zeros((e, d), dtype))
+        if self.is_hash:
+            self.tid2eid = Buffer(jnp.zeros((cfg.vocab_size, cfg.experts_per_tok), jnp.int32))
+        else:
+            self.bias = nnx.Param(jnp.zeros((e,), jnp.float32))
+        # routed experts in x @ W layout, the layout ragged_dot takes: [e, in, out]
+        self.w1 = nnx.Param(jnp.zeros((e, d, f), dtype))
+        self.w3 = nnx.Param(jnp.zeros((e, d, f), dtype))
+        self.w2 = nnx.Param(jnp.zeros((e, f, d), dtype))
+        # shared expert in checkpoint layout [out, in]
+        self.s1 = nnx.Param(jnp.zeros((f, d), dtype))
+        self.s3 = nnx.Param(jnp.zeros((f, d), dtype))
+        self.s2 = nnx.Param(jnp.zeros((d, f), dtype))
+        self.k, self.e, self.scale, self.limit = cfg.experts_per_tok, e, cfg.routed_scaling_factor, cfg.swiglu_limit
+
+    def route(self, x, ids):
+        """x [n, d], token ids [n] -> (experts [n, k] int32, weights [n, k] fp32, scores [n, e])."""
+        logits = jnp.einsum("nd,ed->ne", x, self.gate[...], preferred_element_type=jnp.float32,
+                            precision=HIGHEST)
+        scores = jnp.sqrt(jax.nn.softplus(logits))
+        if self.is_hash:
+            sel = self.tid2eid[...][ids]
+        else:
+            _, sel = jax.lax.top_k(scores + self.bias[...], self.k)
+        wts = jnp.take_along_axis(scores, sel, axis=-1)
+        wts = wts / (jnp.sum(wts, -1, keepdims=True) + 1e-20)
+        return sel.astype(jnp.int32), wts * self.scale, scores
+
+    def experts(self, x, sel, wts, keep=None):
+        """Sum over kept assignments of w * expert(x): x [n, d], sel/wts/keep [n, k] -> [n, d] fp32."""
+        n, k = sel.shape
+        eid = sel.reshape(-1)
+        if keep is not None:
+            eid = jnp.where(keep.reshape(-1), eid, self.e)  # dropped: sorted past every group
+        order = jnp.argsort(eid, stable=True)
+        tok = order // k
+        sizes = jnp.bincount(eid, length=self.e + 1)[: self.e].astype(jnp.int32)
+        xs = x[tok]
+        h = swiglu(jax.lax.ragged_dot(xs, self.w1[...], sizes, precision=HIGHEST),
+                   jax.lax.ragged_dot(xs, self.w3[...], sizes, precision=HIGHEST), self.limit)
+        out = jax.lax.ragged_dot(h.astype(x.dtype), self.w2[...], sizes, precision=HIGHEST,
+                                 preferred_element_type=jnp.float32)
+        wflat = wts.reshape(-1)[order]
+        if keep is not None:
+            wflat = jnp.where(keep.reshape(-1)[order], wflat, 0.0)
+        return jnp.zeros((n, x.shape[-1]), jnp.float32).at[tok].add(out * wflat[:, None])
+
+    def shared(self, x):
+        g = jnp.einsum("nd,fd->nf", x, self.s1[...], precision=HIGHEST)
+        u = jnp.einsum("nd,fd->nf", x, self.s3[...], precision=HIGHEST)
+        return jnp.einsum("nf,df->nd", swiglu(g, u, self.limit).astype(x.dtype), self.s2[...],
+                          preferred_element_type=jnp.float32, precision=HIGHEST)
+
+    def __call__(self, x, ids, keep_fn=None, chunk: int = 4096):
+        """x [b, t, d], ids [b, t] -> [b, t, d]. Tokens are processed `chunk` at a time.
+
+        keep_fn(sel, wts, scores) -> keep mask [n, k] or None (fan-out trimming).
+        """
+        b, t, d = x.shape
+        xf, idf = x.reshape(b * t, d), ids.reshape(b * t)
+
+        def run(xc, ic):
+            sel, wts, scores = self.route(xc, ic)
+            keep = None if keep_fn is None else keep_fn(sel, wts, scores)
+            return (self.experts(xc, sel, wts, keep) + self.shared(xc)).astype(x.dtype)
+
+        n = b * t
+        if n <= chunk:
+            return run(xf, idf).reshape(b, t, d)
+        pad = (-n) % chunk
+        xp = jnp.pad(xf, ((0, pad), (0, 0))).reshape(-1, chunk, d)
+        ip = jnp.pad(idf, (0, pad)).reshape(-1, chunk)
+        y = jax.lax.map(lambda a: run(*a), (xp, ip)).reshape(-1, d)[:n]
+        return y.reshape(b, t, d)
