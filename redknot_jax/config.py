@@ -392,7 +392,7 @@ def tiny(kind: str = "mixed", **overrides) -> ModelConfig:
         vocab_size=97, hidden_size=64, num_heads=8, head_dim=32, rope_dim=8, q_lora_rank=32,
         o_groups=2, o_lora_rank=16, n_routed_experts=8, experts_per_tok=3, moe_inter_dim=32,
         routed_scaling_factor=1.5, swiglu_limit=10.0, sliding_window=8, csa_rate=4, hca_rate=16,
-        index_n_heads=8, index_head_dim=16, index_topk=4, hc_sinkhorn_iters=5,
+        index_n_heads=16, index_head_dim=16, index_topk=4, hc_sinkhorn_iters=5,
         max_position_embeddings=4096, bos_token_id=0, eos_token_id=1)
     if kind == "mixed":
         types = (SLIDING, CSA, HCA, CSA, HCA, CSA)

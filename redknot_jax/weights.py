@@ -258,9 +258,9 @@ def _assign(var: nnx.Variable, path: str, arr: np.ndarray, put) -> None:
     if arr.dtype.kind == "f" and not np.all(np.isfinite(np.asarray(arr, np.float32))):
         raise WeightError(f"{path}: NaN or Inf in the checkpoint tensor")
     if put is not None:
-        var.value = put(path, arr)
+        var.set_value(put(path, arr))
     else:
-        var.value = jnp.asarray(arr, dtype=var.value.dtype)
+        var.set_value(jnp.asarray(arr, dtype=var.get_value().dtype))
 
 
 def load_checkpoint(model: nnx.Module, cfg: ModelConfig, directory, put=None) -> None:

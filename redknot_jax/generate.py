@@ -1,0 +1,176 @@
+"""Prefill, chunked prefill, decode and sampling over `Model.forward` (jitted, bucketed).
+
+Prompts of different lengths share one batch by right padding with explicit positions: every
+row keeps its absolute position, so sliding windows and compression windows stay aligned
+(left padding would shift them). Chunk lengths are bucketed to powers of two (at least 16)
+so a handful of shapes compile; the cache is donated to each step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from typing import Sequence
+
+import numpy as np
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from redknot_jax.model import Model
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """temperature 0 is greedy; top_p in (0, 1] keeps the smallest nucleus reaching top_p."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    max_new_tokens: int = 16
+    stop_tokens: tuple[int, ...] = ()
+    seed: int = 0
+
+    def __post_init__(self):
+        if not (self.temperature >= 0 and math.isfinite(self.temperature)):
+            raise ValueError(f"temperature: expected a finite value >= 0, got {self.temperature}")
+        if not (0 < self.top_p <= 1):
+            raise ValueError(f"top_p: expected a value in (0, 1], got {self.top_p}")
+        if self.max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens: expected >= 0, got {self.max_new_tokens}")
+
+
+def bucket(n: int, minimum: int = 16) -> int:
+    """Smallest power of two >= max(n, minimum)."""
+    return max(minimum, 1 << max(0, math.ceil(math.log2(max(n, 1)))))
+
+
+def sample(logits: jax.Array, key, temperature: float, top_p: float) -> jax.Array:
+    """Next tokens [b] from logits [b, vocab]: greedy, or temperature + nucleus sampling."""
+    if temperature == 0.0:
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    lg = logits.astype(jnp.float32) / temperature
+    if top_p < 1.0:
+        srt = jnp.sort(lg, axis=-1)[:, ::-1]
+        cum = jnp.cumsum(jax.nn.softmax(srt, axis=-1), axis=-1)
+        # keep tokens whose preceding mass is < top_p (the first token is always kept)
+        cutoff_idx = jnp.sum(cum - jax.nn.softmax(srt, axis=-1) < top_p, axis=-1) - 1
+        cutoff = jnp.take_along_axis(srt, cutoff_idx[:, None], axis=-1)
+        lg = jnp.where(lg < cutoff, -jnp.inf, lg)
+    return jax.random.categorical(key, lg, axis=-1).astype(jnp.int32)
+
+
+@dataclasses.dataclass
+class Generation:
+    tokens: list[list[int]]
+    prefill_s: float
+    decode_s: float
+    first_logits: np.ndarray
+
+
+class Engine:
+    """Jitted batch prefill / decode for one model (the notebook-facing API)."""
+
+    def __init__(self, model: Model, capacity: int = 4096, block: int = 256):
+        cfg = model.cfg
+        step = math.lcm(cfg.csa_rate, cfg.hca_rate)
+        self.capacity = -(-capacity // step) * step
+        self.block, self.model, self.cfg = block, model, cfg
+        self.graphdef, self.state = nnx.split(model)
+        self._fwd = jax.jit(self._forward, donate_argnums=(5,))
+
+    def _forward(self, state, ids, pos0, n_new, rows, cache):
+        model = nnx.merge(self.graphdef, state)
+        return model.forward(ids, pos0, n_new, cache, rows, block=self.block)
+
+    def new_cache(self, batch: int):
+        return self.model.init_cache(batch, self.capacity)
+
+    def forward(self, ids, pos0, n_new, rows, cache):
+        """One jitted chunk (see `Model.forward`)."""
+        return self._fwd(self.state, jnp.asarray(ids, jnp.int32), jnp.asarray(pos0, jnp.int32),
+                         jnp.asarray(n_new, jnp.int32), jnp.asarray(rows, jnp.int32), cache)
+
+    def _check_prompts(self, prompts: Sequence[Sequence[int]], extra: int = 0) -> np.ndarray:
+        if not prompts:
+            raise ValueError("prompts: expected at least one prompt")
+        lens = np.array([len(p) for p in prompts], np.int32)
+        if lens.min() < 1:
+            raise ValueError(f"prompt {int(lens.argmin())}: empty prompt")
+        if lens.max() + extra > self.capacity:
+            raise ValueError(f"prompt of {lens.max()} tokens (+{extra} to generate) exceeds the cache "
+                             f"capacity {self.capacity}")
+        for i, p in enumerate(prompts):
+            bad = [t for t in p if not (0 <= int(t) < self.cfg.vocab_size)]
+            if bad:
+                raise ValueError(f"prompt {i}: token ids {bad[:5]} outside [0, {self.cfg.vocab_size})")
+        return lens
+
+    def prefill(self, prompts: Sequence[Sequence[int]], chunk: int | None = None, cache=None, rows=None):
+        """Prefill a batch; returns (logits of each prompt's last row [b, vocab], cache).
+
+        `chunk` splits long prompts into chunks of that many rows (chunked prefill; equals
+        one-shot prefill). `rows` [b, r] asks for logits of other prompt rows instead
+        (one-shot only): returns [b, r, vocab].
+        """
+        lens = self._check_prompts(prompts)
+        b, tmax = len(prompts), int(lens.max())
+        cache = self.new_cache(b) if cache is None else cache
+        width = bucket(tmax) if chunk is None else bucket(chunk)
+        ids = np.zeros((b, -(-tmax // width) * width), np.int32)
+        for i, p in enumerate(prompts):
+            ids[i, : len(p)] = p
+        if rows is not None:
+            if chunk is not None:
+                raise ValueError("rows= is only supported for one-shot prefill")
+            rows = np.asarray(rows, np.int32)
+            if rows.min() < 0 or (rows >= lens[:, None]).any():
+                raise ValueError(f"rows {rows.tolist()} outside the prompts (lengths {lens.tolist()})")
+            logits, cache = self.forward(ids, np.zeros(b), lens, rows, cache)
+            return logits, cache
+        last = None
+        for start in range(0, ids.shape[1], width):
+            n_new = np.clip(lens - start, 0, width)
+            r = np.clip(lens - 1 - start, 0, width - 1)[:, None]
+            # finished prompts sit at their own length with no new rows, so nothing is written
+            pos0 = np.minimum(start, lens)
+            logits, cache = self.forward(ids[:, start:start + width], pos0, n_new, r, cache)
+            here = ((lens - 1 >= start) & (lens - 1 < start + width))[:, None]
+            last = logits[:, 0] if last is None else jnp.where(here, logits[:, 0], last)
+        return last, cache
+
+    def decode(self, tokens, cache, active=None):
+        """One decode step: tokens [b] at each sequence's next position; inactive rows
+        (finished) are not written. Returns (logits [b, vocab], cache)."""
+        b = len(tokens)
+        n_new = np.ones(b, np.int32) if active is None else np.asarray(active, np.int32)
+        ids = np.asarray(tokens, np.int32).reshape(b, 1)
+        logits, cache = self.forward(ids, cache["length"], n_new, np.zeros((b, 1)), cache)
+        return logits[:, 0], cache
+
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams = SamplingParams(),
+                 chunk: int | None = None) -> Generation:
+        """Prefill then decode until max_new_tokens or a stop token, per sequence."""
+        lens = self._check_prompts(prompts, params.max_new_tokens)
+        key = jax.random.key(params.seed)
+        t0 = time.perf_counter()
+        logits, cache = self.prefill(prompts, chunk=chunk)
+        first = np.asarray(logits)
+        t1 = time.perf_counter()
+        b = len(lens)
+        out: list[list[int]] = [[] for _ in range(b)]
+        active = np.ones(b, bool)
+        stop = set(params.stop_tokens)
+        for step in range(params.max_new_tokens):
+            key, sub = jax.random.split(key)
+            tok = np.asarray(sample(logits, sub, params.temperature, params.top_p))
+            for i in range(b):
+                if active[i]:
+                    out[i].append(int(tok[i]))
+                    if int(tok[i]) in stop:
+                        active[i] = False
+            if not active.any() or step == params.max_new_tokens - 1:
+                break
+            logits, cache = self.decode(tok, cache, active)
+        jax.block_until_ready(logits)
+        return Generation(out, t1 - t0, time.perf_counter() - t1, first)
