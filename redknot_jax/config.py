@@ -212,6 +212,9 @@ _INFORMATIONAL = {
     "quantization_config", "expert_dtype", "use_cache", "initializer_range", "pad_token_id",
     "output_router_logits", "router_aux_loss_coef", "router_jitter_noise", "attention_dropout",
     "topk_method", "mlp_bias", "_name_or_path", "n_group", "topk_group", "ep_size",
+    # generic fields every transformers-saved config.json carries
+    "chunk_size_feed_forward", "id2label", "label2id", "is_encoder_decoder", "output_attentions",
+    "output_hidden_states", "problem_type", "return_dict",
 }
 
 

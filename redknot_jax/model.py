@@ -54,8 +54,9 @@ class Model(nnx.Module):
         self.hc_head = HyperHead(cfg.hc_mult, cfg.hidden_size, cfg.hc_eps, cfg.rms_norm_eps)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.head = nnx.Param(jnp.zeros((cfg.vocab_size, cfg.hidden_size), dtype))
-        self.freqs_main = inv_freq(cfg, compressed=False)
-        self.freqs_compress = inv_freq(cfg, compressed=True)
+        # static (hashable) so they are constants of the traced program, not state
+        self.freqs_main = tuple(float(f) for f in inv_freq(cfg, compressed=False))
+        self.freqs_compress = tuple(float(f) for f in inv_freq(cfg, compressed=True))
 
     def freqs(self, layer: int):
         return self.freqs_compress if self.layers[layer].compressed else self.freqs_main

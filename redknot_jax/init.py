@@ -1,0 +1,63 @@
+"""Random weights for a model built abstractly: tests, the embedded demo model and benchmarks
+(speed does not depend on weight values). Drawn on the device inside one jit, so a
+flash-shaped model never passes through host memory.
+
+Scales keep activations O(1): linear weights ~ N(0, 1/in), norms ~ 1 + N(0, 0.1), mHC mixing
+small, sinks and gate biases O(1); `tid2eid` gets distinct experts per token.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from redknot_jax.config import ModelConfig
+from redknot_jax.model import Model
+
+
+@functools.partial(jax.jit, static_argnames=("name", "shape", "dtype", "n_experts"))
+def _draw(key, name: str, shape, dtype, n_experts: int):
+    """One leaf; jitted per (rule, shape) so a 43-layer model compiles a handful of kernels."""
+    normal = lambda std, mean=0.0: (jax.random.normal(key, shape, jnp.float32) * std + mean).astype(dtype)
+    if name == "tid2eid":
+        order = jnp.argsort(jax.random.uniform(key, (shape[0], n_experts)), axis=-1)
+        return order[:, : shape[1]].astype(dtype)
+    if name == "weight":  # every RMSNorm weight
+        return normal(0.1, 1.0)
+    if name in ("fn", "hc_fn"):
+        return normal(0.02)
+    if name in ("base", "hc_base"):
+        return normal(0.5)
+    if name in ("scale", "hc_scale"):
+        return (0.5 + jax.random.uniform(key, shape)).astype(dtype)
+    if name in ("attn_sink", "ape"):
+        return normal(0.5)
+    if name == "bias":
+        return normal(0.1)
+    if name == "embed":
+        return normal(1.0)
+    if name in ("w1", "w3", "w2"):  # [e, in, out]
+        return normal(shape[1] ** -0.5)
+    if len(shape) == 2:  # [out, in]
+        return normal(shape[1] ** -0.5)
+    raise ValueError(f"{name}: no random-initialisation rule for shape {shape}")
+
+
+def random_model(cfg: ModelConfig, seed: int = 0, dtype=jnp.bfloat16, shardings=None) -> Model:
+    """A `Model` of cfg with random weights drawn on the default device (or `shardings`,
+    a pytree of NamedShardings matching the state)."""
+    abstract = nnx.eval_shape(lambda: Model(cfg, dtype))
+    graphdef, state = nnx.split(abstract)
+    flat = nnx.to_flat_state(state)
+    paths = [".".join(str(p) for p in path) for path, _ in flat]
+    specs = [(v.shape, v.dtype) for _, v in flat]
+
+    keys = jax.random.split(jax.random.key(seed), len(paths))
+    shardings = [None] * len(paths) if shardings is None else list(shardings)
+    for (_, var), p, (s, d), k, sh in zip(flat, paths, specs, keys, shardings):
+        val = _draw(k, p.split(".")[-1], tuple(s), jnp.dtype(d), cfg.n_routed_experts)
+        var.set_value(val if sh is None else jax.device_put(val, sh))
+    return nnx.merge(graphdef, nnx.from_flat_state(flat))

@@ -1,0 +1,57 @@
+"""Component identities of the model's building blocks, on fresh random inputs."""
+
+import numpy as np
+import pytest
+import jax
+import jax.numpy as jnp
+import torch
+
+from redknot_jax import config
+from redknot_jax.mhc import sinkhorn
+from redknot_jax.rope import apply_rope, inv_freq
+from redknot_jax.ring import ring_read, ring_write
+from tests.tolerances import rel_err
+
+
+def test_rope_tables_match_transformers():
+    from transformers import DeepseekV4Config
+    from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4RotaryEmbedding
+
+    cfg = config.flash()
+    rot = DeepseekV4RotaryEmbedding(DeepseekV4Config(**cfg.to_hf_dict()))
+    np.testing.assert_allclose(inv_freq(cfg, False), rot.main_inv_freq.numpy(), rtol=1e-6)
+    np.testing.assert_allclose(inv_freq(cfg, True), rot.compress_inv_freq.numpy(), rtol=1e-6)
+    f = inv_freq(cfg, True)
+    base = 160000.0 ** (-np.arange(0, 64, 2) / 64)
+    np.testing.assert_allclose(f[:15], base[:15], rtol=1e-5)  # pairs below lo = 15 unscaled
+    np.testing.assert_allclose(f[25:], base[25:] / 16, rtol=1e-5)  # pairs from hi = 25 divided by 16
+
+
+def test_rope_relative_and_inverse():
+    """<R(t) q, R(p) k> depends on t - p only, and R^-1(t) R(t) = I."""
+    rng = np.random.default_rng(0)
+    freqs = inv_freq(config.tiny(), True)
+    q, k = (jnp.asarray(rng.normal(size=(1, 1, 32)), jnp.float32) for _ in range(2))
+    dot = lambda t, p: float(jnp.sum(apply_rope(q, jnp.array([[t]]), freqs) * apply_rope(k, jnp.array([[p]]), freqs)))
+    assert abs(dot(50, 20) - dot(130, 100)) < 1e-4
+    back = apply_rope(apply_rope(q, jnp.array([[77]]), freqs), jnp.array([[77]]), freqs, inverse=True)
+    np.testing.assert_allclose(back, q, atol=1e-5)
+    np.testing.assert_array_equal(apply_rope(q, jnp.array([[9]]), freqs)[..., :24], q[..., :24])  # nope dims
+
+
+def test_sinkhorn_doubly_stochastic():
+    logits = jax.random.normal(jax.random.key(0), (5, 4, 4))
+    c = sinkhorn(logits, iters=20, eps=1e-6)
+    np.testing.assert_allclose(c.sum(-2), 1.0, atol=1e-5)
+    np.testing.assert_allclose(c.sum(-1), 1.0, atol=1e-3)
+
+
+@pytest.mark.parametrize("r,pos0,n", [(8, 0, 5), (8, 13, 8), (8, 21, 0), (256, 300, 40)])
+def test_ring_round_trip(r, pos0, n):
+    """Writing the positions ending at pos0+n then reading at pos0+n returns them in order."""
+    b = 2
+    start = pos0 - r
+    ext = jnp.arange(start, pos0 + n)[None, :, None].repeat(b, 0).astype(jnp.float32)
+    ring = ring_write(ext, jnp.full((b,), start), jnp.full((b,), pos0 + n), r)
+    got = ring_read(ring, jnp.full((b,), pos0 + n))
+    np.testing.assert_array_equal(got[0, :, 0], np.arange(pos0 + n - r, pos0 + n))
