@@ -1,0 +1,208 @@
+"""RedKnot profiles (DESIGN.md §2, §4): data, not code.
+
+A profile fixes the execution roles and the online policy of the RedKnot arm:
+
+* fences: the first `fence_first` and last `fence_last` layers are full recompute; the layers
+  between are reusable;
+* roles: in every output group, head `global_head` is Global (online for every row) and the
+  others are Local (restored from the artifact for unprotected rows);
+* protection sizes: `boundary_rows` at both ends of each relocated segment, `tail_rows`;
+* the budget controller (`choose_budget`) and the MoE fan-out rule (`fanout_*`, `tau`).
+
+Profiles are frozen, serialise to plain JSON (`to_dict` / `from_dict`), and their `digest()`
+is hashed into artifact certificates.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Mapping
+
+from redknot_jax.config import ModelConfig
+from redknot_jax.reuse.certificate import json_digest
+
+LATENT_REFRESH = ("none", "protected")
+FANOUT_MODES = ("tau", "k3", "native")
+
+
+class ProfileError(ValueError):
+    """A profile field out of its domain (the message names the field and the value)."""
+
+
+def _real(name: str, v) -> float:
+    # bool is an int subclass; True would silently pass as 1.0
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        raise ProfileError(f"{name}: expected a finite number, got {v!r}")
+    return float(v)
+
+
+def _count(name: str, v, lo: int = 0) -> None:
+    if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+        raise ProfileError(f"{name}: expected an int >= {lo}, got {v!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class RedKnotProfile:
+    """Execution roles and online policy of the RedKnot arm.
+
+    Budget controller (`choose_budget`): `budgets` are fractions of candidate rows (rows of
+    relocated and prefix documents) to protect, strictly increasing. The controller reads one
+    concentration statistic c in [0, 1] (the planner's definition: the share of the query
+    rows' top indexer mass held by the top-k entries; high c = attention is concentrated on
+    few entries). `concentration_thresholds` is strictly decreasing with one entry fewer than
+    `budgets`; the rule is
+
+        budget = budgets[i] for the first i with c >= concentration_thresholds[i],
+                 budgets[-1] if c is below every threshold,
+
+    so concentrated queries get the smallest budget and diffuse ones the largest. With the
+    defaults: c >= 0.8 -> 10 %, 0.5 <= c < 0.8 -> 20 %, c < 0.5 -> 25 %. The thresholds are
+    uncalibrated starting points; a calibrated profile is a new profile (new digest).
+
+    `budget_override` (tests and benchmarks) replaces the controller: 1.0 protects every
+    candidate row.
+    """
+
+    name: str
+    fence_first: int = 3
+    fence_last: int = 3
+    global_head: int = 0
+    latent_refresh: str = "none"
+    boundary_rows: int = 128
+    tail_rows: int = 32768
+    budgets: tuple[float, ...] = (0.10, 0.20, 0.25)
+    concentration_thresholds: tuple[float, ...] = (0.8, 0.5)
+    fanout_mode: str = "tau"
+    tau: float = 0.9
+    fanout_min: int = 3
+    budget_override: float | None = None
+
+    def __post_init__(self):
+        if not isinstance(self.name, str) or not self.name:
+            raise ProfileError(f"name: expected a non-empty str, got {self.name!r}")
+        for f in ("fence_first", "fence_last", "global_head", "boundary_rows", "tail_rows"):
+            _count(f, getattr(self, f))
+        _count("fanout_min", self.fanout_min, lo=1)
+        if self.latent_refresh not in LATENT_REFRESH:
+            raise ProfileError(f"latent_refresh: expected one of {LATENT_REFRESH}, got {self.latent_refresh!r}")
+        if self.fanout_mode not in FANOUT_MODES:
+            raise ProfileError(f"fanout_mode: expected one of {FANOUT_MODES}, got {self.fanout_mode!r}")
+
+        # Normalise numbers to tuples of floats so that equal profiles have equal digests
+        # (JSON writes 1 and 1.0 differently) and lists from JSON stay hashable.
+        if isinstance(self.budgets, (str, bytes)) or not hasattr(self.budgets, "__iter__"):
+            raise ProfileError(f"budgets: expected a sequence of fractions, got {self.budgets!r}")
+        budgets = tuple(_real("budgets[]", b) for b in self.budgets)
+        if not budgets or any(not 0.0 < b <= 1.0 for b in budgets) or \
+                any(a >= b for a, b in zip(budgets, budgets[1:])):
+            raise ProfileError(f"budgets: expected a non-empty, strictly increasing sequence in (0, 1], "
+                               f"got {budgets}")
+        if isinstance(self.concentration_thresholds, (str, bytes)) or \
+                not hasattr(self.concentration_thresholds, "__iter__"):
+            raise ProfileError(f"concentration_thresholds: expected a sequence, got "
+                               f"{self.concentration_thresholds!r}")
+        thr = tuple(_real("concentration_thresholds[]", t) for t in self.concentration_thresholds)
+        if len(thr) != len(budgets) - 1:
+            raise ProfileError(f"concentration_thresholds: expected {len(budgets) - 1} entries "
+                               f"(one fewer than budgets {budgets}), got {thr}")
+        if any(not 0.0 <= t <= 1.0 for t in thr) or any(a <= b for a, b in zip(thr, thr[1:])):
+            raise ProfileError(f"concentration_thresholds: expected strictly decreasing values in [0, 1], "
+                               f"got {thr}")
+        tau = _real("tau", self.tau)
+        if not 0.0 < tau <= 1.0:
+            raise ProfileError(f"tau: expected 0 < tau <= 1, got {tau}")
+        override = self.budget_override
+        if override is not None:
+            override = _real("budget_override", override)
+            if not 0.0 < override <= 1.0:
+                raise ProfileError(f"budget_override: expected None or a fraction in (0, 1], got {override}")
+        for k, v in (("budgets", budgets), ("concentration_thresholds", thr), ("tau", tau),
+                     ("budget_override", override)):
+            object.__setattr__(self, k, v)
+
+    # --------------------------------------------------------------------------- layers
+    def reusable_layers(self, n_layers: int) -> range:
+        """The layers between the fences: range(fence_first, n_layers - fence_last)."""
+        _count("n_layers", n_layers, lo=1)
+        if self.fence_first + self.fence_last > n_layers:
+            raise ProfileError(f"profile {self.name!r}: fences {self.fence_first}+{self.fence_last} "
+                               f"exceed n_layers {n_layers}")
+        return range(self.fence_first, n_layers - self.fence_last)
+
+    def is_fence(self, layer: int, n_layers: int) -> bool:
+        """True for a full-recompute layer (native attention and top-k MoE for all rows)."""
+        if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < n_layers:
+            raise ProfileError(f"layer: expected an int in [0, {n_layers}), got {layer!r}")
+        return layer not in self.reusable_layers(n_layers)
+
+    # --------------------------------------------------------------------------- heads
+    def local_heads(self, heads_per_group: int) -> tuple[int, ...]:
+        """Indices (within a group) of the Local heads: every head but `global_head`."""
+        _count("heads_per_group", heads_per_group, lo=1)
+        if self.global_head >= heads_per_group:
+            raise ProfileError(f"global_head: expected < heads_per_group {heads_per_group}, "
+                               f"got {self.global_head}")
+        return tuple(h for h in range(heads_per_group) if h != self.global_head)
+
+    # --------------------------------------------------------------------------- controller
+    def choose_budget(self, concentration: float) -> float:
+        """Fraction of candidate rows to protect (see the class docstring for the rule)."""
+        if self.budget_override is not None:
+            return self.budget_override
+        c = float(concentration)
+        if not 0.0 <= c <= 1.0:  # NaN fails this too
+            raise ProfileError(f"concentration: expected a share in [0, 1], got {concentration!r}")
+        for budget, threshold in zip(self.budgets, self.concentration_thresholds):
+            if c >= threshold:
+                return budget
+        return self.budgets[-1]
+
+    # --------------------------------------------------------------------------- I/O
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON-able dict (tuples as lists)."""
+        d = dataclasses.asdict(self)
+        d["budgets"] = list(self.budgets)
+        d["concentration_thresholds"] = list(self.concentration_thresholds)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "RedKnotProfile":
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - names)
+        if unknown:
+            raise ProfileError(f"unknown profile fields {unknown}; known: {sorted(names)}")
+        if "name" not in d:
+            raise ProfileError("profile: missing required field 'name'")
+        return cls(**d)
+
+    def digest(self) -> str:
+        """SHA-256 of the canonical JSON of every field (hashed into certificates)."""
+        return json_digest(self.to_dict())
+
+
+# ------------------------------------------------------------------------------- presets
+def flash_profile() -> RedKnotProfile:
+    """DeepSeek-V4-Flash, 3F-37R-3F: 7 Local + 1 Global head per group (56 / 8 of 64)."""
+    return RedKnotProfile(name="flash-3F-37R-3F")
+
+
+def pro_profile() -> RedKnotProfile:
+    """DeepSeek-V4-Pro, 3F-55R-3F: 7 Local + 1 Global head per group (112 / 16 of 128)."""
+    return RedKnotProfile(name="pro-3F-55R-3F")
+
+
+def tiny_profile(n_layers: int) -> RedKnotProfile:
+    """Tiny test models (4-6 layers): fences 1/1 so reusable layers exist; protection sizes
+    shrunk to the tiny sliding window (8) so short prompts still have unprotected rows."""
+    _count("n_layers", n_layers, lo=3)  # at least one reusable layer between the fences
+    return RedKnotProfile(name=f"tiny-1F-{n_layers - 2}R-1F", fence_first=1, fence_last=1,
+                          boundary_rows=8, tail_rows=8)
+
+
+def head_row_ceiling(cfg: ModelConfig, profile: RedKnotProfile) -> float:
+    """Structural logical head-row ceiling (DESIGN.md §2): the head-row saving with no
+    protected rows, (reusable layers x Local heads) / (layers x heads).
+    Flash 37*56 / (43*64) = 0.7529, Pro 55*112 / (61*128) = 0.7889."""
+    local = cfg.o_groups * len(profile.local_heads(cfg.heads_per_group))
+    return len(profile.reusable_layers(cfg.num_layers)) * local / (cfg.num_layers * cfg.num_heads)
