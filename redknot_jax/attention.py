@@ -97,9 +97,6 @@ class Attention(nnx.Module):
         kv = self.kv_norm(jnp.einsum("btd,kd->btk", x, self.wkv[...], precision=HIGHEST))
         return apply_rope(kv, pos, freqs)
 
-    def project_out(self, o, pos, freqs):
-        """Inverse RoPE at the query position, then grouped wo_a, then wo_b (spec §4.7-4.8)."""
-        return self.wo_b_apply(self.wo_a_apply(apply_rope(o, pos, freqs, inverse=True)))
 
     def wo_a_apply(self, o):
         """o [b, t, h, k] -> per-group projected state z [b, t, g, o]."""
@@ -112,10 +109,13 @@ class Attention(nnx.Module):
         return jnp.einsum("btc,dc->btd", z.reshape(b, t, -1), self.wo_b[...], precision=HIGHEST)
 
     # ------------------------------------------------------------------ forward
-    def __call__(self, x, pos0, n_new, cache, freqs, block: int):
+    def __call__(self, x, pos0, n_new, cache, freqs, block: int, trace: bool = False):
         """x [b, t, d] (normed block input) at positions pos0 + [0, t), n_new real rows each.
 
-        Returns (y [b, t, d], new cache). Queries run in blocks of `block` rows (t % block == 0).
+        Returns (y [b, t, d], new cache), plus with `trace` a dict of intermediates the artifact
+        producer keeps: `o` (head outputs after inverse RoPE [b, t, h, k]), `kv` (the rows'
+        K=V latents [b, t, k]) and for CSA `topk` (selected entry ids [b, t, K], -1 if none).
+        Queries run in blocks of `block` rows (t % block == 0).
         """
         b, t, _ = x.shape
         w, m = self.window, None
@@ -147,6 +147,7 @@ class Attention(nnx.Module):
             wmask = ((wp[:, None, :] <= pb[:, :, None]) & (wp[:, None, :] > pb[:, :, None] - w)
                      & (wp[:, None, :] >= 0))[:, :, None, :]
             sets = [(wk, wmask, "bthk,bsk->bths")]
+            picked = jnp.zeros((b, block, 0), jnp.int32)
             if self.kind == HCA:
                 ents = new["entries"]
                 vis = jnp.arange(ents.shape[1])[None, None, :] < ((pb + 1) // m)[..., None]
@@ -160,13 +161,19 @@ class Attention(nnx.Module):
                 sel, ok = select_topk(index_scores(iqb, iwb, ients), vis, kk)
                 ents = jax.vmap(lambda e, s: e[s])(new["entries"], sel)  # [b, tb, kk, k]
                 sets.append((ents, ok[:, :, None, :], "bthk,btwk->bthw"))
+                picked = jnp.where(ok, sel, -1)
             o, _ = sink_softmax_attend(qb, sets, sink, scale)
-            return o.astype(x.dtype)
+            return o.astype(x.dtype), picked
 
         nblk = t // block
         if nblk == 1:
-            o = run_block(0)
+            o, picked = run_block(0)
         else:
-            o = jax.lax.map(run_block, jnp.arange(nblk) * block)  # [nblk, b, tb, h, k]
+            o, picked = jax.lax.map(run_block, jnp.arange(nblk) * block)  # [nblk, b, tb, ...]
             o = jnp.moveaxis(o, 0, 1).reshape(b, t, self.h, self.k)
-        return self.project_out(o, pos, freqs), new
+            picked = jnp.moveaxis(picked, 0, 1).reshape(b, t, -1)
+        o = apply_rope(o, pos, freqs, inverse=True)
+        y = self.wo_b_apply(self.wo_a_apply(o))
+        if trace:
+            return y, new, {"o": o, "kv": kv, "topk": picked}
+        return y, new

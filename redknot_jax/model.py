@@ -35,13 +35,20 @@ class Block(nnx.Module):
         self.ffn = MoE(cfg, layer, dtype)
         self.compressed = cfg.layer_types[layer] != SLIDING
 
-    def __call__(self, x, ids, pos0, n_new, cache, freqs, block):
+    def __call__(self, x, ids, pos0, n_new, cache, freqs, block, trace: bool = False, keep_fn=None):
+        """x [b, t, n, d] streams -> (streams, cache[, trace]); see `Attention.__call__`."""
         u, post, comb = self.hc_attn.pre(x)
-        a, cache = self.attn(self.attn_norm(u), pos0, n_new, cache, freqs, block)
+        out = self.attn(self.attn_norm(u), pos0, n_new, cache, freqs, block, trace=trace)
+        a, cache = out[0], out[1]
         x = HyperConnection.post(x, a, post, comb)
+        x = self.ffn_residual(x, ids, keep_fn)
+        return (x, cache, out[2]) if trace else (x, cache)
+
+    def ffn_residual(self, x, ids, keep_fn=None):
+        """The MoE half of the block: mHC pre, ffn_norm, MoE (optional fan-out), mHC post."""
         u, post, comb = self.hc_ffn.pre(x)
-        y = self.ffn(self.ffn_norm(u), ids)
-        return HyperConnection.post(x, y, post, comb), cache
+        y = self.ffn(self.ffn_norm(u), ids, keep_fn=keep_fn)
+        return HyperConnection.post(x, y, post, comb)
 
 
 class Model(nnx.Module):

@@ -1,0 +1,99 @@
+"""Artifact producer (DESIGN §3): a document run alone from position 0, kept per reusable
+layer, certified.
+
+Per reusable layer: the packed latent (per-row K=V [L, k], compressed entries, CSA indexer
+keys), the projected Local contribution z_L [L, g, o] (Local heads' outputs after inverse
+output RoPE through the Local columns of each group's wo_a), the document-local CSA top-k ids
+[L, K], and the open-window compressor state at the document end (boundary metadata). Held in
+memory here; persistence is the store's job.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import jax
+import jax.numpy as jnp
+
+from redknot_jax.generate import bucket
+from redknot_jax.model import Model
+from redknot_jax.reuse.certificate import FORMAT_VERSION, Certificate, TPGeometry, payload_digest, token_digest
+from redknot_jax.reuse.profile import RedKnotProfile
+
+
+@dataclasses.dataclass
+class Artifact:
+    """One document's reusable state, by reusable layer (immutable once built)."""
+
+    tokens: np.ndarray
+    layers: dict[int, dict]
+    certificate: Certificate
+
+    @property
+    def length(self) -> int:
+        return int(self.tokens.shape[0])
+
+    def payload(self) -> dict[str, np.ndarray]:
+        """Flat name -> array view used for the checksum."""
+        out = {}
+        for layer, d in self.layers.items():
+            for name, v in jax.tree_util.tree_flatten_with_path(d)[0]:
+                out[f"{layer}/{jax.tree_util.keystr(name)}"] = np.asarray(v)
+        return out
+
+
+def single_rank() -> TPGeometry:
+    return TPGeometry(tp_size=1, rank=0, channel_ranges=((0, 1),))
+
+
+def local_head_mask(model: Model, profile: RedKnotProfile) -> np.ndarray:
+    """[h] True for Local heads (every head of a group but the profile's Global one)."""
+    hpg = model.cfg.heads_per_group
+    local = set(profile.local_heads(hpg))
+    return np.array([(h % hpg) in local for h in range(model.cfg.num_heads)])
+
+
+def project_heads(attn, o: jax.Array, heads: np.ndarray) -> jax.Array:
+    """wo_a applied to the chosen heads only (others zeroed): [t, h, k] -> [t, g, o]."""
+    return attn.wo_a_apply((o * jnp.asarray(heads, o.dtype)[None, :, None])[None])[0]
+
+
+def build_artifact(model: Model, profile: RedKnotProfile, tokens, *, checkpoint_fingerprint: str,
+                   generation: int = 1, tp: TPGeometry | None = None) -> Artifact:
+    """Run `tokens` alone at position 0 and keep what reusable layers need."""
+    cfg = model.cfg
+    tokens = np.asarray(tokens, np.int32)
+    n = int(tokens.shape[0])
+    if n < 1:
+        raise ValueError("build_artifact: empty document")
+    width = bucket(n)
+    ids = jnp.asarray(np.pad(tokens, (0, width - n)))[None]
+    cap = -(-width // cfg.hca_rate) * cfg.hca_rate
+    cache = model.init_cache(1, cap)
+    x = model.embed_streams(ids)
+    pos0, n_new = jnp.zeros((1,), jnp.int32), jnp.full((1,), n, jnp.int32)
+    local = local_head_mask(model, profile)
+    reusable = set(profile.reusable_layers(cfg.num_layers))
+    layers = {}
+    for i, blk in enumerate(model.layers):
+        x, c, tr = blk(x, ids, pos0, n_new, cache["layers"][i], model.freqs(i), min(256, width), trace=True)
+        if i not in reusable:
+            continue
+        d = {"kv": tr["kv"][0, :n], "zl": project_heads(blk.attn, tr["o"][0, :n], local)}
+        if blk.attn.compressor is not None:
+            m = blk.attn.compressor.m
+            d["entries"] = c["entries"][0, : n // m]
+            d["cmp"] = jax.tree.map(lambda a: a[0], c["cmp"])
+        if blk.attn.indexer is not None:
+            d["idx_entries"] = c["idx_entries"][0, : n // blk.attn.indexer.m]
+            d["idx"] = jax.tree.map(lambda a: a[0], c["idx"])
+            d["topk"] = tr["topk"][0, :n]
+        layers[i] = d
+    tp = tp or single_rank()
+    art = Artifact(tokens=tokens, layers=layers, certificate=None)
+    art.certificate = Certificate(
+        checkpoint_fingerprint=checkpoint_fingerprint, token_digest=token_digest(tokens),
+        profile_digest=profile.digest(), model_digest=cfg.fingerprint(), tp=tp, generation=generation,
+        format_version=FORMAT_VERSION, layers=tuple(sorted(layers)), payload_digest=payload_digest(art.payload()))
+    return art

@@ -1,0 +1,151 @@
+"""Planner (DESIGN §4): segments -> offsets, frames, row classes and the protected set.
+
+A request is segments laid out contiguously: documents (with an artifact, built alone at 0)
+and new rows (no artifact). Each document starts a **frame**: a coordinate system with offset
+D in which the document's canonical latents are used as stored; new rows that follow a
+document continue its frame (their latents and compressor windows are computed online in that
+frame, continuing the artifact's open-window state), so a prefix document at offset 0 plus new
+rows is exactly the native computation. Queries reach a frame's keys rotated by -D.
+
+Row classes (bool [T] each): Q query rows, N new rows, D dirty rows, B boundary rows (first /
+last `boundary_rows` of every relocated document), T tail rows, I indexer-top rows (set later
+by `fill_itop`, ranked by the native indexer's scores for the query rows, filling the budget).
+Candidate rows are the document rows; protected = union of the classes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from redknot_jax.reuse.artifact import Artifact
+from redknot_jax.reuse.profile import RedKnotProfile
+
+
+class RequestError(ValueError):
+    """A request that cannot be planned: names the segment and what is wrong."""
+
+
+@dataclasses.dataclass
+class Segment:
+    """Tokens of one segment; `artifact` for a document, None for new rows. `dirty` lists
+    document rows (segment-local) whose artifact state the caller marks as changed."""
+
+    tokens: np.ndarray
+    artifact: Artifact | None = None
+    dirty: tuple[int, ...] = ()
+
+
+@dataclasses.dataclass
+class Request:
+    segments: list[Segment]
+    query_rows: tuple[int, ...] = ()  # request rows whose logits are wanted; default: the last
+
+    @property
+    def tokens(self) -> np.ndarray:
+        return np.concatenate([np.asarray(s.tokens, np.int32) for s in self.segments])
+
+
+@dataclasses.dataclass(frozen=True)
+class Frame:
+    offset: int  # D: absolute position of the frame's canonical position 0
+    start: int  # request rows [start, end)
+    end: int
+    doc_len: int  # leading rows backed by the artifact (0: an online-only frame)
+    artifact: Artifact | None
+
+    @property
+    def rows(self) -> int:
+        return self.end - self.start
+
+
+@dataclasses.dataclass
+class Plan:
+    n_rows: int
+    frames: list[Frame]
+    frame_of_row: np.ndarray  # [T] frame index
+    doc_row: np.ndarray  # [T] row is backed by an artifact (a candidate row)
+    classes: dict[str, np.ndarray]
+    query_rows: np.ndarray
+    budget: float = 0.0
+    concentration: float = float("nan")
+
+    @property
+    def protected(self) -> np.ndarray:
+        out = np.zeros(self.n_rows, bool)
+        for v in self.classes.values():
+            out |= v
+        return out
+
+    @property
+    def candidates(self) -> int:
+        return int(self.doc_row.sum())
+
+    def fraction_protected(self) -> float:
+        """Protected share of the candidate rows (what the tail and budget yield)."""
+        return float((self.protected & self.doc_row).sum() / max(1, self.candidates))
+
+
+def plan_request(req: Request, profile: RedKnotProfile) -> Plan:
+    """Offsets, frames and every row class except I (which needs the model's indexer)."""
+    if not req.segments:
+        raise RequestError("request: no segments")
+    frames, fr, doc = [], [], []
+    classes = {k: [] for k in ("Q", "N", "D", "B", "T")}
+    pos = 0
+    for si, seg in enumerate(req.segments):
+        toks = np.asarray(seg.tokens)
+        n = int(toks.shape[0])
+        if toks.ndim != 1 or n == 0:
+            raise RequestError(f"segment {si}: expected a non-empty 1-D token list, got shape {toks.shape}")
+        art = seg.artifact
+        if art is not None:
+            if art.length != n:
+                raise RequestError(f"segment {si}: artifact covers {art.length} tokens, segment has {n}")
+            bad = [r for r in seg.dirty if not 0 <= r < n]
+            if bad:
+                raise RequestError(f"segment {si}: dirty rows {bad} outside [0, {n})")
+            frames.append(Frame(offset=pos, start=pos, end=pos + n, doc_len=n, artifact=art))
+        elif frames:  # new rows continue the current frame
+            f = frames[-1]
+            frames[-1] = dataclasses.replace(f, end=f.end + n)
+        else:
+            frames.append(Frame(offset=pos, start=pos, end=pos + n, doc_len=0, artifact=None))
+        fr += [len(frames) - 1] * n
+        doc += [art is not None] * n
+        classes["N"] += [art is None] * n
+        dirty = np.zeros(n, bool)
+        dirty[list(seg.dirty)] = True
+        classes["D"] += dirty.tolist()
+        b = np.zeros(n, bool)
+        if art is not None and pos > 0:  # relocated: windows cross the boundary
+            b[: profile.boundary_rows] = True
+            b[-profile.boundary_rows:] = True
+        classes["B"] += b.tolist()
+        pos += n
+    t = pos
+    q = np.asarray(req.query_rows or (t - 1,), np.int64)
+    if q.min() < 0 or q.max() >= t:
+        raise RequestError(f"query_rows {q.tolist()} outside the request's {t} rows")
+    cl = {k: np.asarray(v, bool) for k, v in classes.items()}
+    cl["Q"] = np.zeros(t, bool)
+    cl["Q"][q] = True
+    cl["T"] = np.arange(t) >= t - profile.tail_rows
+    cl["I"] = np.zeros(t, bool)
+    return Plan(n_rows=t, frames=frames, frame_of_row=np.asarray(fr), doc_row=np.asarray(doc),
+                classes=cl, query_rows=q)
+
+
+def fill_itop(plan: Plan, row_scores: np.ndarray, budget: float) -> None:
+    """Protect the best-scored candidate rows until the protected candidates reach the budget.
+
+    row_scores [T]: the native indexer's score of each row's entry for the query rows (higher
+    first; ties to the earlier row)."""
+    plan.budget = budget
+    want = int(np.ceil(budget * plan.candidates))
+    have = plan.protected & plan.doc_row
+    free = np.flatnonzero(plan.doc_row & ~have)
+    extra = max(0, want - int(have.sum()))
+    order = free[np.lexsort((free, -row_scores[free]))][:extra]
+    plan.classes["I"][order] = True

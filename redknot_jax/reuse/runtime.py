@@ -1,0 +1,341 @@
+"""RedKnot forward (DESIGN §4-§6): both arms behind `prefill(request, arm=...)`.
+
+Reference path in XLA (one request at a time, dense per-frame masks): the Pallas kernels of a
+later issue replace its hot spots and are tested against it.
+
+* Fences (first / last layers of the profile) run the native block over the whole request.
+* A reusable layer runs mHC, norms and `wq_a` for every row; keys come per frame (canonical
+  artifact latents, online latents for new or refreshed rows); every query reaches a frame's
+  keys rotated by -D, partial outputs are phase-restored by R(D) and merged by log-sum-exp with
+  the sink once. Global heads use, for unprotected document rows, their own frame's sliding
+  window, the artifact's document-local CSA top-k and every visible HCA entry; protected rows
+  use the native key set over the whole request (native indexer across frames). Local heads of
+  unprotected document rows are **replaced** by the artifact's z_L; z = z_G + z_L; `wo_b` once.
+* MoE on reusable layers keeps the fan-out rule's experts with their original weights.
+* Any certificate failure -> the Recomputed arm for the request, counted by reason.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import numpy as np
+import jax
+import jax.numpy as jnp
+
+from redknot_jax.config import CSA, HCA
+from redknot_jax.indexer import index_scores
+from redknot_jax.model import Model
+from redknot_jax.reuse import ledger as ledgers
+from redknot_jax.reuse.artifact import local_head_mask, project_heads, single_rank
+from redknot_jax.reuse.certificate import (CertCounters, FallbackReason, TPGeometry, explain, payload_digest,
+                                           token_digest)
+from redknot_jax.reuse.fanout import fanout_histogram, fanout_keep, mean_kept
+from redknot_jax.reuse.planner import Plan, Request, fill_itop, plan_request
+from redknot_jax.reuse.profile import RedKnotProfile
+from redknot_jax.reuse.relocation import merge_partials, partial_attention, rotate
+from redknot_jax.rope import apply_rope
+
+
+class ReuseFallback(RuntimeError):
+    """Raised when the RedKnot arm was required but the request fell back to recomputation."""
+
+
+@dataclasses.dataclass
+class PrefillResult:
+    logits: np.ndarray  # [len(query_rows), vocab]
+    arm: str  # the arm that actually ran
+    fallback: FallbackReason | None
+    fallback_detail: str
+    ledgers: ledgers.Ledgers | None
+    plan: Plan | None
+    seconds: float
+    fanout_hist: np.ndarray | None = None
+
+
+class ReuseRuntime:
+    """Holds the model, profile, identity (checkpoint fingerprint, TP geometry) and counters."""
+
+    def __init__(self, model: Model, profile: RedKnotProfile, checkpoint_fingerprint: str,
+                 tp: TPGeometry | None = None, min_generation: int = 0):
+        self.model, self.profile, self.cfg = model, profile, model.cfg
+        self.fingerprint, self.tp = checkpoint_fingerprint, tp or single_rank()
+        self.min_generation = min_generation
+        self.counters = CertCounters()
+        self.local = local_head_mask(model, profile)
+        self.reusable = list(profile.reusable_layers(self.cfg.num_layers))
+
+    # ------------------------------------------------------------------ certification
+    def certify(self, req: Request) -> tuple[FallbackReason, str] | None:
+        for i, seg in enumerate(req.segments):
+            if seg.artifact is None:
+                continue
+            art = seg.artifact
+            absent = sorted(set(self.reusable) - set(art.layers))
+            if absent:  # the data itself, whatever the certificate claims
+                return FallbackReason.MISSING_LAYERS, f"segment {i}: artifact lacks layers {absent}"
+            bad = explain(art.certificate, expected_tokens_digest=token_digest(seg.tokens),
+                          profile_digest=self.profile.digest(), model_digest=self.cfg.fingerprint(),
+                          checkpoint_fingerprint=self.fingerprint, tp=self.tp, min_generation=self.min_generation,
+                          required_layers=self.reusable, actual_payload_digest=payload_digest(art.payload()))
+            if bad is not None:
+                return bad[0], f"segment {i}: {bad[1]}"
+        return None
+
+    # ------------------------------------------------------------------ arms
+    def prefill(self, req: Request, arm: str = "redknot", require_reuse: bool = False) -> PrefillResult:
+        """Logits of the request's query rows with either arm, plus ledgers and counters."""
+        if arm not in ("recompute", "redknot"):
+            raise ValueError(f"arm: expected 'recompute' or 'redknot', got {arm!r}")
+        t0 = time.perf_counter()
+        if arm == "recompute":
+            plan = plan_request(req, self.profile)
+            return PrefillResult(self._recompute(req, plan.query_rows), "recompute", None, "", None, plan,
+                                 time.perf_counter() - t0)
+        bad = self.certify(req)
+        if bad is not None:  # before any reuse-specific work
+            self.counters.record_fallback(bad[0])
+            if require_reuse:
+                raise ReuseFallback(f"RedKnot arm fell back to recomputation: {bad[0].value}: {bad[1]}")
+            plan = plan_request(req, self.profile)
+            return PrefillResult(self._recompute(req, plan.query_rows), "recompute", bad[0], bad[1], None, plan,
+                                 time.perf_counter() - t0)
+        self.counters.record_ok()
+        logits, plan, hist = self._redknot(req)
+        dt = time.perf_counter() - t0
+        return PrefillResult(logits, "redknot", None, "", self._ledgers(plan, hist), plan, dt, hist)
+
+    def _recompute(self, req: Request, rows) -> np.ndarray:
+        ids = jnp.asarray(req.tokens)[None]
+        t = ids.shape[1]
+        cap = -(-t // self.cfg.hca_rate) * self.cfg.hca_rate
+        logits, _ = self.model.forward(ids, jnp.zeros((1,), jnp.int32), jnp.full((1,), t, jnp.int32),
+                                       self.model.init_cache(1, cap), jnp.asarray(rows)[None], block=t)
+        return np.asarray(logits[0])
+
+    def _ledgers(self, plan: Plan, hist) -> ledgers.Ledgers:
+        cfg, prof = self.cfg, self.profile
+        prot = int(plan.protected.sum())
+        kept = mean_kept(hist) if hist is not None else float(cfg.experts_per_tok)
+        return ledgers.Ledgers(
+            head_row=ledgers.head_row_ledger(cfg, prof, plan.n_rows, prot),
+            token_row=ledgers.token_row_ledger(cfg, prof, plan.candidates, int((plan.protected & plan.doc_row).sum())),
+            operator=ledgers.operator_ledger(cfg, prof, plan.n_rows, prot, kept),
+            wallclock=None, cert=self.counters)
+
+    # ------------------------------------------------------------------ RedKnot arm
+    def _redknot(self, req: Request):
+        model, cfg, prof = self.model, self.cfg, self.profile
+        plan = plan_request(req, prof)
+        ids = jnp.asarray(req.tokens)[None]
+        t = plan.n_rows
+        x = model.embed_streams(ids)
+        cap = -(-t // cfg.hca_rate) * cfg.hca_rate
+        keep_fn = lambda sel, wts, scores: fanout_keep(wts, prof.fanout_mode, prof.tau, prof.fanout_min)
+        keeps, planned = [], False
+        for i, blk in enumerate(model.layers):
+            if prof.is_fence(i, cfg.num_layers):
+                x, _ = blk(x, ids, jnp.zeros((1,), jnp.int32), jnp.full((1,), t, jnp.int32),
+                           blk.attn.init_cache(1, cap, model.dtype), model.freqs(i), t)
+                continue
+            if not planned:  # the controller reads the first reusable layer's input
+                self._plan_itop(plan, x)
+                planned = True
+            x = self._reusable_layer(i, blk, x, plan)
+            keep_holder = []
+            x = blk.ffn_residual(x, ids, lambda s, w, sc: _record(keep_holder, keep_fn(s, w, sc)))
+            keeps.append(np.asarray(keep_holder[0]))
+        h = model.logits(x, jnp.asarray(plan.query_rows)[None])
+        return np.asarray(h[0]), plan, fanout_histogram(np.concatenate(keeps)) if keeps else None
+
+    def _frames_collapse(self, plan: Plan) -> bool:
+        """latent_refresh='protected' with every candidate row protected: every latent is
+        recomputed online, so the request is one online frame (the native computation)."""
+        return self.profile.latent_refresh == "protected" and bool((plan.protected | ~plan.doc_row).all())
+
+    def _plan_itop(self, plan: Plan, x):
+        """Itop and the budget from the native indexer for the query rows, at the first
+        reusable layer's input, with the first reusable CSA layer's indexer over the documents'
+        indexer keys (relocated)."""
+        prof, model = self.profile, self.model
+        csa = [i for i in self.reusable if model.cfg.layer_types[i] == CSA]
+        scores = np.full(plan.n_rows, -np.inf)
+        conc = 1.0
+        if csa and plan.candidates:
+            li = csa[0]
+            blk = model.layers[li]
+            first = model.layers[self.reusable[0]]
+            u, _, _ = first.hc_attn.pre(x)
+            xa = blk.attn_norm(u)
+            pos = jnp.arange(plan.n_rows)[None]
+            freqs = model.freqs(li)
+            _, cq = blk.attn.query(xa, pos, freqs)
+            iq, iw = blk.attn.indexer.queries(xa, cq, pos, freqs)
+            qr = jnp.asarray(plan.query_rows)
+            m = blk.attn.indexer.m
+            all_scores = []
+            for f in plan.frames:
+                if f.artifact is None or f.doc_len < m:
+                    continue
+                keys = f.artifact.layers[li]["idx_entries"]
+                s = index_scores(rotate(iq[0, qr], -f.offset, freqs)[None], iw[:, qr], keys[None])[0]  # [q, w]
+                vis = f.offset + (jnp.arange(keys.shape[0]) + 1) * m - 1 <= qr[:, None]
+                s = np.asarray(jnp.max(jnp.where(vis, s, -jnp.inf), axis=0))
+                all_scores.append(s)
+                rows = f.start + np.arange(keys.shape[0] * m)
+                scores[rows] = np.repeat(s, m)
+            if all_scores:
+                flat = np.concatenate(all_scores)
+                flat = flat[np.isfinite(flat)]
+                if flat.size:
+                    p = np.exp(flat - flat.max())
+                    p /= p.sum()
+                    conc = float(np.sort(p)[::-1][: model.cfg.index_topk].sum())
+        plan.concentration = conc
+        budget = prof.budget_override if prof.budget_override is not None else prof.choose_budget(conc)
+        fill_itop(plan, scores, budget)
+
+    def _reusable_layer(self, i: int, blk, x, plan: Plan):
+        model, cfg = self.model, self.cfg
+        attn, freqs = blk.attn, model.freqs(i)
+        t, w = plan.n_rows, cfg.sliding_window
+        u, post, comb = blk.hc_attn.pre(x)
+        xa = blk.attn_norm(u)  # [1, t, d]
+        tpos = jnp.arange(t)
+        q, cq = attn.query(xa, tpos[None], freqs)
+        q = q[0]
+        prot = jnp.asarray(plan.protected)
+        collapse = self._frames_collapse(plan)
+        frames = ([dataclasses.replace(plan.frames[0], offset=0, start=0, end=t, doc_len=0, artifact=None)]
+                  if collapse else plan.frames)
+        frame_of_row = np.zeros(t, int) if collapse else plan.frame_of_row
+        own = [jnp.asarray(frame_of_row == fi) for fi in range(len(frames))]
+        doc_rows = np.zeros(t, bool) if collapse else plan.doc_row
+        refresh = plan.protected if self.profile.latent_refresh == "protected" else np.zeros(t, bool)
+        kinds = cfg.layer_types[i]
+        keysets = [self._frame_keys(attn, xa, f, i, freqs, refresh) for f in frames]
+
+        sel_native = None
+        if kinds == CSA:
+            iq, iw = attn.indexer.queries(xa, cq, tpos[None], freqs)
+            m = attn.indexer.m
+            per = []
+            for f, ks in zip(frames, keysets):
+                s = index_scores(rotate(iq[0], -f.offset, freqs)[None], iw, ks["idx_entries"][None])[0]
+                vis = f.offset + (jnp.arange(ks["idx_entries"].shape[0]) + 1) * m - 1 <= tpos[:, None]
+                per.append(jnp.where(vis, s, -jnp.inf))
+            allsc = jnp.concatenate(per, axis=1)  # [t, all entries]: scores, not a cache copy
+            k = min(attn.indexer.topk, allsc.shape[1])
+            if k:
+                vals, idx = jax.lax.top_k(allsc, k)
+                chosen = jnp.zeros_like(allsc, bool).at[jnp.arange(t)[:, None], idx].set(vals > -jnp.inf)
+            else:
+                chosen = jnp.zeros_like(allsc, bool)
+            sel_native, off = [], 0
+            for ks in keysets:
+                n = ks["idx_entries"].shape[0]
+                sel_native.append(chosen[:, off:off + n])
+                off += n
+
+        parts = []
+        for fi, (f, ks) in enumerate(zip(frames, keysets)):
+            kpos = f.offset + jnp.arange(ks["kv"].shape[0])
+            wmask = (kpos[None, :] <= tpos[:, None]) & (kpos[None, :] > tpos[:, None] - w)
+            wmask = wmask & (prot[:, None] | own[fi][:, None])  # unprotected: own frame's window only
+            keys, masks = [ks["kv"]], [wmask]
+            if kinds in (CSA, HCA):
+                mm = attn.compressor.m
+                ent = ks["entries"]
+                vis = f.offset + (jnp.arange(ent.shape[0]) + 1) * mm - 1 <= tpos[:, None]
+                if kinds == CSA:
+                    mine = jnp.zeros((t, ent.shape[0]), bool)
+                    if f.artifact is not None and f.doc_len and not collapse:
+                        tk = f.artifact.layers[i]["topk"]  # [doc_len, K] document-local ids
+                        rows = jnp.arange(f.start, f.start + f.doc_len)
+                        hit = jnp.zeros((f.doc_len, ent.shape[0] + 1), bool).at[
+                            jnp.arange(f.doc_len)[:, None], jnp.where(tk >= 0, tk, ent.shape[0])].set(True)
+                        mine = mine.at[rows].set(hit[:, : ent.shape[0]])
+                    unprot_doc = jnp.asarray(doc_rows) & ~prot
+                    cm = jnp.where(unprot_doc[:, None], mine & own[fi][:, None], sel_native[fi]) & vis
+                else:
+                    cm = vis
+                keys.append(ent)
+                masks.append(cm)
+            kcat = jnp.concatenate(keys, 0).astype(q.dtype)
+            mcat = jnp.concatenate(masks, 1)[:, None, :]
+            o, lse = partial_attention(rotate(q, -f.offset, freqs), kcat, mcat, attn.k ** -0.5)
+            parts.append((rotate(o, f.offset, freqs), lse))  # output-phase restore
+        o, _ = merge_partials(parts, attn.attn_sink[...])
+        o = apply_rope(o.astype(q.dtype), tpos, freqs, inverse=True)
+        z_g = project_heads(attn, o, ~self.local)
+        z_l = project_heads(attn, o, self.local)
+        if not collapse:
+            z_l = self._restore_local(z_l, plan, i)
+        y = attn.wo_b_apply((z_g + z_l)[None])
+        from redknot_jax.mhc import HyperConnection
+
+        return HyperConnection.post(x, y.astype(x.dtype), post, comb)
+
+    def _restore_local(self, z_l, plan: Plan, layer: int):
+        """Rows replaced by the artifact's z_L: unprotected document rows (never added)."""
+        unprot = plan.doc_row & ~plan.protected
+        for f in plan.frames:
+            if f.artifact is None:
+                continue
+            rows = np.arange(f.start, f.start + f.doc_len)
+            z_art = f.artifact.layers[layer]["zl"].astype(z_l.dtype)
+            z_l = z_l.at[rows].set(jnp.where(jnp.asarray(unprot[rows])[:, None, None], z_art, z_l[rows]))
+        return z_l
+
+    def _frame_keys(self, attn, xa, f, layer, freqs, refresh):
+        """A frame's keys in its canonical coordinates: per-row K=V, compressed entries, CSA
+        indexer keys. Artifact rows keep their canonical latents unless refreshed; online rows
+        (and refreshed windows) are computed from this request's hidden states."""
+        rows = slice(f.start, f.end)
+        n = f.end - f.start
+        cpos = jnp.arange(n)
+        x_f = xa[:, rows]
+        kv = attn.latent(x_f, cpos[None], freqs)[0]
+        out = {}
+        art = f.artifact.layers[layer] if f.artifact is not None else None
+        ref = jnp.asarray(refresh[rows])
+        if art is not None:
+            use_art = (jnp.arange(n) < f.doc_len) & ~ref
+            kv = jnp.where(use_art[:, None], jnp.pad(art["kv"].astype(kv.dtype), ((0, n - f.doc_len), (0, 0))), kv)
+        out["kv"] = kv
+        for name, mod, state in (("entries", attn.compressor, "cmp"), ("idx_entries", attn.indexer, "idx")):
+            if mod is None:
+                continue
+            comp = mod if name == "entries" else mod.compressor
+            m = comp.m
+            nw = n // m
+            online = _compress(comp, x_f, 0, n, comp.init_state(1), freqs, nw)
+            if art is None:
+                out[name] = online
+                continue
+            dw = f.doc_len // m
+            cont = _compress(comp, x_f[:, f.doc_len:], f.doc_len, n - f.doc_len,
+                             jax.tree.map(lambda a: a[None], art[state]), freqs, nw)
+            base = jnp.concatenate([art[name][:dw].astype(online.dtype), cont[dw:]], 0)
+            # a window is refreshed if it (or, for CSA, the window whose A halves it pools) holds a
+            # refreshed row
+            win_ref = jnp.any(ref[: nw * m].reshape(nw, m), axis=1) if nw else jnp.zeros((0,), bool)
+            if comp.overlap and nw:
+                win_ref = win_ref | jnp.concatenate([jnp.zeros((1,), bool), win_ref[:-1]])
+            out[name] = jnp.where(win_ref[:, None], online, base)
+        return out
+
+
+def _compress(comp, x, pos0: int, n_new: int, state, freqs, nw: int):
+    """Entries [nw, dk] of the windows closed by rows x at canonical pos0.. (others zero)."""
+    if x.shape[1] == 0:
+        return jnp.zeros((nw, comp.dk), jnp.float32)
+    ent, ids, _ = comp(x, jnp.full((1,), pos0, jnp.int32), jnp.full((1,), n_new, jnp.int32), state, freqs)
+    buf = jnp.zeros((nw, comp.dk), jnp.float32)
+    return buf.at[jnp.where(ids[0] < 0, nw, ids[0])].set(ent[0], mode="drop")
+
+
+def _record(holder, keep):
+    holder.append(keep)
+    return keep

@@ -1,0 +1,200 @@
+"""RedKnot runtime: the identities it rests on, on fresh random inputs, and the arm API.
+
+(a) relocation, (b) LSE merge with the sink once, (c) Eq. 4, (d) full protection with latent
+refresh and native MoE equals the Recomputed arm, (e) prefix-only requests are exact at any
+budget, (g) every certificate failure falls back and is counted, (h) Local rows are replaced
+exactly once, (i) ledgers come back with every prefill, never summed.
+"""
+
+import dataclasses
+
+import numpy as np
+import pytest
+import jax
+import jax.numpy as jnp
+
+from redknot_jax import config
+from redknot_jax.attention import sink_softmax_attend
+from redknot_jax.init import random_model
+from redknot_jax.reuse.artifact import build_artifact, local_head_mask, project_heads
+from redknot_jax.reuse.certificate import FallbackReason, TPGeometry
+from redknot_jax.reuse.planner import Request, RequestError, Segment
+from redknot_jax.reuse.profile import tiny_profile
+from redknot_jax.reuse.relocation import merge_partials, partial_attention, rotate
+from redknot_jax.reuse.runtime import ReuseFallback, ReuseRuntime
+from redknot_jax.rope import apply_rope, inv_freq
+from tests.tolerances import rel_err
+
+CFG = config.tiny("mixed")
+FP = "random-seed-7"
+
+
+@pytest.fixture(scope="module")
+def model():
+    return random_model(CFG, seed=7, dtype=jnp.float32)
+
+
+def docs(seed, lens=(40, 33, 29)):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(2, CFG.vocab_size, n) for n in lens]
+
+
+def test_a_relocation_rotated_query_equals_rotated_keys():
+    """<R(t-D) q, R(p) k> attention with output turned by R(D) == attention on keys at p + D."""
+    rng = np.random.default_rng(0)
+    f = inv_freq(CFG, True)
+    t, s, h, k, d = 5, 9, 3, 32, 57
+    q = apply_rope(jnp.asarray(rng.normal(size=(t, h, k)), jnp.float32), jnp.arange(70, 75), f)
+    raw = jnp.asarray(rng.normal(size=(s, k)), jnp.float32)
+    canon, absolute = apply_rope(raw, jnp.arange(s), f), apply_rope(raw, jnp.arange(s) + d, f)
+    mask = jnp.asarray(rng.random((t, 1, s)) > 0.3)
+    o1, l1 = partial_attention(rotate(q, -d, f), canon, mask, 0.2)
+    o2, l2 = partial_attention(q, absolute, mask, 0.2)
+    assert rel_err(rotate(o1, d, f), o2) < 1e-5 and rel_err(l1, l2) < 1e-6
+
+
+def test_b_lse_merge_with_sink_equals_one_attention():
+    rng = np.random.default_rng(1)
+    t, h, k = 4, 3, 16
+    q = jnp.asarray(rng.normal(size=(t, h, k)), jnp.float32)
+    keys = jnp.asarray(rng.normal(size=(20, k)), jnp.float32)
+    mask = jnp.asarray(rng.random((t, 1, 20)) > 0.4)
+    sink = jnp.asarray(rng.normal(size=(h,)), jnp.float32)
+    parts = [partial_attention(q, keys[a:b], mask[..., a:b], 0.25) for a, b in ((0, 7), (7, 8), (8, 20))]
+    merged, _ = merge_partials(parts, sink)
+    ref, _ = sink_softmax_attend(q[None], [(keys[None], mask[None], "bthk,bsk->bths")], sink, 0.25)
+    assert rel_err(merged, ref[0]) < 1e-5
+
+
+def test_c_eq4_local_plus_global_is_the_native_projection(model):
+    attn = model.layers[2].attn
+    o = jax.random.normal(jax.random.key(3), (6, CFG.num_heads, CFG.head_dim))
+    local = local_head_mask(model, tiny_profile(CFG.num_layers))
+    assert local.sum() == CFG.num_heads - CFG.o_groups  # 1 Global head per group
+    z = project_heads(attn, o, local) + project_heads(attn, o, ~local)
+    native = attn.wo_b_apply(attn.wo_a_apply(o[None]))[0]
+    assert rel_err(attn.wo_b_apply(z[None])[0], native) < 1e-5
+
+
+def build(model, profile, toks, **kw):
+    return build_artifact(model, profile, toks, checkpoint_fingerprint=FP, **kw)
+
+
+def test_d_full_protection_equals_recompute(model):
+    prof = dataclasses.replace(tiny_profile(CFG.num_layers), latent_refresh="protected", budget_override=1.0,
+                               fanout_mode="native")
+    rt = ReuseRuntime(model, prof, FP)
+    d = docs(0)
+    arts = [build(model, prof, x) for x in d]
+    q = np.random.default_rng(9).integers(2, CFG.vocab_size, 11)
+    for order in ([0, 1, 2], [2, 0, 1]):
+        req = Request([Segment(d[j], arts[j]) for j in order] + [Segment(q)])
+        red = rt.prefill(req, "redknot", require_reuse=True)
+        rec = rt.prefill(req, "recompute")
+        assert red.arm == "redknot" and red.plan.fraction_protected() == 1.0
+        assert rel_err(red.logits, rec.logits) < 1e-5, order
+
+
+@pytest.mark.parametrize("budget", [0.1, 0.25])
+def test_e_prefix_only_exact_at_any_budget(model, budget):
+    prof = dataclasses.replace(tiny_profile(CFG.num_layers), budget_override=budget, fanout_mode="native")
+    rt = ReuseRuntime(model, prof, FP)
+    pre = docs(1, (61,))[0]
+    art = build(model, prof, pre)
+    req = Request([Segment(pre, art), Segment(np.random.default_rng(2).integers(2, CFG.vocab_size, 13))])
+    red = rt.prefill(req, "redknot", require_reuse=True)
+    assert red.plan.fraction_protected() < 1.0  # rows really were restored
+    rec = rt.prefill(req, "recompute")
+    assert rel_err(red.logits, rec.logits) < 1e-5
+
+
+def test_relocated_documents_are_approximate_but_close(model):
+    """Not an identity: relocated documents differ from recomputation (the approximation the
+    report measures), but stay finite and ranked similarly."""
+    prof = dataclasses.replace(tiny_profile(CFG.num_layers), budget_override=0.25)
+    rt = ReuseRuntime(model, prof, FP)
+    d = docs(3)
+    req = Request([Segment(x, build(model, prof, x)) for x in d] + [Segment(d[0][:9])])
+    red, rec = rt.prefill(req, "redknot"), rt.prefill(req, "recompute")
+    assert np.isfinite(red.logits).all() and 0 < rel_err(red.logits, rec.logits) < 0.5
+
+
+def test_g_every_certificate_failure_falls_back_and_is_counted(model):
+    prof = tiny_profile(CFG.num_layers)
+    d = docs(4, (30, 26))
+    good = build(model, prof, d[0])
+    tail = Segment(d[1][:5])
+
+    def run(rt, seg):
+        return rt.prefill(Request([seg, tail]), "redknot")
+
+    rt = ReuseRuntime(model, prof, FP)
+    cases = {
+        FallbackReason.TOKEN_MISMATCH: (rt, Segment(d[1][:30] if len(d[1]) >= 30 else np.r_[d[1], d[0][:4]], good)),
+        FallbackReason.PROFILE_MISMATCH: (rt, Segment(d[0], build(model, dataclasses.replace(prof, tau=0.5), d[0]))),
+        FallbackReason.CHECKPOINT_MISMATCH: (ReuseRuntime(model, prof, "other-ckpt"), Segment(d[0], good)),
+        FallbackReason.TP_GEOMETRY: (ReuseRuntime(model, prof, FP, tp=TPGeometry(2, 0, ((0, 1),))), Segment(d[0], good)),
+        FallbackReason.STALE_GENERATION: (ReuseRuntime(model, prof, FP, min_generation=2), Segment(d[0], good)),
+    }
+    corrupt = build(model, prof, d[0])
+    corrupt.layers[2]["zl"] = corrupt.layers[2]["zl"].at[3, 0, 0].add(1e-3)
+    cases[FallbackReason.CHECKSUM] = (rt, Segment(d[0], corrupt))
+    missing = build(model, prof, d[0])
+    del missing.layers[3]
+    cases[FallbackReason.MISSING_LAYERS] = (rt, Segment(d[0], missing))
+    for reason, (r, seg) in cases.items():
+        res = run(r, seg)
+        assert res.arm == "recompute" and res.fallback == reason, (reason, res.fallback, res.fallback_detail)
+        assert r.counters.fallback[reason] >= 1
+        with pytest.raises(ReuseFallback, match=reason.value):
+            r.prefill(Request([seg, tail]), "redknot", require_reuse=True)
+    ok = run(rt, Segment(d[0], good))
+    assert ok.arm == "redknot" and rt.counters.validated >= 1
+
+
+def test_h_local_rows_replaced_exactly_once(model):
+    prof = dataclasses.replace(tiny_profile(CFG.num_layers), budget_override=0.1)
+    rt = ReuseRuntime(model, prof, FP)
+    d = docs(5, (48, 20))
+    art = build(model, prof, d[0])
+    req = Request([Segment(d[1]), Segment(d[0], art), Segment(d[1][:6])])
+    res = rt.prefill(req, "redknot", require_reuse=True)
+    plan = res.plan
+    z_online = jax.random.normal(jax.random.key(0), (plan.n_rows, CFG.o_groups, CFG.o_lora_rank))
+    z = np.asarray(rt._restore_local(z_online, plan, 2))
+    f = plan.frames[1]
+    rows = np.arange(f.start, f.start + f.doc_len)
+    unprot = ~plan.protected[rows]
+    assert unprot.any() and (~unprot).any()
+    np.testing.assert_array_equal(z[rows[unprot]], np.asarray(art.layers[2]["zl"])[unprot])  # replaced
+    np.testing.assert_array_equal(z[rows[~unprot]], np.asarray(z_online)[rows[~unprot]])  # untouched
+    others = np.setdiff1d(np.arange(plan.n_rows), rows[unprot])
+    np.testing.assert_array_equal(z[others], np.asarray(z_online)[others])
+
+
+def test_i_ledgers_with_every_prefill(model):
+    prof = dataclasses.replace(tiny_profile(CFG.num_layers), budget_override=0.2)
+    rt = ReuseRuntime(model, prof, FP)
+    d = docs(6, (40, 36))
+    req = Request([Segment(d[0], build(model, prof, d[0])), Segment(d[1], build(model, prof, d[1])),
+                   Segment(d[0][:7])])
+    res = rt.prefill(req, "redknot", require_reuse=True)
+    led = res.ledgers.to_dict()
+    assert set(led) == {"head_row", "token_row", "operator", "wallclock", "cert"}
+    plan = res.plan
+    n_prot = int(plan.protected.sum())
+    local = CFG.num_heads - CFG.o_groups
+    reusable = CFG.num_layers - 2
+    assert led["head_row"]["restored_pairs"] == reusable * local * (plan.n_rows - n_prot)
+    assert 0 < led["head_row"]["saving"] < led["head_row"]["ceiling"]
+    assert res.fanout_hist.sum() == reusable * plan.n_rows
+
+
+def test_bad_requests_are_named():
+    prof = tiny_profile(CFG.num_layers)
+    from redknot_jax.reuse.planner import plan_request
+
+    with pytest.raises(RequestError, match="segment 0"):
+        plan_request(Request([Segment(np.array([], np.int32))]), prof)
+    with pytest.raises(RequestError, match="query_rows"):
+        plan_request(Request([Segment(np.arange(5))], query_rows=(9,)), prof)
