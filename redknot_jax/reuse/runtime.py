@@ -32,7 +32,7 @@ from redknot_jax.reuse.artifact import local_head_mask, project_heads, single_ra
 from redknot_jax.reuse.certificate import (CertCounters, FallbackReason, TPGeometry, explain, payload_digest,
                                            token_digest)
 from redknot_jax.reuse.fanout import fanout_histogram, fanout_keep, mean_kept
-from redknot_jax.reuse.planner import Plan, Request, fill_itop, plan_request
+from redknot_jax.reuse.planner import Plan, Request, Segment, fill_itop, plan_request
 from redknot_jax.reuse.profile import RedKnotProfile
 from redknot_jax.reuse.relocation import merge_partials, partial_attention, rotate
 from redknot_jax.rope import apply_rope
@@ -106,7 +106,27 @@ class ReuseRuntime:
         dt = time.perf_counter() - t0
         return PrefillResult(logits, "redknot", None, "", self._ledgers(plan, hist), plan, dt, hist)
 
-    def _recompute(self, req: Request, rows) -> np.ndarray:
+    def generate(self, req: Request, max_new_tokens: int, arm: str = "redknot", require_reuse: bool = False):
+        """Greedy tokens after the request. The first token comes from `prefill`; decoding then
+        continues natively over the same relocated frames: each generated token is a new,
+        protected query row appended to the last frame, and the plan of the prompt rows stays
+        frozen (so earlier rows never change). Reference path: each step re-runs the layers over
+        all rows (no incremental cache yet). Returns (tokens, first PrefillResult)."""
+        first = self.prefill(req, arm, require_reuse)
+        toks = [int(np.argmax(first.logits[-1]))]
+        if first.arm == "recompute":
+            base = list(req.tokens)
+            for _ in range(max_new_tokens - 1):
+                toks.append(int(np.argmax(self._recompute(_Tokens(base + toks), [len(base) + len(toks) - 1])[-1])))
+            return toks, first
+        plan = first.plan
+        for _ in range(max_new_tokens - 1):
+            ext = Request(req.segments + [Segment(np.asarray(toks, np.int32))])
+            logits, _, _ = self._redknot(ext, frozen=_extend_plan(plan, len(toks)))
+            toks.append(int(np.argmax(logits[-1])))
+        return toks, first
+
+    def _recompute(self, req, rows) -> np.ndarray:
         ids = jnp.asarray(req.tokens)[None]
         t = ids.shape[1]
         cap = -(-t // self.cfg.hca_rate) * self.cfg.hca_rate
@@ -125,15 +145,15 @@ class ReuseRuntime:
             wallclock=None, cert=self.counters)
 
     # ------------------------------------------------------------------ RedKnot arm
-    def _redknot(self, req: Request):
+    def _redknot(self, req: Request, frozen: Plan | None = None):
         model, cfg, prof = self.model, self.cfg, self.profile
-        plan = plan_request(req, prof)
+        plan = frozen if frozen is not None else plan_request(req, prof)
         ids = jnp.asarray(req.tokens)[None]
         t = plan.n_rows
         x = model.embed_streams(ids)
         cap = -(-t // cfg.hca_rate) * cfg.hca_rate
         keep_fn = lambda sel, wts, scores: fanout_keep(wts, prof.fanout_mode, prof.tau, prof.fanout_min)
-        keeps, planned = [], False
+        keeps, planned = [], frozen is not None
         for i, blk in enumerate(model.layers):
             if prof.is_fence(i, cfg.num_layers):
                 x, _ = blk(x, ids, jnp.zeros((1,), jnp.int32), jnp.full((1,), t, jnp.int32),
@@ -325,6 +345,26 @@ class ReuseRuntime:
                 win_ref = win_ref | jnp.concatenate([jnp.zeros((1,), bool), win_ref[:-1]])
             out[name] = jnp.where(win_ref[:, None], online, base)
         return out
+
+
+@dataclasses.dataclass
+class _Tokens:
+    tokens: list
+
+
+def _extend_plan(plan: Plan, n_new: int) -> Plan:
+    """The prompt's plan with n_new generated rows appended to the last frame as protected new
+    query rows (the prompt rows keep their classes)."""
+    t = plan.n_rows + n_new
+    frames = list(plan.frames)
+    frames[-1] = dataclasses.replace(frames[-1], end=frames[-1].end + n_new)
+    classes = {k: np.r_[v, np.zeros(n_new, bool)] for k, v in plan.classes.items()}
+    classes["N"][plan.n_rows:] = True
+    classes["Q"][:] = False
+    classes["Q"][t - 1] = True
+    return dataclasses.replace(plan, n_rows=t, frames=frames, classes=classes,
+                               frame_of_row=np.r_[plan.frame_of_row, np.full(n_new, len(frames) - 1)],
+                               doc_row=np.r_[plan.doc_row, np.zeros(n_new, bool)], query_rows=np.array([t - 1]))
 
 
 def _compress(comp, x, pos0: int, n_new: int, state, freqs, nw: int):

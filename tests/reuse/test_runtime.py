@@ -198,3 +198,21 @@ def test_bad_requests_are_named():
         plan_request(Request([Segment(np.array([], np.int32))]), prof)
     with pytest.raises(RequestError, match="query_rows"):
         plan_request(Request([Segment(np.arange(5))], query_rows=(9,)), prof)
+
+
+def test_decode_continues_over_relocated_frames(model):
+    """Full protection + refresh + native MoE: generated tokens equal the Recomputed arm's; and
+    a prefix-only request decodes exactly at a small budget."""
+    prof = dataclasses.replace(tiny_profile(CFG.num_layers), latent_refresh="protected", budget_override=1.0,
+                               fanout_mode="native")
+    rt = ReuseRuntime(model, prof, FP)
+    d = docs(8, (30, 27))
+    req = Request([Segment(d[0], build(model, prof, d[0])), Segment(d[1], build(model, prof, d[1])),
+                   Segment(d[0][:5])])
+    red, first = rt.generate(req, 3, "redknot", require_reuse=True)
+    rec, _ = rt.generate(req, 3, "recompute")
+    assert first.arm == "redknot" and red == rec
+    prof2 = dataclasses.replace(tiny_profile(CFG.num_layers), budget_override=0.1, fanout_mode="native")
+    rt2 = ReuseRuntime(model, prof2, FP)
+    req2 = Request([Segment(d[0], build(model, prof2, d[0])), Segment(d[1][:6])])
+    assert rt2.generate(req2, 3, "redknot", require_reuse=True)[0] == rt2.generate(req2, 3, "recompute")[0]
