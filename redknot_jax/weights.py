@@ -24,7 +24,15 @@ from redknot_jax.config import ModelConfig
 
 
 class WeightError(ValueError):
-    """A checkpoint that does not fit the model: names the key and what was wrong."""
+    """A checkpoint that does not fit the model: names the key and what was wrong.
+
+    `key` is the offending hub key when there is one, so a caller that knows which file a key
+    came from can name the file too.
+    """
+
+    def __init__(self, message: str, key: str | None = None):
+        super().__init__(message)
+        self.key = key
 
 
 # hub key (layer index as {i}) -> parameter path below the model; experts handled apart.
@@ -107,12 +115,37 @@ def _rename(key: str, src: int) -> str | None:
     return None
 
 
+# transformers 5.24 `save_pretrained` reverses its load-time renames only partly (spec §7.6):
+# most keys come out as "model." + the hub key (experts per expert), `kv_norm` comes out as
+# `attn.norm`, and embed / hc_head / norm keep their in-memory names (covered by _HF_NAMES).
+_HF_SAVED_KV_NORM = re.compile(r"^model\.layers\.(\d+)\.attn\.norm\.(.+)$")
+
+
+def _saved_to_hub(key: str) -> str | None:
+    mt = _HF_SAVED_KV_NORM.match(key)
+    if mt:
+        return f"layers.{mt.group(1)}.attn.kv_norm.{mt.group(2)}"
+    hub = key.removeprefix("model.")
+    probe = hub[: -len(".scale")] + ".weight" if hub.endswith(".scale") else hub
+    try:
+        hub_target(probe)
+    except WeightError:
+        return None
+    return hub
+
+
 def hf_to_hub(key: str) -> str:
-    """Rename one transformers key to its hub key (`.weight_scale_inv` -> `.scale`)."""
+    """Rename one transformers key to its hub key (`.weight_scale_inv` -> `.scale`).
+
+    Accepts transformers' in-memory names (spec §7.4) and the partly renamed form its
+    `save_pretrained` writes (spec §7.6).
+    """
     key = re.sub(r"\.weight_scale_inv$", ".scale", key)
     out = _rename(key, 0)
     if out is None:
-        raise WeightError(f"{key}: not a DeepSeek-V4 transformers key")
+        out = _saved_to_hub(key)
+    if out is None:
+        raise WeightError(f"{key}: not a DeepSeek-V4 transformers key", key)
     return out
 
 
@@ -120,7 +153,7 @@ def hub_to_hf(key: str) -> str:
     """Inverse of `hf_to_hub` for non-expert keys (test fixtures write transformers files)."""
     out = _rename(key, 1)
     if out is None:
-        raise WeightError(f"{key}: no transformers name for this hub key")
+        raise WeightError(f"{key}: no transformers name for this hub key", key)
     return re.sub(r"\.scale$", ".weight_scale_inv", out)
 
 
@@ -144,7 +177,7 @@ def hub_target(key: str) -> Target | None:
     mt = _LAYER_KEY.match(key)
     if mt and mt.group(2) in _LAYER:
         return Target(f"layers.{mt.group(1)}.{_LAYER[mt.group(2)]}")
-    raise WeightError(f"{key}: unexpected checkpoint key (not part of DeepSeek-V4)")
+    raise WeightError(f"{key}: unexpected checkpoint key (not part of DeepSeek-V4)", key)
 
 
 def param_leaves(model: nnx.Module) -> dict[str, nnx.Variable]:
@@ -173,57 +206,137 @@ def expected_hub_shapes(cfg: ModelConfig, model: nnx.Module) -> dict[str, tuple[
     return shapes
 
 
-def iter_hub_tensors(source) -> Iterator[tuple[str, np.ndarray]]:
+# How the hub stores each backbone tensor (spec §7.2). FP8 / FP4 tensors come with a `.scale`
+# sibling (e8m0; 128 x 128 blocks for FP8, 1 x 32 for the int8-packed FP4 experts).
+_HUB_FP8 = {"attn.wq_a.weight", "attn.wq_b.weight", "attn.wkv.weight", "attn.wo_a.weight", "attn.wo_b.weight",
+            "attn.indexer.wq_b.weight", "ffn.shared_experts.w1.weight", "ffn.shared_experts.w2.weight",
+            "ffn.shared_experts.w3.weight"}
+_HUB_F32 = {"hc_head_fn", "hc_head_base", "hc_head_scale", "hc_attn_fn", "hc_attn_base", "hc_attn_scale",
+            "hc_ffn_fn", "hc_ffn_base", "hc_ffn_scale", "attn.attn_sink", "attn.compressor.ape",
+            "attn.indexer.compressor.ape", "ffn.gate.bias"}
+
+
+def hub_format(key: str) -> str | None:
+    """Storage format of a hub key on the hub: "fp8", "fp4", "bf16", "f32" or "i64" (spec §7.2);
+    None for keys the backbone ignores (mtp.*)."""
+    tgt = hub_target(key)
+    if tgt is None:
+        return None
+    if tgt.expert is not None:
+        return "fp4"
+    mt = _LAYER_KEY.match(key)
+    sub = mt.group(2) if mt else key
+    if sub == "ffn.gate.tid2eid":
+        return "i64"
+    return "fp8" if sub in _HUB_FP8 else "f32" if sub in _HUB_F32 else "bf16"
+
+
+def is_transformers_naming(keys) -> bool:
+    """Whether a checkpoint's keys use transformers names (else DeepSeek's hub names)."""
+    return any(k.startswith("model.") or k == "lm_head.weight" for k in keys)
+
+
+def is_scale_key(key: str) -> bool:
+    return key.endswith(".scale") or key.endswith(".weight_scale_inv")
+
+
+def scale_key_of(key: str, hf: bool) -> str | None:
+    """Name the block scale of `key` would have (hub `.scale`, transformers `.weight_scale_inv`)."""
+    if key.endswith(".weight"):
+        return key[: -len(".weight")] + (".weight_scale_inv" if hf else ".scale")
+    return key + "_scale_inv" if hf else None
+
+
+def _hub_pieces(key: str, arr: np.ndarray, hf: bool) -> Iterator[tuple[str, np.ndarray]]:
+    """The hub tensors one source tensor holds: itself under its hub name, or the per-expert
+    slices of a merged transformers expert tensor."""
+    mt = _HF_MERGED.match(key) if hf else None
+    if mt:
+        i, kind = mt.groups()
+        if kind == "gate_up_proj":  # [e, 2f, d]: gate rows first
+            f = arr.shape[1] // 2
+            for e in range(arr.shape[0]):
+                yield f"layers.{i}.ffn.experts.{e}.w1.weight", arr[e, :f]
+                yield f"layers.{i}.ffn.experts.{e}.w3.weight", arr[e, f:]
+        else:
+            for e in range(arr.shape[0]):
+                yield f"layers.{i}.ffn.experts.{e}.w2.weight", arr[e]
+    elif not (hf and key.startswith("mtp.")):
+        yield (hf_to_hub(key) if hf else key), arr
+
+
+def plan_hub_tensors(source) -> dict[str, list[tuple[str, tuple[int, ...]]]]:
+    """Header-only preview of `iter_hub_tensors`: source key -> the (hub key, shape after
+    dequantisation) pairs reading it will yield. Scale siblings are left out.
+
+    `source` has keys() and info(key) with .dtype / .shape (a `ShardedCheckpoint`).
+    """
+    keys = set(source.keys())
+    hf = is_transformers_naming(keys)
+    out = {}
+    for key in sorted(keys):
+        if is_scale_key(key):
+            continue
+        info = source.info(key)
+        shape = list(info.shape)
+        if scale_key_of(key, hf) in keys and info.dtype in ("I8", "U8") and shape:
+            shape[-1] *= 2  # FP4: two codes per byte along the input dim
+        fake = np.broadcast_to(np.zeros((), np.uint8), shape)  # no memory: only shapes are read
+        out[key] = [(k, tuple(a.shape)) for k, a in _hub_pieces(key, fake, hf)]
+    return out
+
+
+def read_hub_tensor(source, key: str, hf: bool | None = None,
+                    keys: set[str] | None = None) -> list[tuple[str, np.ndarray]]:
+    """Read one source tensor (and its `.scale`, dequantising exactly) and return the hub
+    tensors it holds (see `iter_hub_tensors`). Thread-safe for a `ShardedCheckpoint`."""
+    keys = set(source.keys()) if keys is None else keys
+    hf = is_transformers_naming(keys) if hf is None else hf
+    arr = source.get(key)
+    scale_key = scale_key_of(key, hf)
+    if scale_key in keys:
+        arr = _dequantize(arr, source.get(scale_key), key)
+    return list(_hub_pieces(key, arr, hf))
+
+
+def iter_hub_tensors(source, keys=None) -> Iterator[tuple[str, np.ndarray]]:
     """(hub key, float/int numpy array) from a checkpoint in hub or transformers naming.
 
     `source` has keys() and get(key) (a `ShardedCheckpoint`). FP8/FP4 weights with a
     `.scale` sibling are dequantised; merged transformers experts are split per expert.
+    `keys` restricts reading to those source keys (default: all, sorted).
     """
+    all_keys = set(source.keys())
+    hf = is_transformers_naming(all_keys)
+    for key in sorted(all_keys) if keys is None else keys:
+        if not is_scale_key(key):
+            yield from read_hub_tensor(source, key, hf, all_keys)
+
+
+def _dequantize(arr, scale, key):
+    """FP4 experts are int8-packed; everything else scaled is FP8 e4m3."""
     from checkpoints_convert import quant
 
-    keys = set(source.keys())
-    hf = any(k.startswith("model.") or k == "lm_head.weight" for k in keys)
-    for key in sorted(keys):
-        if key.endswith(".scale") or key.endswith(".weight_scale_inv"):
-            continue
-        mt = _HF_MERGED.match(key) if hf else None
-        arr = source.get(key)
-        scale_key = (key[: -len(".weight")] + (".weight_scale_inv" if hf else ".scale")) if key.endswith(
-            ".weight") else (key + "_scale_inv" if hf else None)
-        if scale_key in keys:
-            arr = _dequantize(quant, arr, source.get(scale_key), key)
-        if mt:
-            i, kind = mt.groups()
-            if kind == "gate_up_proj":  # [e, 2f, d]: gate rows first
-                f = arr.shape[1] // 2
-                for e in range(arr.shape[0]):
-                    yield f"layers.{i}.ffn.experts.{e}.w1.weight", arr[e, :f]
-                    yield f"layers.{i}.ffn.experts.{e}.w3.weight", arr[e, f:]
-            else:
-                for e in range(arr.shape[0]):
-                    yield f"layers.{i}.ffn.experts.{e}.w2.weight", arr[e]
-            continue
-        if hf and key.startswith("mtp."):
-            continue
-        yield (hf_to_hub(key) if hf else key), arr
-
-
-def _dequantize(quant, arr, scale, key):
-    """FP4 experts are int8-packed; everything else scaled is FP8 e4m3."""
+    if arr.ndim == 3:  # merged transformers experts [e, out, in], one scale grid per expert
+        return np.stack([_dequantize(a, s, f"{key}[{e}]") for e, (a, s) in enumerate(zip(arr, scale))])
     if arr.dtype == np.int8:
         return quant.dequant_fp4_blockwise(arr, scale, name=key)
     return quant.dequant_fp8_blockwise(arr, scale, name=key)
 
 
-def load_into(model: nnx.Module, cfg: ModelConfig, tensors: Iterator[tuple[str, np.ndarray]],
-              put: Callable[[str, np.ndarray], jax.Array] | None = None) -> None:
-    """Fill the model's parameters from (hub key, array) pairs; every key checked.
+def place_tensors(cfg: ModelConfig, model: nnx.Module, tensors: Iterator[tuple[str, np.ndarray]],
+                  want: dict[str, tuple[int, ...]] | None = None) -> Iterator[tuple[str, np.ndarray]]:
+    """Check (hub key, array) pairs and turn them into finished parameters.
 
-    `put(path, array)` places a finished parameter (default: jnp.asarray in the parameter's
-    dtype); the sharded loader passes one that device_puts into the target sharding.
+    Yields (parameter path, numpy array in the parameter's dtype and layout) as soon as a
+    parameter is complete; routed experts once every expert has arrived, stacked [e, in, out].
+    `want` (hub key -> shape; default every key of the model) limits the check to a subset,
+    e.g. one layer. `model` may be abstract (`nnx.eval_shape`). Raises WeightError naming the
+    key on an unexpected, duplicate, mis-shaped or non-finite tensor, and after the last pair
+    on missing keys.
     """
     leaves = param_leaves(model)
-    want = expected_hub_shapes(cfg, model)
+    want = expected_hub_shapes(cfg, model) if want is None else want
     seen: set[str] = set()
     stacks: dict[str, np.ndarray] = {}
     filled: dict[str, int] = {}
@@ -232,35 +345,48 @@ def load_into(model: nnx.Module, cfg: ModelConfig, tensors: Iterator[tuple[str, 
         if tgt is None:
             continue
         if key not in want:
-            raise WeightError(f"{key}: unexpected checkpoint key for this config")
+            raise WeightError(f"{key}: unexpected checkpoint key for this config", key)
         if key in seen:
-            raise WeightError(f"{key}: appears twice in the checkpoint")
+            raise WeightError(f"{key}: appears twice in the checkpoint", key)
+        arr = np.asarray(arr)
         if tuple(arr.shape) != want[key]:
-            raise WeightError(f"{key}: expected shape {want[key]}, got {tuple(arr.shape)}")
+            raise WeightError(f"{key}: expected shape {want[key]}, got {tuple(arr.shape)}", key)
+        # jnp.issubdtype, not dtype.kind == "f": ml_dtypes' bfloat16 has kind "V".
+        if jnp.issubdtype(arr.dtype, jnp.floating) and not np.isfinite(arr).all():
+            raise WeightError(f"{key}: NaN or Inf in the checkpoint tensor", key)
         seen.add(key)
         var = leaves[tgt.path]
+        dtype = np.dtype(var.get_value().dtype)
+        if arr.dtype.kind in "iu" and dtype.kind in "iu" and arr.size and (
+                arr.min() < np.iinfo(dtype).min or arr.max() > np.iinfo(dtype).max):
+            raise WeightError(f"{key}: values [{arr.min()}, {arr.max()}] do not fit {dtype}", key)
         if tgt.expert is None:
-            _assign(var, tgt.path, np.asarray(arr), put)
+            yield tgt.path, arr.astype(dtype, copy=False)
             continue
         if tgt.path not in stacks:
-            stacks[tgt.path] = np.zeros(var.shape, np.float32)
-        stacks[tgt.path][tgt.expert] = np.asarray(arr, np.float32).T
+            stacks[tgt.path] = np.empty(var.shape, dtype)
+        stacks[tgt.path][tgt.expert] = arr.astype(dtype, copy=False).T  # cast contiguous, then transpose
         filled[tgt.path] = filled.get(tgt.path, 0) + 1
-        if filled[tgt.path] == cfg.n_routed_experts:
-            _assign(var, tgt.path, stacks.pop(tgt.path), put)
+        if filled[tgt.path] == var.shape[0]:
+            yield tgt.path, stacks.pop(tgt.path)
     missing = sorted(set(want) - seen)
     if missing:
         more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
-        raise WeightError(f"missing checkpoint keys: {missing[:5]}{more}")
+        raise WeightError(f"missing checkpoint keys: {missing[:5]}{more}", missing[0])
 
 
-def _assign(var: nnx.Variable, path: str, arr: np.ndarray, put) -> None:
-    if arr.dtype.kind == "f" and not np.all(np.isfinite(np.asarray(arr, np.float32))):
-        raise WeightError(f"{path}: NaN or Inf in the checkpoint tensor")
-    if put is not None:
-        var.set_value(put(path, arr))
-    else:
-        var.set_value(jnp.asarray(arr, dtype=var.get_value().dtype))
+def load_into(model: nnx.Module, cfg: ModelConfig, tensors: Iterator[tuple[str, np.ndarray]],
+              put: Callable[[str, np.ndarray], jax.Array] | None = None) -> None:
+    """Fill the model's parameters from (hub key, array) pairs; every key checked (see
+    `place_tensors`).
+
+    `put(path, array)` places a finished parameter (default: jnp.asarray; the array is already
+    in the parameter's dtype); the sharded loader passes one that device_puts into the target
+    sharding.
+    """
+    leaves = param_leaves(model)
+    for path, arr in place_tensors(cfg, model, tensors):
+        leaves[path].set_value(put(path, arr) if put is not None else jnp.asarray(arr))
 
 
 def load_checkpoint(model: nnx.Module, cfg: ModelConfig, directory, put=None) -> None:
