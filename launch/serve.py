@@ -1,0 +1,66 @@
+"""OpenAI-compatible HTTP server for DeepSeek-V4 with RedKnot document reuse (issue #8).
+
+    python launch/serve.py                                  # embedded tiny random model, 127.0.0.1:8000
+    python launch/serve.py --profile tiny-exact --port 8123 # native MoE fan-out: prefix reuse exact
+    python launch/serve.py --checkpoint DIR --artifact-store /data/docs --api-keys-file keys.txt
+
+API keys: `--api-keys-file` (lines `KEY [TENANT]`) and/or $REDKNOT_API_KEYS (`KEY[:TENANT],...`);
+none given: no auth, every caller is the anonymous tenant. See README "Serving".
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--checkpoint", help="safetensors dir with config.json (+ tokenizer.json); default: embedded "
+                                         "tiny random-weight model with the byte-level fallback tokenizer")
+    ap.add_argument("--preset", default="tiny", help="random-weight preset when no checkpoint")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--profile", default="auto", help="auto | tiny | tiny-exact | flash | pro | profile.json")
+    ap.add_argument("--artifact-store", help="directory for document records (reloaded at start-up)")
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, default=8000)
+    ap.add_argument("--api-keys-file")
+    ap.add_argument("--model-name")
+    ap.add_argument("--slots", type=int, default=8, help="decode batch size (continuous batching)")
+    ap.add_argument("--max-queue", type=int, default=64, help="waiting jobs before 429")
+    ap.add_argument("--max-model-len", type=int, default=512, help="prompt + documents + max_tokens")
+    ap.add_argument("--max-tokens-limit", type=int, default=256)
+    ap.add_argument("--max-body-bytes", type=int, default=1 << 20)
+    ap.add_argument("--shutdown-grace-s", type=float, default=10.0)
+    ap.add_argument("--no-warmup", action="store_true")
+    ap.add_argument("--compilation-cache", default=os.path.expanduser("~/.cache/redknot_jax/xla"),
+                    help="persistent XLA compilation cache ('' to disable): later starts skip most compiles")
+    ap.add_argument("--log-level", default="info")
+    args = ap.parse_args(argv)
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    import jax
+
+    if args.compilation_cache:
+        jax.config.update("jax_compilation_cache_dir", args.compilation_cache)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+        jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    import uvicorn
+
+    from redknot_jax.server.app import create_app
+    from redknot_jax.server.state import ServeConfig, build_state
+
+    sc = ServeConfig(checkpoint=args.checkpoint, preset=args.preset, dtype=args.dtype, profile=args.profile,
+                     artifact_store=args.artifact_store, host=args.host, port=args.port,
+                     api_keys_file=args.api_keys_file, model_name=args.model_name, slots=args.slots,
+                     max_queue=args.max_queue, max_model_len=args.max_model_len,
+                     max_tokens_limit=args.max_tokens_limit, max_body_bytes=args.max_body_bytes,
+                     shutdown_grace_s=args.shutdown_grace_s, warmup=not args.no_warmup)
+    state = build_state(sc)
+    uvicorn.run(create_app(state), host=sc.host, port=sc.port, log_level=args.log_level,
+                timeout_graceful_shutdown=int(sc.shutdown_grace_s) + 1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,78 @@
+"""Prometheus metrics of the server (one registry per server, not the process-global one, so
+tests can build several apps in one process).
+
+* `redknot_ttft_seconds` / `redknot_inter_token_seconds`: histograms, labelled by arm
+  (`engine` = the batched plain path, `redknot`, `recompute`);
+* `redknot_requests_total{endpoint, arm}`, `redknot_http_responses_total{code}`;
+* reuse ledgers of requests that ran the RedKnot arm: gauges of the last request and
+  summaries over all (head-row saving, token-row saving, cached token rows); never summed with
+  each other (DESIGN §6);
+* certification: `redknot_cert_validated_total` and `redknot_cert_fallback_total{reason}`,
+  read from `ReuseRuntime.counters` at scrape time;
+* queue depth, active decode slots, rows per batched decode step, documents registered.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Summary, generate_latest
+from prometheus_client.core import CounterMetricFamily
+
+LAT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+
+
+class _CertCollector:
+    def __init__(self, counters):
+        self.counters = counters
+
+    def collect(self):
+        snap = self.counters.snapshot()
+        ok = CounterMetricFamily("redknot_cert_validated", "Artifact certificates validated (RedKnot arm ran)")
+        ok.add_metric([], snap["validated"])
+        yield ok
+        fb = CounterMetricFamily("redknot_cert_fallback", "Fallbacks to full recomputation, by reason",
+                                 labels=["reason"])
+        for reason, n in sorted(snap["fallback"].items()):
+            fb.add_metric([reason], n)
+        yield fb
+
+
+class Metrics:
+    def __init__(self, cert_counters):
+        r = self.registry = CollectorRegistry()
+        self.ttft = Histogram("redknot_ttft_seconds", "Time from admission to first token", ["arm"],
+                              buckets=LAT_BUCKETS, registry=r)
+        self.itl = Histogram("redknot_inter_token_seconds", "Time between consecutive tokens", ["arm"],
+                             buckets=LAT_BUCKETS, registry=r)
+        self.requests = Counter("redknot_requests", "Completion requests run, by endpoint and arm",
+                                ["endpoint", "arm"], registry=r)
+        self.responses = Counter("redknot_http_responses", "HTTP responses by status code", ["code"], registry=r)
+        self.queue_depth = Gauge("redknot_queue_depth", "Jobs waiting for the model worker", registry=r)
+        self.active = Gauge("redknot_active_sequences", "Sequences in the continuous decode batch", registry=r)
+        self.batch_rows = Histogram("redknot_decode_batch_rows", "Active sequences per batched decode step",
+                                    buckets=(1, 2, 3, 4, 6, 8, 12, 16, 32, 64), registry=r)
+        self.documents = Gauge("redknot_documents", "Documents registered (all tenants)", registry=r)
+        self.rejected = Counter("redknot_rejected", "Requests refused by back-pressure (429)", registry=r)
+        self.cancelled = Counter("redknot_cancelled", "Generations stopped because the client went away",
+                                 registry=r)
+        self.head_row_last = Gauge("redknot_head_row_saving_last",
+                                   "Logical head-row saving of the last RedKnot request (ledger 1)", registry=r)
+        self.token_row_last = Gauge("redknot_token_row_saving_last",
+                                    "Physical token-row saving of the last RedKnot request (ledger 2)", registry=r)
+        self.cached_rows_last = Gauge("redknot_cached_tokens_last",
+                                      "Document rows restored from artifacts, last RedKnot request", registry=r)
+        self.head_row = Summary("redknot_head_row_saving", "Head-row saving per RedKnot request", registry=r)
+        self.token_row = Summary("redknot_token_row_saving", "Token-row saving per RedKnot request", registry=r)
+        self.cached_rows = Summary("redknot_cached_tokens", "Restored document rows per RedKnot request",
+                                   registry=r)
+        r.register(_CertCollector(cert_counters))
+
+    def record_ledgers(self, ledgers: dict, cached: int) -> None:
+        self.head_row_last.set(ledgers["head_row"]["saving"])
+        self.token_row_last.set(ledgers["token_row"]["saving"])
+        self.cached_rows_last.set(cached)
+        self.head_row.observe(ledgers["head_row"]["saving"])
+        self.token_row.observe(ledgers["token_row"]["saving"])
+        self.cached_rows.observe(cached)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

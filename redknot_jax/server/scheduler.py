@@ -1,0 +1,348 @@
+"""One model worker thread behind a bounded queue.
+
+What is batched: plain completions (no documents, or `arm="recompute"`, whose document tokens
+are then ordinary prompt tokens) share one decode batch of `slots` sequences: a joining
+sequence is prefilled alone (batch 1, chunked in 16-row chunks so one shape compiles) and its
+cache is spliced into a free slot of the batch cache; every decode step then runs all slots
+at once with a per-slot active mask (`Engine.decode(tokens, cache, active)`), so sequences join
+and leave between steps (continuous batching). Sampling is per slot on the host (each request
+keeps its own temperature, top_p and seed).
+
+What is not batched: requests citing documents in the RedKnot arm run through
+`ReuseRuntime` (an eager, one-request reference path) and artifact builds run `build_artifact`;
+each such job runs alone on the worker between two decode steps, so it pauses the batch for its
+duration. Model work never runs on the event loop: the HTTP side only enqueues jobs and reads
+their events.
+
+Back-pressure: `submit` raises `QueueFull` when `max_queue` jobs wait (HTTP 429). Cancellation:
+a job's `cancelled` event (set when the client goes away) frees its slot before the next step.
+Shutdown: `stop(grace_s)` refuses new jobs, fails queued ones (`ShuttingDown`), lets running
+sequences finish for up to `grace_s` seconds, then fails whatever is left, explicitly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import dataclasses
+import logging
+import threading
+import time
+import traceback
+
+import numpy as np
+import jax
+
+from redknot_jax.generate import Engine
+from redknot_jax.reuse.artifact import build_artifact
+from redknot_jax.reuse.planner import Request, Segment
+from redknot_jax.reuse.runtime import ReuseRuntime, _extend_plan
+
+log = logging.getLogger("redknot.server")
+PREFILL_CHUNK = 16
+
+
+class QueueFull(RuntimeError):
+    pass
+
+
+class ShuttingDown(RuntimeError):
+    pass
+
+
+@dataclasses.dataclass
+class Sampling:
+    temperature: float = 0.0
+    top_p: float = 1.0
+    max_tokens: int = 16
+    seed: int | None = None
+
+
+@dataclasses.dataclass(eq=False)
+class Job:
+    """kind: "plain" (tokens), "reuse" (segments: [(tokens, Document)] + prompt tokens), "build" (doc)."""
+
+    kind: str
+    loop: asyncio.AbstractEventLoop
+    tokens: list[int] | None = None
+    docs: list | None = None
+    doc: object = None
+    sampling: Sampling = dataclasses.field(default_factory=Sampling)
+    arm: str = "engine"
+    stop_ids: frozenset = frozenset()
+    out: asyncio.Queue = dataclasses.field(default_factory=asyncio.Queue)
+    cancelled: threading.Event = dataclasses.field(default_factory=threading.Event)
+    t_submit: float = dataclasses.field(default_factory=time.perf_counter)
+    by_stop: bool = False  # cancelled because a stop string matched, not because the client left
+
+    def emit(self, *ev) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.out.put_nowait, ev)
+        except RuntimeError:  # the event loop is gone (shutdown): nobody is listening
+            pass
+
+
+def sample_host(logits: np.ndarray, s: Sampling, rng: np.random.Generator) -> int:
+    """Greedy (temperature 0) or temperature + nucleus (top_p) sampling of one row."""
+    if s.temperature == 0.0:
+        return int(np.argmax(logits))
+    lg = logits.astype(np.float64) / s.temperature
+    p = np.exp(lg - lg.max())
+    p /= p.sum()
+    if s.top_p < 1.0:
+        order = np.argsort(-p, kind="stable")
+        ps = p[order]
+        keep = (np.cumsum(ps) - ps) < s.top_p  # preceding mass below top_p; the top token always kept
+        q = np.zeros_like(p)
+        q[order[keep]] = ps[keep]
+        p = q / q.sum()
+    return int(rng.choice(p.shape[0], p=p))
+
+
+@dataclasses.dataclass
+class _Slot:
+    job: Job
+    last: int
+    n: int
+    rng: np.random.Generator
+    t_last: float
+
+
+class Scheduler:
+    def __init__(self, engine: Engine, runtime: ReuseRuntime, metrics, *, slots: int = 8, max_queue: int = 64,
+                 checkpoint_fingerprint: str = ""):
+        self.eng, self.rt, self.metrics = engine, runtime, metrics
+        self.slots_n, self.max_queue, self.fp = slots, max_queue, checkpoint_fingerprint
+        self._cond = threading.Condition()
+        self._pending: collections.deque[Job] = collections.deque()
+        self._slots: list[_Slot | None] = [None] * slots
+        self._stopping = False
+        self._deadline = None
+        self._thread: threading.Thread | None = None
+        self.cache = engine.new_cache(slots)
+        self._splice = jax.jit(lambda big, one, i: jax.tree.map(
+            lambda b, o: jax.lax.dynamic_update_index_in_dim(b, o[0], i, 0), big, one), donate_argnums=(0,))
+        self.alive = False
+
+    # ------------------------------------------------------------------ event-loop side
+    def submit(self, job: Job) -> None:
+        with self._cond:
+            if self._stopping:
+                raise ShuttingDown("server is shutting down")
+            if len(self._pending) >= self.max_queue:
+                self.metrics.rejected.inc()
+                raise QueueFull(f"queue full ({self.max_queue} requests waiting); retry later")
+            self._pending.append(job)
+            self.metrics.queue_depth.set(len(self._pending))
+            self._cond.notify()
+
+    def start(self) -> None:
+        self.alive = True
+        self._thread = threading.Thread(target=self._run, name="redknot-model-worker", daemon=True)
+        self._thread.start()
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        with self._cond:
+            self._stopping = True
+            self._deadline = time.perf_counter() + grace_s
+            while self._pending:
+                self._pending.popleft().emit("error", 503, "server is shutting down; request not started")
+            self.metrics.queue_depth.set(0)
+            self._cond.notify()
+        if self._thread is not None:
+            self._thread.join(grace_s + 30)
+
+    def warmup(self) -> None:
+        """Compile the plain path (batch-1 chunk prefill, splice, batch decode) before serving."""
+        logits, one = self.eng.prefill([[2, 3]], chunk=PREFILL_CHUNK)
+        self.cache = self._splice(self.cache, one, 0)
+        logits, self.cache = self.eng.decode(np.zeros(self.slots_n, np.int32), self.cache,
+                                             np.zeros(self.slots_n, np.int32))
+        jax.block_until_ready(logits)
+
+    # ------------------------------------------------------------------ worker
+    def _active(self) -> int:
+        return sum(s is not None for s in self._slots)
+
+    def _run(self) -> None:
+        try:
+            while True:
+                admit, special = [], None
+                with self._cond:
+                    while not self._pending and not self._active() and not self._stopping:
+                        self._cond.wait()
+                    if self._stopping and (not self._active() or time.perf_counter() > self._deadline):
+                        break
+                    free = [i for i, s in enumerate(self._slots) if s is None]
+                    while self._pending:
+                        j = self._pending[0]
+                        if j.kind == "plain":
+                            if len(admit) >= len(free):
+                                break
+                            admit.append(self._pending.popleft())
+                        else:
+                            if not admit:  # keep FIFO: a special job runs after earlier plain admissions
+                                special = self._pending.popleft()
+                            break
+                    self.metrics.queue_depth.set(len(self._pending))
+                for job, slot in zip(admit, free):
+                    self._guard(job, self._admit, job, slot)
+                if special is not None:
+                    self._guard(special, self._run_reuse if special.kind == "reuse" else self._run_build, special)
+                if self._active():
+                    self._decode_step()
+                self.metrics.active.set(self._active())
+        except Exception:  # the worker must never die silently
+            log.error("model worker crashed:\n%s", traceback.format_exc())
+        finally:
+            self.alive = False
+            for i, s in enumerate(self._slots):
+                if s is not None:
+                    s.job.emit("error", 503, "server is shutting down; generation stopped")
+                    self._slots[i] = None
+            with self._cond:
+                while self._pending:
+                    self._pending.popleft().emit("error", 503, "server is shutting down; request not started")
+
+    def _guard(self, job: Job, fn, *args) -> None:
+        try:
+            fn(*args)
+        except Exception as e:  # one bad job fails itself, not the server
+            log.error("job failed:\n%s", traceback.format_exc())
+            job.emit("error", 500, f"internal error: {type(e).__name__}: {e}")
+
+    def _count_cancel(self, job: Job) -> None:
+        if not job.by_stop:
+            self.metrics.cancelled.inc()
+
+    def _token(self, job: Job, tok: int, n: int, t_prev: float | None, arm: str) -> str | None:
+        """Emit one token; return the finish reason if the sequence ends here."""
+        now = time.perf_counter()
+        if t_prev is None:
+            self.metrics.ttft.labels(arm).observe(now - job.t_submit)
+        else:
+            self.metrics.itl.labels(arm).observe(now - t_prev)
+        job.emit("token", tok)
+        if tok in job.stop_ids:
+            return "stop"
+        if n >= job.sampling.max_tokens:
+            return "length"
+        return None
+
+    def _admit(self, job: Job, slot: int) -> None:
+        if job.cancelled.is_set():
+            self._count_cancel(job)
+            return
+        logits, one = self.eng.prefill([job.tokens], chunk=PREFILL_CHUNK)
+        self.cache = self._splice(self.cache, one, slot)
+        rng = np.random.default_rng(job.sampling.seed)
+        tok = sample_host(np.asarray(logits[0]), job.sampling, rng)
+        fin = self._token(job, tok, 1, None, job.arm)
+        if fin is not None:
+            job.emit("done", fin, {"arm": job.arm, "cached_tokens": 0})
+            return
+        self._slots[slot] = _Slot(job, tok, 1, rng, time.perf_counter())
+
+    def _decode_step(self) -> None:
+        toks = np.zeros(self.slots_n, np.int32)
+        active = np.zeros(self.slots_n, np.int32)
+        for i, s in enumerate(self._slots):
+            if s is None:
+                continue
+            if s.job.cancelled.is_set():
+                self._count_cancel(s.job)
+                self._slots[i] = None
+                continue
+            toks[i], active[i] = s.last, 1
+        if not active.any():
+            return
+        self.metrics.batch_rows.observe(int(active.sum()))
+        try:
+            logits, self.cache = self.eng.decode(toks, self.cache, active)
+            logits = np.asarray(logits)
+        except Exception as e:
+            log.error("decode step failed:\n%s", traceback.format_exc())
+            for i, s in enumerate(self._slots):
+                if s is not None:
+                    s.job.emit("error", 500, f"internal error in decode: {type(e).__name__}: {e}")
+                    self._slots[i] = None
+            self.cache = self.eng.new_cache(self.slots_n)
+            return
+        for i, s in enumerate(self._slots):
+            if s is None or not active[i]:
+                continue
+            tok = sample_host(logits[i], s.job.sampling, s.rng)
+            s.n += 1
+            fin = self._token(s.job, tok, s.n, s.t_last, s.job.arm)
+            s.last, s.t_last = tok, time.perf_counter()
+            if fin is not None:
+                s.job.emit("done", fin, {"arm": s.job.arm, "cached_tokens": 0})
+                self._slots[i] = None
+
+    # ------------------------------------------------------------------ special jobs
+    def _ensure_artifact(self, doc) -> None:
+        if doc.artifact is None:
+            doc.artifact = build_artifact(self.rt.model, self.rt.profile, doc.tokens,
+                                          checkpoint_fingerprint=self.fp)
+
+    def _run_build(self, job: Job) -> None:
+        self._ensure_artifact(job.doc)
+        job.emit("done", "built", {})
+
+    def _run_reuse(self, job: Job) -> None:
+        """A request citing documents, RedKnot arm (falls back to recomputation, counted, when
+        an artifact fails certification). Decoding after the first token follows
+        `ReuseRuntime.generate` (plan frozen, generated tokens appended as protected new rows;
+        reference path, one forward per token) with this request's sampling."""
+        if job.cancelled.is_set():
+            self._count_cancel(job)
+            return
+        for d in job.docs:
+            self._ensure_artifact(d)
+        segs = [Segment(np.asarray(d.tokens, np.int32), d.artifact) for d in job.docs]
+        req = Request(segs + [Segment(np.asarray(job.tokens, np.int32))])
+        first = self.rt.prefill(req, "redknot")
+        arm = first.arm
+        info = {"arm": arm, "fallback": first.fallback.value if first.fallback else None,
+                "fallback_detail": first.fallback_detail, "cached_tokens": 0}
+        if first.ledgers is not None:
+            plan = first.plan
+            cached = int(plan.candidates - (plan.protected & plan.doc_row).sum())
+            led = first.ledgers.to_dict()
+            info["cached_tokens"] = cached
+            info["ledgers"] = {"head_row": led["head_row"], "token_row": led["token_row"],
+                               "operator_total": led["operator"]["total"],
+                               "protected_fraction": plan.fraction_protected(), "budget": plan.budget}
+            self.metrics.record_ledgers(led, cached)
+        job.emit("info", info)  # before any token: a stop string may end the request early
+        rng = np.random.default_rng(job.sampling.seed)
+        toks = [sample_host(first.logits[-1], job.sampling, rng)]
+        fin = self._token(job, toks[0], 1, None, arm)
+        t_prev = time.perf_counter()
+        base = list(req.tokens)
+        while fin is None:
+            if job.cancelled.is_set():
+                self._count_cancel(job)
+                return
+            with self._cond:
+                if self._stopping and time.perf_counter() > self._deadline:
+                    job.emit("error", 503, "server is shutting down; generation stopped")
+                    return
+            if arm == "redknot":
+                ext = Request(req.segments + [Segment(np.asarray(toks, np.int32))])
+                logits, _, _ = self.rt._redknot(ext, frozen=_extend_plan(first.plan, len(toks)))
+            else:
+                logits = self.rt._recompute(_Tokens(base + toks), [len(base) + len(toks) - 1])
+            toks.append(sample_host(logits[-1], job.sampling, rng))
+            fin = self._token(job, toks[-1], len(toks), t_prev, arm)
+            t_prev = time.perf_counter()
+        job.emit("done", fin, info)
+
+
+@dataclasses.dataclass
+class _Tokens:  # what ReuseRuntime._recompute reads from a request
+    ids: list[int]
+
+    @property
+    def tokens(self):
+        return np.asarray(self.ids, np.int32)

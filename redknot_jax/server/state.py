@@ -1,0 +1,128 @@
+"""ServeConfig (frozen) and the server state built from it: model, engine, reuse runtime,
+tokenizer, document registry, scheduler, metrics, API keys."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import time
+
+import jax.numpy as jnp
+
+from redknot_jax import config
+from redknot_jax.generate import Engine
+from redknot_jax.reuse import profile as profiles
+from redknot_jax.reuse.runtime import ReuseRuntime
+from redknot_jax.server.documents import DocumentRegistry
+from redknot_jax.server.metrics import Metrics
+from redknot_jax.server.scheduler import Scheduler
+from redknot_jax.server.tokenizer import load_tokenizer
+
+log = logging.getLogger("redknot.server")
+
+
+@dataclasses.dataclass(frozen=True)
+class ServeConfig:
+    checkpoint: str | None = None  # safetensors dir with config.json (None: embedded tiny model)
+    preset: str = "tiny"  # random-weight preset when no checkpoint
+    dtype: str = "float32"
+    profile: str = "auto"  # auto | tiny | tiny-exact | flash | pro | path/to/profile.json
+    artifact_store: str | None = None
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_keys_file: str | None = None
+    api_keys_env: str = "REDKNOT_API_KEYS"
+    model_name: str | None = None
+    slots: int = 8  # decode batch size (continuous batching)
+    max_queue: int = 64
+    max_model_len: int = 512  # prompt (documents included) + max_tokens
+    max_tokens_limit: int = 256
+    max_body_bytes: int = 1 << 20
+    shutdown_grace_s: float = 10.0
+    warmup: bool = True
+
+    def __post_init__(self):
+        for f in ("slots", "max_queue", "max_model_len", "max_tokens_limit", "max_body_bytes"):
+            v = getattr(self, f)
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"{f}: expected a positive int, got {v!r}")
+        if self.dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"dtype: expected float32 or bfloat16, got {self.dtype!r}")
+
+
+def make_profile(name: str, cfg: config.ModelConfig) -> profiles.RedKnotProfile:
+    """`tiny-exact`: the tiny profile with native MoE fan-out, so prefix-only requests are exact
+    (DESIGN §4: a prefix document at 0 plus new rows is the native computation)."""
+    if name == "auto":
+        name = {43: "flash", 61: "pro"}.get(cfg.num_layers, "tiny")
+    if name == "tiny":
+        return profiles.tiny_profile(cfg.num_layers)
+    if name == "tiny-exact":
+        return dataclasses.replace(profiles.tiny_profile(cfg.num_layers), name=f"tiny-exact-{cfg.num_layers}",
+                                   fanout_mode="native")
+    if name == "flash":
+        return profiles.flash_profile()
+    if name == "pro":
+        return profiles.pro_profile()
+    if os.path.isfile(name):
+        with open(name) as f:
+            return profiles.RedKnotProfile.from_dict(json.load(f))
+    raise ValueError(f"profile: expected auto, tiny, tiny-exact, flash, pro or a JSON file, got {name!r}")
+
+
+@dataclasses.dataclass
+class ServerState:
+    cfg: ServeConfig
+    model_name: str
+    vocab_size: int
+    eos_id: int
+    capacity: int
+    tokenizer: object
+    registry: DocumentRegistry
+    scheduler: Scheduler
+    metrics: Metrics
+    runtime: ReuseRuntime
+    keys: dict
+    created: int
+
+
+def build_state(sc: ServeConfig) -> ServerState:
+    from redknot_jax.server.app import load_api_keys
+
+    t0 = time.perf_counter()
+    dtype = jnp.dtype(sc.dtype)
+    if sc.checkpoint:
+        from checkpoints_convert.safetensors_io import ShardedCheckpoint
+        from redknot_jax.model import Model
+        from redknot_jax.weights import load_checkpoint
+
+        cfg = config.ModelConfig.from_json(os.path.join(sc.checkpoint, "config.json"))
+        model = Model(cfg, dtype)
+        load_checkpoint(model, cfg, sc.checkpoint)
+        files = ShardedCheckpoint(sc.checkpoint).fingerprint("size_mtime")
+        fp = "ckpt:" + hashlib.sha256(json.dumps(files, sort_keys=True).encode()).hexdigest()
+        name = sc.model_name or os.path.basename(os.path.normpath(sc.checkpoint))
+    else:
+        from redknot_jax.init import random_model
+
+        cfg = config.preset(sc.preset)
+        model = random_model(cfg, seed=0, dtype=dtype)
+        fp = f"embedded-random:{sc.preset}:seed0:{sc.dtype}:{cfg.fingerprint()}"
+        name = sc.model_name or f"redknot-{sc.preset}-random"
+    prof = make_profile(sc.profile, cfg)
+    rt = ReuseRuntime(model, prof, fp)
+    eng = Engine(model, capacity=sc.max_model_len)
+    metrics = Metrics(rt.counters)
+    sched = Scheduler(eng, rt, metrics, slots=sc.slots, max_queue=sc.max_queue, checkpoint_fingerprint=fp)
+    if sc.warmup:
+        sched.warmup()
+    keys = load_api_keys(sc.api_keys_file, os.environ.get(sc.api_keys_env))
+    log.info("model %s (%d layers), profile %s, %d API keys, ready in %.1fs", name, cfg.num_layers, prof.name,
+             len(keys), time.perf_counter() - t0)
+    return ServerState(cfg=sc, model_name=name, vocab_size=cfg.vocab_size, eos_id=cfg.eos_token_id,
+                       capacity=sc.max_model_len, tokenizer=load_tokenizer(sc.checkpoint, cfg.vocab_size),
+                       registry=DocumentRegistry(sc.artifact_store), scheduler=sched, metrics=metrics, runtime=rt,
+                       keys=keys, created=int(time.time()))
