@@ -52,6 +52,7 @@ FP4_E2M1_TABLE = np.array(
 _FP4_PAIR_TABLE = np.stack(
     [FP4_E2M1_TABLE[np.arange(256) & 0xF], FP4_E2M1_TABLE[np.arange(256) >> 4]], axis=-1
 )
+_FP4_PAIR_TABLE_U64 = np.ascontiguousarray(_FP4_PAIR_TABLE.astype(np.float32)).view(np.uint64).reshape(256)
 # byte -> 2^(b - 127), computed in float64 and cast: every entry, including the float32
 # subnormal 2^-127 for b = 0, is exactly representable. Byte 255 (which would be 2^128,
 # beyond float32) is NaN.
@@ -93,8 +94,10 @@ def unpack_fp4_e2m1(packed: np.ndarray, *, name: str | None = None) -> np.ndarra
         raise CheckpointError(f"{_label(name)}: packed FP4 must be int8 or uint8, got {packed.dtype}")
     if packed.ndim < 1:
         raise CheckpointError(f"{_label(name)}: packed FP4 needs at least one dimension, got a scalar")
-    pairs = _FP4_PAIR_TABLE[packed.view(np.uint8)]  # [..., n, 2]
-    return pairs.reshape(*packed.shape[:-1], 2 * packed.shape[-1])
+    # One 8-byte gather per input byte (both floats of the pair at once) is ~8x faster than
+    # fancy-indexing the [256, 2] table; the bytes are the same float32 pairs.
+    pairs = np.take(_FP4_PAIR_TABLE_U64, packed.view(np.uint8))  # [..., n] uint64
+    return pairs.view(np.float32).reshape(*packed.shape[:-1], 2 * packed.shape[-1])
 
 
 def _check_scale_shape(
