@@ -13,7 +13,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from redknot_jax.compressor import Compressor
-from redknot_jax.config import CSA, HCA, SLIDING, ModelConfig
+from redknot_jax.config import CSA, HCA, ModelConfig
 from redknot_jax.indexer import Indexer, index_scores, select_topk
 from redknot_jax.norms import RMSNorm, rms_norm
 from redknot_jax.ring import ring_read, ring_write, scatter_rows

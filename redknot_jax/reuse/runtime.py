@@ -114,17 +114,21 @@ class ReuseRuntime:
         all rows (no incremental cache yet). Returns (tokens, first PrefillResult)."""
         first = self.prefill(req, arm, require_reuse)
         toks = [int(np.argmax(first.logits[-1]))]
-        if first.arm == "recompute":
-            base = list(req.tokens)
-            for _ in range(max_new_tokens - 1):
-                toks.append(int(np.argmax(self._recompute(_Tokens(base + toks), [len(base) + len(toks) - 1])[-1])))
-            return toks, first
-        plan = first.plan
         for _ in range(max_new_tokens - 1):
-            ext = Request(req.segments + [Segment(np.asarray(toks, np.int32))])
-            logits, _, _ = self._redknot(ext, frozen=_extend_plan(plan, len(toks)))
-            toks.append(int(np.argmax(logits[-1])))
+            toks.append(int(np.argmax(self.next_logits(req, first, toks))))
         return toks, first
+
+    def next_logits(self, req: Request, first: PrefillResult, generated) -> np.ndarray:
+        """Logits [vocab] of the row after `generated` (tokens sampled so far after `req`), in
+        the arm `first` actually ran: RedKnot continues over the same frames with the prompt's
+        plan frozen; a request that fell back continues natively."""
+        gen = np.asarray(generated, np.int32)
+        if first.arm == "recompute":
+            full = np.concatenate([req.tokens, gen])
+            return self._recompute(_Tokens(full.tolist()), [full.size - 1])[-1]
+        ext = Request(req.segments + [Segment(gen)])
+        logits, _, _ = self._redknot(ext, frozen=_extend_plan(first.plan, gen.size))
+        return logits[-1]
 
     def _recompute(self, req, rows) -> np.ndarray:
         ids = jnp.asarray(req.tokens)[None]

@@ -36,7 +36,7 @@ import jax
 from redknot_jax.generate import Engine
 from redknot_jax.reuse.artifact import build_artifact
 from redknot_jax.reuse.planner import Request, Segment
-from redknot_jax.reuse.runtime import ReuseRuntime, _extend_plan
+from redknot_jax.reuse.runtime import ReuseRuntime
 
 log = logging.getLogger("redknot.server")
 PREFILL_CHUNK = 16
@@ -319,7 +319,6 @@ class Scheduler:
         toks = [sample_host(first.logits[-1], job.sampling, rng)]
         fin = self._token(job, toks[0], 1, None, arm)
         t_prev = time.perf_counter()
-        base = list(req.tokens)
         while fin is None:
             if job.cancelled.is_set():
                 self._count_cancel(job)
@@ -328,21 +327,8 @@ class Scheduler:
                 if self._stopping and time.perf_counter() > self._deadline:
                     job.emit("error", 503, "server is shutting down; generation stopped")
                     return
-            if arm == "redknot":
-                ext = Request(req.segments + [Segment(np.asarray(toks, np.int32))])
-                logits, _, _ = self.rt._redknot(ext, frozen=_extend_plan(first.plan, len(toks)))
-            else:
-                logits = self.rt._recompute(_Tokens(base + toks), [len(base) + len(toks) - 1])
-            toks.append(sample_host(logits[-1], job.sampling, rng))
+            toks.append(sample_host(self.rt.next_logits(req, first, toks), job.sampling, rng))
             fin = self._token(job, toks[-1], len(toks), t_prev, arm)
             t_prev = time.perf_counter()
         job.emit("done", fin, info)
 
-
-@dataclasses.dataclass
-class _Tokens:  # what ReuseRuntime._recompute reads from a request
-    ids: list[int]
-
-    @property
-    def tokens(self):
-        return np.asarray(self.ids, np.int32)
