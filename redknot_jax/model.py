@@ -44,11 +44,13 @@ class Block(nnx.Module):
         x = self.ffn_residual(x, ids, keep_fn)
         return (x, cache, out[2]) if trace else (x, cache)
 
-    def ffn_residual(self, x, ids, keep_fn=None):
-        """The MoE half of the block: mHC pre, ffn_norm, MoE (optional fan-out), mHC post."""
+    def ffn_residual(self, x, ids, keep_fn=None, with_keep: bool = False):
+        """The MoE half of the block: mHC pre, ffn_norm, MoE (optional fan-out), mHC post.
+        With `with_keep`, also the expert keep mask [b, t, k] the MoE applied."""
         u, post, comb = self.hc_ffn.pre(x)
-        y = self.ffn(self.ffn_norm(u), ids, keep_fn=keep_fn)
-        return HyperConnection.post(x, y, post, comb)
+        y, keep = self.ffn(self.ffn_norm(u), ids, keep_fn=keep_fn, with_keep=True)
+        x = HyperConnection.post(x, y, post, comb)
+        return (x, keep) if with_keep else x
 
 
 class Model(nnx.Module):

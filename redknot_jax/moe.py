@@ -126,10 +126,11 @@ class MoE(nnx.Module):
         return jnp.einsum("nf,df->nd", swiglu(g, u, self.limit).astype(x.dtype), self.s2[...],
                           preferred_element_type=jnp.float32, precision=HIGHEST)
 
-    def __call__(self, x, ids, keep_fn=None, chunk: int = 4096):
+    def __call__(self, x, ids, keep_fn=None, chunk: int = 4096, with_keep: bool = False):
         """x [b, t, d], ids [b, t] -> [b, t, d]. Tokens are processed `chunk` at a time.
 
-        keep_fn(sel, wts, scores) -> keep mask [n, k] or None (fan-out trimming).
+        keep_fn(sel, wts, scores) -> keep mask [n, k] or None (fan-out trimming). With
+        `with_keep`, also returns the mask applied, [b, t, k] (all True without keep_fn).
         """
         b, t, d = x.shape
         xf, idf = x.reshape(b * t, d), ids.reshape(b * t)
@@ -137,13 +138,17 @@ class MoE(nnx.Module):
         def run(xc, ic):
             sel, wts, scores = self.route(xc, ic)
             keep = None if keep_fn is None else keep_fn(sel, wts, scores)
-            return (self.experts(xc, sel, wts, keep) + self.shared(xc)).astype(x.dtype)
+            y = (self.experts(xc, sel, wts, keep) + self.shared(xc)).astype(x.dtype)
+            return y, jnp.ones(sel.shape, bool) if keep is None else keep
 
         n = b * t
         if n <= chunk:
-            return run(xf, idf).reshape(b, t, d)
-        pad = (-n) % chunk
-        xp = jnp.pad(xf, ((0, pad), (0, 0))).reshape(-1, chunk, d)
-        ip = jnp.pad(idf, (0, pad)).reshape(-1, chunk)
-        y = jax.lax.map(lambda a: run(*a), (xp, ip)).reshape(-1, d)[:n]
-        return y.reshape(b, t, d)
+            y, keep = run(xf, idf)
+        else:
+            pad = (-n) % chunk
+            xp = jnp.pad(xf, ((0, pad), (0, 0))).reshape(-1, chunk, d)
+            ip = jnp.pad(idf, (0, pad)).reshape(-1, chunk)
+            y, keep = jax.lax.map(lambda a: run(*a), (xp, ip))
+            y, keep = y.reshape(-1, d)[:n], keep.reshape(n + pad, -1)[:n]
+        y = y.reshape(b, t, d)
+        return (y, keep.reshape(b, t, -1)) if with_keep else y

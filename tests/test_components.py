@@ -4,13 +4,11 @@ import numpy as np
 import pytest
 import jax
 import jax.numpy as jnp
-import torch
 
 from redknot_jax import config
 from redknot_jax.mhc import sinkhorn
 from redknot_jax.rope import apply_rope, inv_freq
 from redknot_jax.ring import ring_read, ring_write
-from tests.tolerances import rel_err
 
 
 def test_rope_tables_match_transformers():

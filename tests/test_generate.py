@@ -1,6 +1,5 @@
 """Sampling, stop tokens and request validation of the Engine."""
 
-import numpy as np
 import pytest
 import jax
 import jax.numpy as jnp

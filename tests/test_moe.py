@@ -5,7 +5,6 @@ import numpy as np
 import pytest
 import jax
 import jax.numpy as jnp
-from flax import nnx
 
 from redknot_jax import config
 from redknot_jax.init import random_model
@@ -43,3 +42,21 @@ def test_moe_layer_matches_per_token_loop():
             h = np.asarray(swiglu(xf[n] @ w1[e], xf[n] @ w3[e], cfg.swiglu_limit))
             ref = ref + float(wts[n, j]) * (h @ w2[e])
         assert rel_err(y[n], ref) < 1e-5, n
+
+
+def test_keep_mask_comes_back_from_the_chunked_path():
+    """The fan-out mask the MoE applied is returned, also when tokens run in chunks."""
+    from redknot_jax.reuse.fanout import fanout_keep
+
+    cfg = config.tiny("mixed", experts_per_tok=6)
+    moe = random_model(cfg, seed=5, dtype=jnp.float32).layers[4].ffn
+    x = jax.random.normal(jax.random.key(2), (1, 20, cfg.hidden_size))
+    ids = jnp.zeros((1, 20), jnp.int32)
+    keep_fn = lambda s, w, sc: fanout_keep(w, "k3")
+    y1, k1 = moe(x, ids, keep_fn, with_keep=True)
+    y2, k2 = moe(x, ids, keep_fn, chunk=8, with_keep=True)  # 3 chunks, padded
+    np.testing.assert_array_equal(k1, k2)
+    assert k1.shape == (1, 20, 6) and (k1.sum(-1) == 3).all()
+    assert rel_err(y2, y1) < 1e-6
+    _, none = moe(x, ids, with_keep=True)
+    assert none.all()

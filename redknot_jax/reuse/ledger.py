@@ -137,7 +137,7 @@ def _layer_flops(cfg: ModelConfig, layer: int, n: int, heads_all: int, heads_pro
     row's cost never decreases with its position, so this bounds the RedKnot arm from above
     and its saving from below.
     """
-    D, H, k, Rq = cfg.hidden_size, cfg.num_heads, cfg.head_dim, cfg.q_lora_rank
+    D, k, Rq = cfg.hidden_size, cfg.head_dim, cfg.q_lora_rank
     g, Ro, HI, dI = cfg.o_groups, cfg.o_lora_rank, cfg.index_n_heads, cfg.index_head_dim
     f = cfg.moe_inter_dim
     kind = cfg.layer_types[layer]

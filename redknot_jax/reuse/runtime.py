@@ -26,6 +26,7 @@ import jax.numpy as jnp
 
 from redknot_jax.config import CSA, HCA
 from redknot_jax.indexer import index_scores
+from redknot_jax.mhc import HyperConnection
 from redknot_jax.model import Model
 from redknot_jax.reuse import ledger as ledgers
 from redknot_jax.reuse.artifact import local_head_mask, project_heads, single_rank
@@ -167,9 +168,8 @@ class ReuseRuntime:
                 self._plan_itop(plan, x)
                 planned = True
             x = self._reusable_layer(i, blk, x, plan)
-            keep_holder = []
-            x = blk.ffn_residual(x, ids, lambda s, w, sc: _record(keep_holder, keep_fn(s, w, sc)))
-            keeps.append(np.asarray(keep_holder[0]))
+            x, keep = blk.ffn_residual(x, ids, keep_fn, with_keep=True)
+            keeps.append(np.asarray(keep[0]))
         h = model.logits(x, jnp.asarray(plan.query_rows)[None])
         return np.asarray(h[0]), plan, fanout_histogram(np.concatenate(keeps)) if keeps else None
 
@@ -297,8 +297,6 @@ class ReuseRuntime:
         if not collapse:
             z_l = self._restore_local(z_l, plan, i)
         y = attn.wo_b_apply((z_g + z_l)[None])
-        from redknot_jax.mhc import HyperConnection
-
         return HyperConnection.post(x, y.astype(x.dtype), post, comb)
 
     def _restore_local(self, z_l, plan: Plan, layer: int):
@@ -379,7 +377,3 @@ def _compress(comp, x, pos0: int, n_new: int, state, freqs, nw: int):
     buf = jnp.zeros((nw, comp.dk), jnp.float32)
     return buf.at[jnp.where(ids[0] < 0, nw, ids[0])].set(ent[0], mode="drop")
 
-
-def _record(holder, keep):
-    holder.append(keep)
-    return keep

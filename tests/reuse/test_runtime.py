@@ -130,7 +130,7 @@ def test_g_every_certificate_failure_falls_back_and_is_counted(model):
 
     rt = ReuseRuntime(model, prof, FP)
     cases = {
-        FallbackReason.TOKEN_MISMATCH: (rt, Segment(d[1][:30] if len(d[1]) >= 30 else np.r_[d[1], d[0][:4]], good)),
+        FallbackReason.TOKEN_MISMATCH: (rt, Segment(d[0][::-1].copy(), good)),  # same length, other tokens
         FallbackReason.PROFILE_MISMATCH: (rt, Segment(d[0], build(model, dataclasses.replace(prof, tau=0.5), d[0]))),
         FallbackReason.CHECKPOINT_MISMATCH: (ReuseRuntime(model, prof, "other-ckpt"), Segment(d[0], good)),
         FallbackReason.TP_GEOMETRY: (ReuseRuntime(model, prof, FP, tp=TPGeometry(2, 0, ((0, 1),))), Segment(d[0], good)),
