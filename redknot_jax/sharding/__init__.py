@@ -1,5 +1,6 @@
-"""Meshes and the parameter sharding table (see `table`)."""
+"""Meshes, the parameter sharding table (`table`), the shard_map'd tensor-parallel forward
+(`tp`) and cross-rank certificate agreement (`agree`). docs/sharding.md."""
 
-from redknot_jax.sharding.table import make_mesh, param_sharding, param_spec
+from redknot_jax.sharding.table import batch_spec, check_tp, make_mesh, param_sharding, param_spec
 
-__all__ = ["make_mesh", "param_sharding", "param_spec"]
+__all__ = ["batch_spec", "check_tp", "make_mesh", "param_sharding", "param_spec"]

@@ -1,6 +1,7 @@
-"""The one table from parameter paths to mesh axes (tensor parallelism over axis "tp").
+"""The one table from parameter paths to mesh axes (tensor parallelism over axis "tp", data
+parallelism over axis "dp").
 
-This is the only place the mesh axis name appears. The split follows DeepSeek's own
+This is the only place the mesh axis names appear. The split follows DeepSeek's own
 tensor-parallel layout (spec §7.7, DESIGN §7):
 
 * by head, dim 0: `attn.wq_b` [h*k, q], `attn.wo_a` [g*o, h*k/g] (by output group),
@@ -12,8 +13,12 @@ tensor-parallel layout (spec §7.7, DESIGN §7):
   expert) replicated.
 
 A dim is split only when tp divides it; otherwise the parameter is replicated, so any tp
-restores any checkpoint. This is the storage layout only: a later issue writes the
-shard_map'd forward that relies on it (and may tighten the rule to whole heads / groups).
+restores any checkpoint. The shard_map'd forward (`redknot_jax.sharding.tp`) needs whole
+heads, groups, experts and vocabulary slices per rank and checks that with `check_tp`.
+
+Activations and caches: the batch dim is split over "dp" (when the mesh has it), replicated
+over "tp" (the shared K=V latent, compressor states and entries are one head: every rank
+keeps them whole, DESIGN §7).
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 AXIS = "tp"
+DP_AXIS = "dp"
 
 _RULES = (  # (path pattern, dim split over AXIS)
     (re.compile(r"(^|\.)attn\.(wq_b|wo_a|attn_sink)$"), 0),
@@ -48,12 +54,48 @@ def param_spec(path: str, shape, tp: int) -> PartitionSpec:
     return PartitionSpec()
 
 
-def make_mesh(tp: int) -> Mesh:
-    """A 1-D mesh named "tp" over the first `tp` devices."""
+def check_tp(cfg, tp: int) -> None:
+    """Raise ValueError unless every rank of a degree-`tp` split holds whole heads, output
+    groups, indexer heads, experts and an equal vocabulary slice (what the shard_map'd
+    forward assumes; Flash and Pro satisfy it for tp = 1, 2, 4, 8)."""
+    if not isinstance(tp, int) or tp < 1:
+        raise ValueError(f"tp: expected a positive int, got {tp!r}")
+    counts = {"num_heads": cfg.num_heads, "o_groups": cfg.o_groups, "index_n_heads": cfg.index_n_heads,
+              "n_routed_experts": cfg.n_routed_experts, "vocab_size": cfg.vocab_size}
+    bad = {k: v for k, v in counts.items() if v % tp}
+    if bad:
+        raise ValueError(f"tp={tp} does not divide {bad} (every rank must hold whole heads, groups, "
+                         f"experts and vocabulary slices)")
+
+
+def make_mesh(tp: int, dp: int = 1) -> Mesh:
+    """tp only: a 1-D mesh named "tp" over the first `tp` devices. With dp > 1: a 2-D mesh
+    ("dp", "tp") whose tp groups never cross a process (TP inside a host, DP across hosts):
+    each process contributes whole rows of `tp` of its local devices."""
+    if not isinstance(dp, int) or dp < 1:
+        raise ValueError(f"dp: expected a positive int, got {dp!r}")
     devices = jax.devices()
-    if not 1 <= tp <= len(devices):
-        raise ValueError(f"tp={tp}: expected 1 <= tp <= {len(devices)} (the visible devices)")
-    return Mesh(np.array(devices[:tp]), (AXIS,))
+    if dp == 1:
+        if not 1 <= tp <= len(devices):
+            raise ValueError(f"tp={tp}: expected 1 <= tp <= {len(devices)} (the visible devices)")
+        return Mesh(np.array(devices[:tp]), (AXIS,))
+    by_proc: dict[int, list] = {}
+    for d in sorted(devices, key=lambda d: (d.process_index, d.id)):
+        by_proc.setdefault(d.process_index, []).append(d)
+    rows = []
+    for proc in sorted(by_proc):
+        local = by_proc[proc]
+        rows += [local[i:i + tp] for i in range(0, len(local) - tp + 1, tp)]
+    if tp < 1 or len(rows) < dp:
+        raise ValueError(f"mesh dp={dp} x tp={tp}: the processes' local devices "
+                         f"{ {p: len(v) for p, v in by_proc.items()} } hold only {len(rows)} whole tp groups")
+    return Mesh(np.array(rows[:dp]), (DP_AXIS, AXIS))
+
+
+def batch_spec(mesh: Mesh, ndim: int) -> PartitionSpec:
+    """Activations / caches [b, ...]: batch over "dp" when the mesh has it, replicated over "tp"."""
+    lead = DP_AXIS if DP_AXIS in mesh.axis_names else None
+    return PartitionSpec(lead, *([None] * (ndim - 1))) if ndim else PartitionSpec()
 
 
 def param_sharding(mesh: Mesh, path: str, shape) -> NamedSharding:
