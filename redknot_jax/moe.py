@@ -43,8 +43,12 @@ def grouped_matmul(x: jax.Array, w: jax.Array, sizes: jax.Array, tile: int = 512
         g = jnp.minimum(jnp.searchsorted(tiles_end, i, side="right"), e - 1)
         row = starts[g] + (i - (tiles_end[g] - tiles_per[g])) * tile
         row = jnp.clip(row, 0, m)
-        y = jnp.dot(jax.lax.dynamic_slice(xpad, (row, 0), (tile, kdim)), w[g],
-                    preferred_element_type=out_dtype)
+        # tiles past the last group (dropped assignments, the static bound's slack) are skipped,
+        # so the fan-out rule's dropped experts cost no matmul
+        y = jax.lax.cond(i < tiles_end[-1],
+                         lambda: jnp.dot(jax.lax.dynamic_slice(xpad, (row, 0), (tile, kdim)), w[g],
+                                         preferred_element_type=out_dtype),
+                         lambda: jnp.zeros((tile, n), out_dtype))
         ok = (row + jnp.arange(tile) < starts[g] + sizes[g]) & (i < tiles_end[-1])
         old = jax.lax.dynamic_slice(out, (row, 0), (tile, n))
         return jax.lax.dynamic_update_slice(out, jnp.where(ok[:, None], y, old), (row, 0)), None

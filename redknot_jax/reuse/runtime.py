@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+import weakref
 
 import numpy as np
 import jax
@@ -30,6 +31,7 @@ from redknot_jax.mhc import HyperConnection
 from redknot_jax.model import Model
 from redknot_jax.reuse import ledger as ledgers
 from redknot_jax.reuse.artifact import local_head_mask, project_heads, single_rank
+from redknot_jax.reuse.consumer import Consumer, DocPool
 from redknot_jax.reuse.certificate import (CertCounters, FallbackReason, TPGeometry, explain, payload_digest,
                                            token_digest)
 from redknot_jax.reuse.fanout import fanout_histogram, fanout_keep, mean_kept
@@ -66,6 +68,8 @@ class ReuseRuntime:
         self.counters = CertCounters()
         self.local = local_head_mask(model, profile)
         self.reusable = list(profile.reusable_layers(self.cfg.num_layers))
+        self._verified: dict[int, tuple] = {}
+        self.consumer = Consumer(model, profile)
 
     # ------------------------------------------------------------------ certification
     def certify(self, req: Request) -> tuple[FallbackReason, str] | None:
@@ -79,33 +83,58 @@ class ReuseRuntime:
             bad = explain(art.certificate, expected_tokens_digest=token_digest(seg.tokens),
                           profile_digest=self.profile.digest(), model_digest=self.cfg.fingerprint(),
                           checkpoint_fingerprint=self.fingerprint, tp=self.tp, min_generation=self.min_generation,
-                          required_layers=self.reusable, actual_payload_digest=payload_digest(art.payload()))
+                          required_layers=self.reusable, actual_payload_digest=self._payload_digest(art))
             if bad is not None:
                 return bad[0], f"segment {i}: {bad[1]}"
         return None
 
+    def _payload_digest(self, art) -> str:
+        """The artifact's payload digest, hashed once per in-memory artifact: its arrays are
+        immutable device arrays once built or loaded (the store verifies tile checksums on every
+        read from disk), so a hot artifact is not re-hashed on every request."""
+        hit = self._verified.get(id(art))
+        if hit is not None and hit[0]() is art:
+            return hit[1]
+        digest = payload_digest(art.payload())
+        self._verified[id(art)] = (weakref.ref(art), digest)
+        return digest
+
     # ------------------------------------------------------------------ arms
-    def prefill(self, req: Request, arm: str = "redknot", require_reuse: bool = False) -> PrefillResult:
-        """Logits of the request's query rows with either arm, plus ledgers and counters."""
+    def prefill(self, req: Request, arm: str = "redknot", require_reuse: bool = False, path: str = "jit",
+                pool: DocPool | None = None) -> PrefillResult:
+        """Logits of the request's query rows with either arm, plus ledgers and counters.
+
+        `path="jit"` runs the consumer (per-layer jitted, query-blocked; `pool` holds the hot
+        artifacts, packed from the request's own when None); `path="reference"` the eager
+        reference below, which the consumer is tested against."""
         if arm not in ("recompute", "redknot"):
             raise ValueError(f"arm: expected 'recompute' or 'redknot', got {arm!r}")
+        if path not in ("jit", "reference"):
+            raise ValueError(f"path: expected 'jit' or 'reference', got {path!r}")
         t0 = time.perf_counter()
-        if arm == "recompute":
-            plan = plan_request(req, self.profile)
-            return PrefillResult(self._recompute(req, plan.query_rows), "recompute", None, "", None, plan,
-                                 time.perf_counter() - t0)
-        bad = self.certify(req)
-        if bad is not None:  # before any reuse-specific work
-            self.counters.record_fallback(bad[0])
+        if arm == "redknot":
+            bad = self.certify(req)
+            if bad is None:
+                self.counters.record_ok()
+                if path == "reference":
+                    logits, plan, hist = self._redknot(req)
+                else:
+                    plan = plan_request(req, self.profile)
+                    if pool is None:
+                        pool = self.consumer.pool([s.artifact for s in req.segments if s.artifact is not None])
+                    logits, hist = self.consumer.redknot(plan, req.tokens, pool)
+                    logits, hist = np.asarray(logits), np.asarray(hist)
+                    hist = np.pad(hist, (0, max(0, 7 - hist.size)))
+                return PrefillResult(logits, "redknot", None, "", self._ledgers(plan, hist), plan,
+                                     time.perf_counter() - t0, hist)
+            self.counters.record_fallback(bad[0])  # before any reuse-specific work
             if require_reuse:
                 raise ReuseFallback(f"RedKnot arm fell back to recomputation: {bad[0].value}: {bad[1]}")
-            plan = plan_request(req, self.profile)
-            return PrefillResult(self._recompute(req, plan.query_rows), "recompute", bad[0], bad[1], None, plan,
-                                 time.perf_counter() - t0)
-        self.counters.record_ok()
-        logits, plan, hist = self._redknot(req)
-        dt = time.perf_counter() - t0
-        return PrefillResult(logits, "redknot", None, "", self._ledgers(plan, hist), plan, dt, hist)
+        plan = plan_request(req, self.profile)
+        logits = (self._recompute(req, plan.query_rows) if path == "reference"
+                  else np.asarray(self.consumer.recompute(req.tokens, plan.query_rows)))
+        reason, detail = (bad if arm == "redknot" else (None, ""))
+        return PrefillResult(logits, "recompute", reason, detail, None, plan, time.perf_counter() - t0)
 
     def generate(self, req: Request, max_new_tokens: int, arm: str = "redknot", require_reuse: bool = False):
         """Greedy tokens after the request. The first token comes from `prefill`; decoding then

@@ -1,0 +1,140 @@
+"""TTFT of both arms on exactly the same requests (issue #9; DESIGN §6 timing rules).
+
+A release suite of frozen request records per length (documents drawn from a seed, the first
+as prefix at offset 0, the rest relocated, then a question of new rows); the records' token
+digests are saved with the results so a rerun can check it measured the same requests. Per
+length: build the artifacts (timed: the cold construction cost), admit them to the hot tier
+(device-resident `DocPool`; payload digests verified once), warm up both arms (compilation),
+then alternate the arms for --repeats. TTFT = model-forward entry to the first token on the
+host; the RedKnot arm's boundary includes certification, planning, the controller and the
+layout. A RedKnot run that fell back is rejected (require_reuse).
+
+    python launch/bench_ttft.py --lengths 65536 --docs 4 --repeats 2 --out ttft.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import hashlib
+import json
+import platform
+import statistics
+import time
+
+import numpy as np
+import jax
+
+from redknot_jax import config
+from redknot_jax.init import random_model
+from redknot_jax.reuse import ledger as ledgers
+from redknot_jax.reuse.artifact import build_artifact
+from redknot_jax.reuse.planner import Request, Segment, plan_request
+from redknot_jax.reuse.profile import flash_profile, tiny_profile
+from redknot_jax.reuse.runtime import ReuseFallback, ReuseRuntime
+
+
+def records(length: int, n_docs: int, question: int, vocab: int, seed: int):
+    """Frozen request: n_docs documents and a question, `length` rows in all."""
+    rng = np.random.default_rng(seed + length)
+    doc_len = (length - question) // n_docs
+    docs = [rng.integers(2, vocab, doc_len).astype(np.int32) for _ in range(n_docs)]
+    q = rng.integers(2, vocab, length - doc_len * n_docs).astype(np.int32)
+    digest = hashlib.sha256(b"".join(d.tobytes() for d in docs) + q.tobytes()).hexdigest()
+    return docs, q, digest
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--preset", default="flash-shaped")
+    ap.add_argument("--lengths", default="65536")
+    ap.add_argument("--docs", type=int, default=4)
+    ap.add_argument("--question", type=int, default=512)
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default="ttft.json")
+    args = ap.parse_args(argv)
+
+    cfg = config.PRESETS[args.preset]()
+    t0 = time.perf_counter()
+    model = random_model(cfg, seed=0)
+    jax.block_until_ready(jax.tree.leaves(model))
+    init_s = time.perf_counter() - t0
+    prof = flash_profile() if cfg.num_layers == 43 else tiny_profile(cfg.num_layers)
+    rt = ReuseRuntime(model, prof, checkpoint_fingerprint=f"random-{args.preset}-seed-0")
+    out = {"device": str(jax.devices()[0].device_kind), "date": datetime.date.today().isoformat(),
+           "jax": jax.__version__, "python": platform.python_version(), "preset": args.preset,
+           "profile": prof.to_dict(), "model_init_s": init_s, "command": "python launch/bench_ttft.py " +
+           " ".join(argv if argv is not None else __import__("sys").argv[1:]), "lengths": []}
+
+    def save():
+        with open(args.out, "w") as f:
+            json.dump(out, f, indent=1)
+
+    for length in [int(x) for x in args.lengths.split(",")]:
+        docs, q, digest = records(length, args.docs, args.question, cfg.vocab_size, args.seed)
+        row = {"length": length, "records_sha256": digest, "doc_len": int(docs[0].size), "question": int(q.size)}
+        out["lengths"].append(row)
+        t0 = time.perf_counter()
+        arts = []
+        for d in docs:  # built alone at 0; kept in host memory, the pool is the device copy
+            a = build_artifact(model, prof, d, checkpoint_fingerprint=rt.fingerprint)
+            a.layers = jax.tree.map(np.asarray, a.layers)
+            arts.append(a)
+        row["build_s"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        pool = rt.consumer.pool(arts)
+        jax.block_until_ready(jax.tree.leaves(pool.layers))
+        req = Request([Segment(d, a) for d, a in zip(docs, arts)] + [Segment(q)])
+        assert rt.certify(req) is None  # admission: payload digests verified once
+        row["admit_s"], row["pool_gb"] = time.perf_counter() - t0, pool.nbytes() / 1e9
+        save()
+
+        def recompute():
+            t0 = time.perf_counter()
+            plan = plan_request(req, prof)
+            tok = int(np.argmax(np.asarray(rt.consumer.recompute(req.tokens, plan.query_rows))[-1]))
+            return time.perf_counter() - t0, tok
+
+        def redknot():
+            t0 = time.perf_counter()
+            res = rt.prefill(req, "redknot", require_reuse=True, pool=pool)
+            return time.perf_counter() - t0, int(np.argmax(res.logits[-1])), res
+
+        t0 = time.perf_counter()
+        recompute()
+        row["warmup_recompute_s"] = time.perf_counter() - t0
+        save()
+        t0 = time.perf_counter()
+        redknot()
+        row["warmup_redknot_s"] = time.perf_counter() - t0
+        save()
+        rec_t, red_t, ratios = [], [], []
+        for _ in range(args.repeats):
+            a, tok_rec = recompute()
+            b, tok_red, res = redknot()
+            rec_t.append(a)
+            red_t.append(b)
+            ratios.append(a / b)
+        led = dataclasses.replace(res.ledgers, wallclock=ledgers.wallclock_ledger(
+            statistics.median(rec_t), statistics.median(red_t)))
+        row.update({
+            "recompute_s": rec_t, "redknot_s": red_t, "ratio_per_repeat": ratios,
+            "recompute_median_s": statistics.median(rec_t), "redknot_median_s": statistics.median(red_t),
+            "speedup_median": statistics.median(ratios), "first_token_agree": tok_rec == tok_red,
+            "protected_fraction": res.plan.fraction_protected(), "protected_rows": int(res.plan.protected.sum()),
+            "budget": res.plan.budget, "concentration": res.plan.concentration,
+            "fanout_hist": [int(x) for x in res.fanout_hist], "ledgers": led.to_dict(),
+            "cert": rt.counters.snapshot()})
+        save()
+        print(json.dumps({k: row[k] for k in ("length", "recompute_median_s", "redknot_median_s", "speedup_median",
+                                               "protected_fraction", "first_token_agree")}))
+    return out
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except ReuseFallback as e:  # a silent recomputation would be a lie: reject the run
+        raise SystemExit(f"rejected: {e}")

@@ -1,0 +1,256 @@
+"""Answer quality of reuse (issue 10): the Recomputed and RedKnot arms on exactly the same
+multi-document QA requests, with the trained QA model.
+
+Each held-out world (test split by default: names never seen in training) gives one request
+per question: its documents in a shuffled order (the first is the prefix at offset 0, the rest
+are relocated; each document's artifact was built alone at position 0), then the question as
+new rows. Both arms answer greedily through `ReuseRuntime.prefill` / `next_logits` until
+<eos> (at most --max-new tokens). Per variant of the RedKnot profile (budget 10/20/25/100 %
+by `budget_override`, or the controller; MoE fan-out off = native top-6, on = tau rule, K3):
+EM and F1 per question type for both arms, the paired difference with a bootstrap 95 %
+interval (questions resampled, the same resample for both arms), first-token agreement, and
+KL(recompute || redknot) of the first-token distribution. Writes JSON and a markdown table.
+
+    python launch/eval_quality.py --n 2 --variants default --out /tmp/q     # CPU smoke
+    python launch/eval_quality.py --n 16 --out docs/results/quality         # full grid
+
+Artifacts: built once per document with the base profile; a variant that changes only the
+budget or the fan-out rule (not the fences or the Global head, the only profile fields that
+change an artifact's content) gets the same payload under a certificate re-issued for its
+profile digest, so certification still runs (and counts) for every request.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import pathlib
+import time
+
+import numpy as np
+import jax
+
+from redknot_jax.quality import data as D
+from redknot_jax.quality.model_config import qa_profile
+from redknot_jax.quality.train import load_model
+from redknot_jax.reuse.artifact import Artifact, build_artifact
+from redknot_jax.reuse.planner import Request, Segment
+from redknot_jax.reuse.runtime import ReuseRuntime
+
+DEFAULT_CKPT = pathlib.Path(__file__).resolve().parents[1] / "redknot_jax" / "assets" / "qa_model"
+
+
+def variants(names: list[str]) -> list[tuple[str, dict]]:
+    """(label, profile overrides). 'default' = the profile as shipped (controller + tau)."""
+    grid = [("default", {})]
+    for b in (0.10, 0.20, 0.25, 1.00):
+        for mode, lab in (("native", "fan-out off"), ("tau", "fan-out on"), ("k3", "K3")):
+            grid.append((f"b{int(round(b * 100))}-{mode}", {"budget_override": b, "fanout_mode": mode, "_label": lab}))
+    if names == ["all"]:
+        return grid
+    known = {g[0]: g for g in grid}
+    bad = [n for n in names if n not in known]
+    if bad:
+        raise SystemExit(f"--variants: unknown {bad}; known: all, {', '.join(known)}")
+    return [known[n] for n in names]
+
+
+def recertify(art: Artifact, profile) -> Artifact:
+    cert = dataclasses.replace(art.certificate, profile_digest=profile.digest())
+    return Artifact(tokens=art.tokens, layers=art.layers, certificate=cert)
+
+
+def greedy(rt: ReuseRuntime, req: Request, arm: str, max_new: int):
+    """Greedy tokens until <eos> (excluded) or max_new, and the first-token logits."""
+    first = rt.prefill(req, arm, require_reuse=(arm == "redknot"))
+    toks = [int(np.argmax(first.logits[-1]))]
+    while toks[-1] != D.EOS and len(toks) < max_new:
+        toks.append(int(np.argmax(rt.next_logits(req, first, toks))))
+    ans = [t for t in toks if t != D.EOS] if D.EOS not in toks else toks[:toks.index(D.EOS)]
+    return ans, first
+
+
+def kl(p_logits, q_logits) -> float:
+    lp = p_logits - np.logaddexp.reduce(p_logits)
+    lq = q_logits - np.logaddexp.reduce(q_logits)
+    return float(np.sum(np.exp(lp) * (lp - lq)))
+
+
+def bootstrap_ci(diff: np.ndarray, reps: int, rng) -> tuple[float, float]:
+    if diff.size == 0:
+        return float("nan"), float("nan")
+    idx = rng.integers(0, diff.size, (reps, diff.size))
+    means = diff[idx].mean(1)
+    return float(np.percentile(means, 2.5)), float(np.percentile(means, 97.5))
+
+
+def summarize(records, reps: int, seed: int):
+    """Per variant and question type (and 'all'): both arms' EM / F1, paired differences with
+    bootstrap intervals, first-token agreement, mean KL, protected share."""
+    out = {}
+    rng = np.random.default_rng(seed)
+    for var in sorted({r["variant"] for r in records}, key=lambda v: [r["variant"] for r in records].index(v)):
+        rows = [r for r in records if r["variant"] == var]
+        out[var] = {}
+        for qt in list(D.QTYPES) + ["all"]:
+            sub = [r for r in rows if qt == "all" or r["qtype"] == qt]
+            if not sub:
+                continue
+            d = {"n": len(sub)}
+            for m in ("em", "f1"):
+                a = np.array([r[f"recompute_{m}"] for r in sub])
+                b = np.array([r[f"redknot_{m}"] for r in sub])
+                lo, hi = bootstrap_ci(b - a, reps, rng)
+                d.update({f"recompute_{m}": float(a.mean()) * 100, f"redknot_{m}": float(b.mean()) * 100,
+                          f"diff_{m}": float((b - a).mean()) * 100, f"diff_{m}_ci": [lo * 100, hi * 100]})
+            d["first_token_agreement"] = float(np.mean([r["first_agree"] for r in sub]))
+            d["mean_kl"] = float(np.mean([r["kl"] for r in sub]))
+            d["protected_share"] = float(np.mean([r["protected"] for r in sub]))
+            out[var][qt] = d
+    return out
+
+
+def markdown(summary, labels) -> str:
+    head = ("| variant | type | n | EM recompute | EM RedKnot | ΔEM [95 % CI] | F1 recompute | F1 RedKnot | "
+            "ΔF1 [95 % CI] | first-token agree | KL | protected |")
+    lines = [head, "|" + "---|" * 12]
+    for var, per in summary.items():
+        for qt, d in per.items():
+            ci_e, ci_f = d["diff_em_ci"], d["diff_f1_ci"]
+            lines.append(
+                f"| {labels.get(var, var)} | {qt} | {d['n']} | {d['recompute_em']:.1f} | {d['redknot_em']:.1f} | "
+                f"{d['diff_em']:+.1f} [{ci_e[0]:+.1f}, {ci_e[1]:+.1f}] | {d['recompute_f1']:.1f} | "
+                f"{d['redknot_f1']:.1f} | {d['diff_f1']:+.1f} [{ci_f[0]:+.1f}, {ci_f[1]:+.1f}] | "
+                f"{d['first_token_agreement']:.0%} | {d['mean_kl']:.4f} | {d['protected_share']:.0%} |")
+    return "\n".join(lines)
+
+
+def plot_svg(summary, qtype: str = "all", width: int = 520, height: int = 300) -> str | None:
+    """Quality vs budget (hand-written SVG, no plotting dependency): RedKnot EM per fan-out mode
+    at the budget grid, the Recomputed arm's EM as a dashed line."""
+    modes = {"native": "#1f77b4", "tau": "#d62728", "k3": "#2ca02c"}
+    pts = {m: [] for m in modes}
+    rec = []
+    for var, per in summary.items():
+        if not var.startswith("b") or qtype not in per:
+            continue
+        b, mode = var[1:].split("-")
+        pts[mode].append((int(b), per[qtype]["redknot_em"]))
+        rec.append(per[qtype]["recompute_em"])
+    if not rec:
+        return None
+    xs = [10, 20, 25, 100]
+    x0, x1, y0, y1 = 60, width - 130, height - 40, 20
+    X = lambda b: x0 + (xs.index(b) / (len(xs) - 1)) * (x1 - x0)
+    Y = lambda v: y0 - v / 100 * (y0 - y1)
+    el = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" font-family="sans-serif" '
+          f'font-size="11"><rect width="100%" height="100%" fill="white"/>',
+          f'<line x1="{x0}" y1="{y0}" x2="{x1}" y2="{y0}" stroke="black"/>',
+          f'<line x1="{x0}" y1="{y0}" x2="{x0}" y2="{y1}" stroke="black"/>']
+    for v in range(0, 101, 20):
+        el.append(f'<text x="{x0 - 8}" y="{Y(v) + 4}" text-anchor="end">{v}</text>')
+        el.append(f'<line x1="{x0}" y1="{Y(v)}" x2="{x1}" y2="{Y(v)}" stroke="#ddd"/>')
+    for b in xs:
+        el.append(f'<text x="{X(b)}" y="{y0 + 16}" text-anchor="middle">{b} %</text>')
+    el.append(f'<text x="{(x0 + x1) / 2}" y="{height - 6}" text-anchor="middle">budget (share of candidate rows '
+              f'protected; categorical axis)</text>')
+    el.append(f'<text x="14" y="{(y0 + y1) / 2}" transform="rotate(-90 14 {(y0 + y1) / 2})" '
+              f'text-anchor="middle">EM ({qtype}) %</text>')
+    r = float(np.mean(rec))
+    el.append(f'<line x1="{x0}" y1="{Y(r)}" x2="{x1}" y2="{Y(r)}" stroke="black" stroke-dasharray="5,4"/>')
+    legend = [("recompute", "black")] + [(f"RedKnot, {m}", c) for m, c in modes.items() if pts[m]]
+    for m, c in modes.items():
+        p = sorted(pts[m])
+        if p:
+            el.append('<polyline fill="none" stroke="{}" stroke-width="2" points="{}"/>'.format(
+                c, " ".join(f"{X(b):.1f},{Y(v):.1f}" for b, v in p)))
+            el += [f'<circle cx="{X(b):.1f}" cy="{Y(v):.1f}" r="3" fill="{c}"/>' for b, v in p]
+    for i, (lab, c) in enumerate(legend):
+        el.append(f'<rect x="{x1 + 12}" y="{y1 + 16 * i}" width="10" height="10" fill="{c}"/>')
+        el.append(f'<text x="{x1 + 26}" y="{y1 + 9 + 16 * i}">{lab}</text>')
+    return "\n".join(el + ["</svg>"])
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--checkpoint", default=str(DEFAULT_CKPT))
+    ap.add_argument("--split", default="test", choices=D.SPLITS)
+    ap.add_argument("--n", type=int, default=4, help="worlds (each gives one lookup and one two-hop request)")
+    ap.add_argument("--docs", type=int, default=9, help="documents per request")
+    ap.add_argument("--per-doc", type=int, default=8)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--variants", default="all", help="comma list (default, b10-native, b25-tau, ...) or all")
+    ap.add_argument("--max-new", type=int, default=3)
+    ap.add_argument("--bootstrap", type=int, default=2000)
+    ap.add_argument("--out", default=None, help="path prefix: writes PREFIX.json and PREFIX.md")
+    args = ap.parse_args(argv)
+
+    model = load_model(args.checkpoint)
+    cfg = model.cfg
+    fingerprint = f"qa_model:{pathlib.Path(args.checkpoint).name}"
+    base = qa_profile(cfg.num_layers, cfg.sliding_window)
+    vs = variants(args.variants.split(","))
+    runtimes = {}
+    for name, ov in vs:
+        ov = {k: v for k, v in ov.items() if not k.startswith("_")}
+        prof = dataclasses.replace(base, name=f"{base.name}-{name}", **ov) if ov else base
+        runtimes[name] = ReuseRuntime(model, prof, fingerprint)
+    eps = D.eval_episodes(args.split, args.n, seed=args.seed, n_docs=args.docs, per_doc=args.per_doc)
+    rng = np.random.default_rng([args.seed, 7])
+    records, t_start = [], time.perf_counter()
+    rec_rt = next(iter(runtimes.values()))
+    for e, ep in enumerate(eps):
+        arts = [build_artifact(model, base, np.asarray(d), checkpoint_fingerprint=fingerprint) for d in ep.docs]
+        for qa in ep.qas:
+            order = rng.permutation(len(ep.docs))
+            gold = D.decode(qa.answer)
+            t0 = time.perf_counter()
+            req = Request([Segment(np.asarray(ep.docs[j])) for j in order] + [Segment(np.asarray(qa.question))])
+            rec_ans, rec_first = greedy(rec_rt, req, "recompute", args.max_new)
+            rec_txt = D.decode(rec_ans)
+            for name, _ in vs:
+                rt = runtimes[name]
+                req = Request([Segment(np.asarray(ep.docs[j]), recertify(arts[j], rt.profile)) for j in order]
+                              + [Segment(np.asarray(qa.question))])
+                ans, first = greedy(rt, req, "redknot", args.max_new)
+                txt = D.decode(ans)
+                records.append({
+                    "variant": name, "episode": e, "qtype": qa.qtype, "relation": qa.relation,
+                    "order": order.tolist(), "rows": int(req.tokens.size), "gold": gold,
+                    "recompute": rec_txt, "redknot": txt,
+                    "recompute_em": D.exact_match(rec_txt, gold), "redknot_em": D.exact_match(txt, gold),
+                    "recompute_f1": D.f1(rec_txt, gold), "redknot_f1": D.f1(txt, gold),
+                    "first_agree": int(np.argmax(first.logits[-1]) == np.argmax(rec_first.logits[-1])),
+                    "kl": kl(rec_first.logits[-1], first.logits[-1]),
+                    "protected": first.plan.fraction_protected(), "budget": first.plan.budget,
+                    "concentration": first.plan.concentration})
+            print(f"world {e} {qa.qtype}/{qa.relation}: gold {gold!r} recompute {rec_txt!r} "
+                  f"redknot {[r['redknot'] for r in records[-len(vs):]]} ({time.perf_counter() - t0:.1f}s)",
+                  flush=True)
+    summary = summarize(records, args.bootstrap, args.seed)
+    labels = {name: (f"budget {ov['budget_override']:.0%}, {ov['_label']}" if ov else "default (controller, fan-out on)")
+              for name, ov in vs}
+    table = markdown(summary, labels)
+    print(table)
+    certs = {name: rt.counters.snapshot() for name, rt in runtimes.items()}
+    result = {"command": "python launch/eval_quality.py " + " ".join(argv if argv is not None else __import__("sys").argv[1:]),
+              "date": datetime.date.today().isoformat(), "device": str(jax.devices()[0].device_kind),
+              "jax": jax.__version__, "checkpoint": args.checkpoint, "split": args.split, "n_worlds": args.n,
+              "docs_per_request": args.docs, "profile": base.to_dict(), "variants": dict(vs),
+              "seconds": round(time.perf_counter() - t_start, 1), "summary": summary, "certification": certs,
+              "records": records}
+    if args.out:
+        p = pathlib.Path(args.out)
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.with_suffix(".json").write_text(json.dumps(result, indent=1, default=str))
+        p.with_suffix(".md").write_text(table + "\n")
+        svg = plot_svg(summary)
+        if svg:
+            p.with_suffix(".svg").write_text(svg)
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,187 @@
+"""Train the QA model (issue 10) on the synthetic multi-document QA task, within a wall-clock
+budget, and write a loadable checkpoint (hub-layout safetensors + config.json +
+tokenizer.json) and a training log.
+
+    python launch/train_quality_model.py --out out/qa_model --time-budget-s 250      # H200
+    python launch/train_quality_model.py --config qa-test --seq-len 128 --batch 2 \\
+        --max-steps 6 --eval-docs 2 --per-doc 2 --out /tmp/qa                        # CPU smoke
+
+Schedule by the fraction of the training budget used (time, or --max-steps): learning rate
+warm-up + cosine; curriculum: short packed episodes (2-3 documents) first, then 2-6, then half
+the rows full-size episodes (as many documents as the evaluation requests). The end of the
+budget is reserved for rounding to the shipped bf16 weights, saving, and the teacher-forced
+validation / held-out test scores (greedy-equivalent EM per question type) in train_log.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import os
+import pathlib
+import platform
+import sys
+import threading
+import time
+
+import numpy as np
+import jax
+import jax.numpy as jnp
+
+from redknot_jax.init import random_model
+from redknot_jax.quality import data as D
+from redknot_jax.quality.model_config import qa_config, qa_cpu_config, qa_test_config
+from redknot_jax.quality.train import TrainConfig, Trainer, lr_at, save_checkpoint, teacher_forced_scores
+
+
+def curriculum(frac: float, row: int, args) -> D.Curriculum:
+    full = max(2, args.eval_docs)
+    if frac < 0.3:
+        return D.Curriculum(2, min(3, full), args.per_doc, 16, two_hop=0.3)
+    if frac < 0.6 or row % 2:
+        return D.Curriculum(2, min(6, full), args.per_doc, 16, two_hop=0.5)
+    return D.Curriculum(max(2, full - 1), full, args.per_doc, 24, two_hop=0.5)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default=os.environ.get("OUT", "out/qa_model"))
+    ap.add_argument("--config", choices=("qa", "qa-cpu", "qa-test"), default="qa")
+    ap.add_argument("--time-budget-s", type=float, default=250.0, help="whole run, compile included")
+    ap.add_argument("--reserve-s", type=float, default=30.0, help="kept for saving and evaluation")
+    ap.add_argument("--max-steps", type=int, default=0, help="0: until the time budget")
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--seq-len", type=int, default=2048)
+    ap.add_argument("--per-doc", type=int, default=8)
+    ap.add_argument("--eval-docs", type=int, default=9, help="documents per evaluation world")
+    ap.add_argument("--eval-episodes", type=int, default=64)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--lr", type=float, default=2e-3)
+    ap.add_argument("--block", type=int, default=512, help="attention query block (Attention.__call__)")
+    ap.add_argument("--log-every", type=int, default=10)
+    args = ap.parse_args(argv)
+    t_start = time.perf_counter()
+    deadline = t_start + args.time_budget_s
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+
+    cfg = {"qa": qa_config, "qa-cpu": qa_cpu_config, "qa-test": qa_test_config}[args.config]()
+    tc = TrainConfig(lr=args.lr, block=min(args.block, args.seq_len))
+    model = random_model(cfg, seed=args.seed, dtype=jnp.float32)
+    trainer = Trainer(model, tc)
+    print(f"model initialised at {time.perf_counter() - t_start:.1f}s", flush=True)
+    names = D.split_names()["train"]
+    rng = np.random.default_rng(args.seed)
+    log = {"command": " ".join([os.path.basename(sys.argv[0])] + (argv if argv is not None else sys.argv[1:])),
+           "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+           "device": str(jax.devices()[0].device_kind), "platform": platform.node(), "jax": jax.__version__,
+           "model_config": cfg.to_hf_dict(), "train_config": dataclasses.asdict(tc), "args": vars(args),
+           "n_params": int(sum(np.prod(x.shape) for x in jax.tree.leaves(trainer.params))), "history": []}
+
+    def write_log():
+        (out / "train_log.json").write_text(json.dumps(log, indent=1))
+
+    # The evaluation forward compiles on a side thread while training runs (the GPU is busy
+    # with steps meanwhile), so the reserved end of the budget is not spent compiling.
+    eval_shape = jnp.zeros((args.batch, args.seq_len), jnp.int32)
+    compiled = {}
+
+    def compile_eval():
+        t0 = time.perf_counter()
+        compiled["fn"] = trainer._eval.lower(trainer.params, trainer.rest, eval_shape).compile()
+        compiled["s"] = time.perf_counter() - t0
+
+    th = threading.Thread(target=compile_eval, daemon=True)  # started after the first step
+
+    t0 = time.perf_counter()
+    example = (jnp.zeros((args.batch, args.seq_len + 1), jnp.int32), jnp.zeros((args.batch, args.seq_len), jnp.float32))
+    lowered = trainer._step.lower(trainer.params, trainer.rest, trainer.opt_state, *example, jnp.float32(0))
+    log["lower_s"] = round(time.perf_counter() - t0, 2)
+    print(f"train step lowered in {log['lower_s']:.1f}s", flush=True)
+    t0 = time.perf_counter()
+    trainer._step = lowered.compile()
+    log["compile_s"] = round(time.perf_counter() - t0, 2)
+    print(f"train step compiled in {log['compile_s']:.1f}s (at {time.perf_counter() - t_start:.1f}s)", flush=True)
+    step, tokens_seen, t_train0, train_budget = 0, 0, None, None
+    pending = []
+    saved_mid = False
+    while True:
+        now = time.perf_counter()
+        if t_train0 is None:
+            frac = 0.0
+        elif args.max_steps:
+            frac = step / args.max_steps
+        else:
+            frac = (now - t_train0) / train_budget
+        if (args.max_steps and step >= args.max_steps) or (not args.max_steps and t_train0 is not None and frac >= 1):
+            break
+        if now > deadline - args.reserve_s:
+            break
+        rows = [D.training_sequence(rng, names, args.seq_len, curriculum(frac, r, args)) for r in range(args.batch)]
+        toks, w = np.stack([r[0] for r in rows]), np.stack([r[1] for r in rows])
+        lr = lr_at(tc, frac)
+        stats = trainer.step(toks, w, lr)
+        step += 1
+        tokens_seen += int((toks[:, 1:] != D.PAD).sum())
+        pending.append((step, lr, frac, stats))
+        if t_train0 is None:  # the first step includes compilation
+            jax.block_until_ready(stats["loss"])
+            t_train0 = time.perf_counter()
+            train_budget = max(1.0, deadline - args.reserve_s - t_train0)
+            log["first_step_s"] = t_train0 - t_start
+            print(f"first step (compile included) at {log['first_step_s']:.1f}s; training budget "
+                  f"{train_budget:.0f}s", flush=True)
+            th.start()
+        if step % args.log_every == 0 or step == 1:
+            for s, l, f, st in pending:
+                rec = {"step": s, "lr": l, "frac": round(f, 4), **{k: float(v) for k, v in st.items()}}
+                log["history"].append(rec)
+            pending = []
+            rec = log["history"][-1]
+            rec["elapsed_s"] = round(time.perf_counter() - t_start, 2)
+            print(f"step {step} t={rec['elapsed_s']:.0f}s frac={frac:.2f} lr={lr:.2e} loss={rec['loss']:.3f} "
+                  f"answer_ce={rec['answer_ce']:.3f} answer_acc={rec['answer_acc']:.3f} "
+                  f"indexer_kl={rec['indexer_kl']:.3f} gnorm={rec['grad_norm']:.2f}", flush=True)
+        if not saved_mid and frac >= 0.6:  # a usable checkpoint even if the run is cut short
+            save_checkpoint(trainer.model(), out, metadata={"step": str(step), "note": "mid-training"})
+            saved_mid = True
+            write_log()
+    for s, l, f, st in pending:
+        log["history"].append({"step": s, "lr": l, "frac": round(f, 4), **{k: float(v) for k, v in st.items()}})
+    jax.block_until_ready(trainer.params)
+    t_end = time.perf_counter()
+    log.update(steps=step, tokens=tokens_seen, train_s=round(t_end - (t_train0 or t_end), 2),
+               steps_per_s=round((step - 1) / max(1e-9, t_end - (t_train0 or t_end)), 3) if step > 1 else None)
+
+    trainer.round_to_bf16()  # from here on: exactly the shipped weights
+    files = save_checkpoint(trainer.model(), out, metadata={"step": str(step)})
+    (out / "tokenizer.json").write_text(D.tokenizer_json())
+    log["files"] = files + ["config.json", "tokenizer.json"]
+    write_log()
+    print(f"saved {files} after {step} steps ({tokens_seen} tokens) at {time.perf_counter() - t_start:.0f}s",
+          flush=True)
+
+    if th.is_alive() or th.ident is not None:
+        th.join(timeout=max(1.0, deadline - time.perf_counter()))
+    if "fn" in compiled:
+        trainer._eval = compiled["fn"]
+        log["eval_compile_s"] = round(compiled["s"], 1)
+    for split in ("val", "test"):
+        if time.perf_counter() > deadline + 60:
+            log.setdefault("skipped", []).append(f"{split}: out of time")
+            break
+        t0 = time.perf_counter()
+        eps = D.eval_episodes(split, args.eval_episodes, seed=1000 + args.seed, n_docs=args.eval_docs,
+                              per_doc=args.per_doc, questions_per_type=4)
+        log[f"teacher_forced_{split}"] = teacher_forced_scores(trainer, eps, args.seq_len, args.batch)
+        log[f"teacher_forced_{split}"]["seconds"] = round(time.perf_counter() - t0, 2)
+        print(split, json.dumps(log[f"teacher_forced_{split}"]), flush=True)
+        write_log()
+    log["total_s"] = round(time.perf_counter() - t_start, 2)
+    write_log()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,337 @@
+"""Training the QA model with optax on the project's own modules (issue 10).
+
+Forward (`forward_train`): the same computation as `Model.forward` over a full row from an
+empty cache (embedding, per block: mHC pre -> attn_norm -> `Attention` -> mHC post -> mHC pre
+-> ffn_norm -> MoE -> mHC post, then `Model.logits`), written as the block loop so that two
+things can be read on the way:
+
+* **Lightning Indexer loss.** Top-k selection is not differentiable, so the next-token loss
+  gives the indexer (its query projection, head weights and its own compressor) no gradient at
+  all. As in DeepSeek-V3.2 / V4, the indexer is trained by an auxiliary KL divergence: for every
+  CSA layer and query row, the target is the main heads' attention distribution over all
+  visible compressed entries (dense, softmax per head, averaged over heads, stop-gradient), and
+  the prediction is the softmax of the indexer scores over the same entries. The indexer's
+  inputs are detached, so this loss trains the indexer only and the next-token loss trains
+  everything else (the main attention sees only the entries the indexer selects).
+* **MoE routing statistics** for the auxiliary-loss-free balancing of the learned layers
+  (DeepSeek-V3/V4): after each step the selection bias of expert e moves by
+  `bias_rate * sign(mean load - load_e)`; the bias only affects which experts are chosen, so it
+  gets no gradient.
+
+The routed experts are evaluated densely in training (every expert on every token, multiplied
+by the router's top-k weight, zero for unselected experts): the same sum as `MoE.experts`
+(`tests/quality` checks the logits equal `Model.forward`'s), but one batched matmul per weight
+instead of the inference path's tiled scan, which is built for long prefill, not backward.
+
+Loss: next-token cross-entropy weighted per target (answer tokens and their <eos> 1, other
+tokens `other_weight`, padding 0) + `indexer_coef` x mean indexer KL.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import pathlib
+
+import numpy as np
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import optax
+from flax import nnx
+
+from redknot_jax import weights as W
+from redknot_jax.config import ModelConfig
+from redknot_jax.indexer import index_scores
+from redknot_jax.mhc import HyperConnection
+from redknot_jax.model import Model
+from redknot_jax.moe import swiglu
+
+HIGHEST = jax.lax.Precision.HIGHEST
+
+
+# ----------------------------------------------------------------------------- forward
+def moe_dense(ffn, x, ids):
+    """`MoE.__call__` without fan-out, experts evaluated densely. x [b, t, d] -> (y [b, t, d]
+    in x's dtype, per-expert assignment counts [e])."""
+    b, t, d = x.shape
+    xf, idf = x.reshape(b * t, d), ids.reshape(b * t)
+    sel, wts, _ = ffn.route(xf, idf)
+    n = xf.shape[0]
+    gate = jnp.zeros((n, ffn.e), jnp.float32).at[jnp.arange(n)[:, None], sel].add(wts)  # [n, e]
+    g = jnp.einsum("nd,edf->nef", xf, ffn.w1[...], precision=HIGHEST)
+    u = jnp.einsum("nd,edf->nef", xf, ffn.w3[...], precision=HIGHEST)
+    h = swiglu(g, u, ffn.limit) * gate[:, :, None]  # weight before w2: sum_e w_e (h_e @ w2_e)
+    y = jnp.einsum("nef,efd->nd", h.astype(x.dtype), ffn.w2[...], preferred_element_type=jnp.float32,
+                   precision=HIGHEST)
+    y = (y + ffn.shared(xf)).astype(x.dtype)
+    load = jnp.zeros((ffn.e,), jnp.float32).at[sel.reshape(-1)].add(1.0)
+    return y.reshape(b, t, d), jax.lax.stop_gradient(load)
+
+
+def indexer_kl(attn, xa, entries, freqs):
+    """Mean over query rows (with at least one visible entry) of KL(main heads' attention over
+    the compressed entries || softmax of the indexer scores). xa [b, t, d] is the attention
+    input (detached here); entries [b, >= t/m, k] the layer's CSA entries."""
+    b, t, _ = xa.shape
+    xs = jax.lax.stop_gradient(xa)
+    m = attn.indexer.m
+    nw = t // m
+    pos0 = jnp.zeros((b,), jnp.int32)
+    pos = pos0[:, None] + jnp.arange(t)
+    q, cq = attn.query(xs, pos, freqs)
+    q, cq = jax.lax.stop_gradient(q), jax.lax.stop_gradient(cq)
+    ent = jax.lax.stop_gradient(entries[:, :nw]).astype(q.dtype)
+    vis = jnp.arange(nw)[None, None, :] < ((pos + 1) // m)[..., None]  # [b, t, w]
+    lg = jnp.einsum("bthk,bwk->bthw", q, ent, preferred_element_type=jnp.float32, precision=HIGHEST)
+    lg = jnp.where(vis[:, :, None, :], lg * attn.k ** -0.5, -jnp.inf)
+    target = jnp.mean(jax.nn.softmax(lg, axis=-1), axis=2)  # [b, t, w]
+    target = jax.lax.stop_gradient(jnp.where(vis, target, 0.0))
+    keys, _, _ = attn.indexer.compressor(xs, pos0, jnp.full((b,), t, jnp.int32),
+                                         attn.indexer.compressor.init_state(b), freqs)
+    iq, iw = attn.indexer.queries(xs, cq, pos, freqs)
+    s = index_scores(iq, iw, keys[:, :nw])
+    logp = jax.nn.log_softmax(jnp.where(vis, s, -jnp.inf), axis=-1)
+    kl = jnp.sum(jnp.where(vis & (target > 0), target * (jnp.log(jnp.maximum(target, 1e-30)) - logp), 0.0), -1)
+    rows = jnp.any(vis, -1).astype(jnp.float32)
+    return jnp.sum(kl * rows) / jnp.maximum(jnp.sum(rows), 1.0)
+
+
+def forward_train(model: Model, ids, block: int = 512, dense_moe: bool = True):
+    """Logits [b, t, vocab] of every row of ids [b, t] (a prefill from position 0), the
+    indexer KL of each CSA layer and the expert loads of each learned MoE layer."""
+    cfg = model.cfg
+    b, t = ids.shape
+    step = math.lcm(cfg.csa_rate, cfg.hca_rate)
+    cache = model.init_cache(b, -(-t // step) * step)
+    pos0, n_new = jnp.zeros((b,), jnp.int32), jnp.full((b,), t, jnp.int32)
+    block = min(block, t)
+    x = model.embed_streams(ids)
+    kls, loads = {}, {}
+    for i, blk in enumerate(model.layers):
+        freqs = model.freqs(i)
+        u, post, comb = blk.hc_attn.pre(x)
+        xa = blk.attn_norm(u)
+        a, c = blk.attn(xa, pos0, n_new, cache["layers"][i], freqs, block)
+        if blk.attn.indexer is not None:
+            kls[i] = indexer_kl(blk.attn, xa, c["entries"], freqs)
+        x = HyperConnection.post(x, a, post, comb)
+        u, post, comb = blk.hc_ffn.pre(x)
+        if dense_moe:
+            y, load = moe_dense(blk.ffn, blk.ffn_norm(u), ids)
+            if not blk.ffn.is_hash:
+                loads[i] = load
+        else:
+            y = blk.ffn(blk.ffn_norm(u), ids)
+        x = HyperConnection.post(x, y, post, comb)
+    rows = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    return model.logits(x, rows), kls, loads
+
+
+# ----------------------------------------------------------------------------- loss / step
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    lr: float = 2e-3
+    min_lr_frac: float = 0.05
+    warmup_frac: float = 0.03
+    b1: float = 0.9
+    b2: float = 0.95
+    weight_decay: float = 0.05
+    clip: float = 1.0
+    indexer_coef: float = 0.1
+    bias_rate: float = 1e-3
+    block: int = 512
+
+
+def lr_at(tc: TrainConfig, frac: float) -> float:
+    """Linear warm-up then cosine decay to min_lr_frac, by the fraction of the training budget
+    used (time or steps, whichever the caller budgets)."""
+    frac = min(max(frac, 0.0), 1.0)
+    if frac < tc.warmup_frac:
+        return tc.lr * (frac / tc.warmup_frac)
+    p = (frac - tc.warmup_frac) / max(1e-9, 1 - tc.warmup_frac)
+    return tc.lr * (tc.min_lr_frac + (1 - tc.min_lr_frac) * 0.5 * (1 + math.cos(math.pi * p)))
+
+
+def make_optimizer(tc: TrainConfig, params):
+    """AdamW without its learning rate (the step multiplies by lr, a traced scalar, so the
+    schedule can follow wall-clock time); decay on matrices only."""
+    mask = jax.tree.map(lambda p: p.ndim >= 2, params)
+    return optax.chain(optax.clip_by_global_norm(tc.clip), optax.scale_by_adam(b1=tc.b1, b2=tc.b2),
+                       optax.add_decayed_weights(tc.weight_decay, mask))
+
+
+class Trainer:
+    """Functional training state over one model: (params, rest, opt_state), a jitted step."""
+
+    def __init__(self, model: Model, tc: TrainConfig = TrainConfig()):
+        self.cfg, self.tc = model.cfg, tc
+        self.graphdef, self.params, self.rest = nnx.split(model, nnx.Param, ...)
+        self.tx = make_optimizer(tc, self.params)
+        self.opt_state = self.tx.init(self.params)
+        self._step = jax.jit(self._train_step, donate_argnums=(0, 2))
+        self._eval = jax.jit(self._eval_logits)
+
+    def model(self) -> Model:
+        return nnx.merge(self.graphdef, self.params, self.rest)
+
+    def _loss(self, params, rest, tokens, w):
+        model = nnx.merge(self.graphdef, params, rest)
+        inputs, targets = tokens[:, :-1], tokens[:, 1:]
+        logits, kls, loads = forward_train(model, inputs, self.tc.block)
+        ce = jax.nn.logsumexp(logits, -1) - jnp.take_along_axis(logits, targets[..., None], -1)[..., 0]
+        lm = jnp.sum(ce * w) / jnp.maximum(jnp.sum(w), 1e-6)
+        ikl = jnp.mean(jnp.stack(list(kls.values()))) if kls else jnp.zeros(())
+        ans = w >= 1.0  # answer tokens and their <eos>
+        acc = jnp.sum((jnp.argmax(logits, -1) == targets) & ans) / jnp.maximum(jnp.sum(ans), 1)
+        ans_ce = jnp.sum(ce * ans) / jnp.maximum(jnp.sum(ans), 1)
+        return lm + self.tc.indexer_coef * ikl, (lm, ikl, ans_ce, acc, loads)
+
+    def _train_step(self, params, rest, opt_state, tokens, w, lr):
+        (loss, (lm, ikl, ans_ce, acc, loads)), grads = jax.value_and_grad(self._loss, has_aux=True)(
+            params, rest, tokens, w)
+        gnorm = optax.tree.norm(grads)
+        updates, opt_state = self.tx.update(grads, opt_state, params)
+        params = jax.tree.map(lambda p, u: p - lr * u, params, updates)
+        if loads:  # aux-loss-free balancing of the learned routers
+            model = nnx.merge(self.graphdef, params, rest)
+            for i, load in loads.items():
+                bias = model.layers[i].ffn.bias
+                bias[...] = bias[...] + self.tc.bias_rate * jnp.sign(jnp.mean(load) - load)
+            _, params, _ = nnx.split(model, nnx.Param, ...)
+        stats = {"loss": loss, "lm": lm, "indexer_kl": ikl, "answer_ce": ans_ce, "answer_acc": acc,
+                 "grad_norm": gnorm}
+        return params, opt_state, stats
+
+    def step(self, tokens, w, lr: float):
+        self.params, self.opt_state, stats = self._step(self.params, self.rest, self.opt_state,
+                                                        jnp.asarray(tokens), jnp.asarray(w),
+                                                        jnp.asarray(lr, jnp.float32))
+        return stats
+
+    def _eval_logits(self, params, rest, inputs):
+        model = nnx.merge(self.graphdef, params, rest)
+        return forward_train(model, inputs, self.tc.block)[0]
+
+    def logits(self, inputs):
+        return self._eval(self.params, self.rest, jnp.asarray(inputs))
+
+    def round_to_bf16(self):
+        """Round every parameter the shipped checkpoint stores in bf16 (see `hub_tensors`), so
+        that evaluation after this sees exactly the shipped weights."""
+        keep = _f32_paths(self.cfg)
+        flat = nnx.to_flat_state(self.params)
+        for path, var in flat:
+            v = var.get_value()
+            if ".".join(str(x) for x in path) not in keep and jnp.issubdtype(v.dtype, jnp.floating):
+                var.set_value(v.astype(jnp.bfloat16).astype(v.dtype))
+        self.params = nnx.from_flat_state(flat)
+
+
+# ----------------------------------------------------------------------------- checkpoint
+def _f32_paths(cfg: ModelConfig) -> set[str]:
+    """Parameter paths the hub stores in fp32 (mHC, sinks, ape, router bias)."""
+    out = set()
+    for hub in W._HUB_F32:
+        if hub in W._TOP:
+            out.add(W._TOP[hub])
+        else:
+            for i in range(cfg.num_layers):
+                out.add(f"layers.{i}.{W._LAYER[hub]}")
+    return out
+
+
+def hub_tensors(model: Model) -> dict[str, np.ndarray]:
+    """The model's parameters under hub keys ([out, in] per expert), floating tensors in bf16
+    except the ones the hub keeps in fp32; the hash table as int32."""
+    cfg = model.cfg
+    leaves = {k: np.asarray(v.get_value()) for k, v in W.param_leaves(model).items()}
+    want = W.expected_hub_shapes(cfg, model)
+    out = {}
+    for key in want:
+        tgt = W.hub_target(key)
+        arr = leaves[tgt.path]
+        if tgt.expert is not None:
+            arr = arr[tgt.expert].T
+        if W.hub_format(key) == "f32":
+            arr = arr.astype(np.float32)
+        elif arr.dtype.kind == "f":
+            arr = arr.astype(ml_dtypes.bfloat16)
+        out[key] = np.ascontiguousarray(arr)
+    return out
+
+
+def save_checkpoint(model: Model, directory, shard_bytes: int = 12 << 20, metadata=None) -> list[str]:
+    """Write hub-layout safetensors shards (each under shard_bytes) + config.json; returns the
+    file names. Loadable by `weights.load_checkpoint` (so by the server with --checkpoint)."""
+    from checkpoints_convert.safetensors_io import write_safetensors
+
+    d = pathlib.Path(directory)
+    d.mkdir(parents=True, exist_ok=True)
+    tensors = hub_tensors(model)
+    shards, cur, size = [], {}, 0
+    for key in sorted(tensors, key=_key_order):
+        nb = tensors[key].nbytes
+        if cur and size + nb > shard_bytes:
+            shards.append(cur)
+            cur, size = {}, 0
+        cur[key] = tensors[key]
+        size += nb
+    shards.append(cur)
+    names = []
+    for old in d.glob("model-*.safetensors"):
+        old.unlink()
+    for i, sh in enumerate(shards):
+        name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        write_safetensors(d / name, sh, metadata={"format": "pt", **(metadata or {})})
+        names.append(name)
+    (d / "config.json").write_text(json.dumps(model.cfg.to_hf_dict(), indent=1))
+    return names
+
+
+def _key_order(key: str):
+    parts = key.split(".")
+    return (int(parts[1]) if parts[0] == "layers" else -1, key)
+
+
+def load_model(directory, dtype=jnp.float32) -> Model:
+    """A `Model` from a checkpoint directory written by `save_checkpoint` (or any hub /
+    transformers safetensors directory with config.json)."""
+    cfg = ModelConfig.from_json(pathlib.Path(directory) / "config.json")
+    model = Model(cfg, dtype)
+    W.load_checkpoint(model, cfg, directory)
+    return model
+
+
+# ----------------------------------------------------------------------------- teacher-forced eval
+def teacher_forced_scores(trainer: Trainer, episodes, seq_len: int, batch: int):
+    """Greedy-equivalent EM per question type from one forward per row: a question counts as
+    exact when the argmax of every target of its answer span and of the <eos> after it is the
+    gold token (exactly what greedy decoding would then emit). Also per-token accuracy."""
+    from redknot_jax.quality.data import teacher_forced_rows
+
+    rows, meta = [], []
+    for ep in episodes:
+        r = teacher_forced_rows(ep, seq_len)
+        if r is None:
+            continue
+        rows.append(r[0])
+        meta.append((r[1], r[2]))
+    res = {}
+    for s in range(0, len(rows), batch):
+        chunk = rows[s:s + batch]
+        pad = batch - len(chunk)
+        arr = np.stack(chunk + [chunk[-1]] * pad)
+        pred = np.asarray(jnp.argmax(trainer.logits(arr[:, :-1]), -1))
+        for j, (qas, spans) in enumerate(meta[s:s + batch]):
+            for qa, span in zip(qas, spans):
+                ok = pred[j, span] == arr[j, np.asarray(span) + 1]
+                d = res.setdefault(qa.qtype, {"n": 0, "em": 0.0, "token_acc": 0.0})
+                d["n"] += 1
+                d["em"] += float(ok.all())
+                d["token_acc"] += float(ok.mean())
+    for d in res.values():
+        d["em"] /= max(1, d["n"])
+        d["token_acc"] /= max(1, d["n"])
+    return res

@@ -1,0 +1,503 @@
+"""The RedKnot consumer (DESIGN §4, §7): both arms jitted per layer, query-blocked, at serving
+scale. `runtime.py` is the eager reference it is tested against (tests/reuse/test_consumer.py).
+
+Three parts:
+
+* `DocPool`: hot artifacts packed once per reusable layer into device arrays (K=V rows, z_L,
+  document-local top-k, compressed entries, indexer keys, boundary compressor rings). A request
+  never copies or rewrites them: it reads them through index tables, so many requests share
+  one pool with different offsets.
+* `Layout`: a planned request turned into index tables (numpy on the host, then device
+  arrays): per row its frame offset D, canonical position, pool row; per compressed rate the
+  request's entry table (pool entry, or the slots an online entry pools, its offset and last
+  position); the protected rows. Shapes are padded (rows and protected rows to the query block,
+  entries to 64) so a handful of programs compile.
+* `Consumer`: per-layer jitted functions. Layers with equal structure share one compiled
+  program (the nnx graph definition is a static argument), so the 43-layer flash stack
+  compiles a few layer programs instead of one unrolled program.
+
+A reusable layer: mHC, norm, `wq_a` for every row; **pass A** runs the Global heads of every
+row (own frame's window, the artifact's document-local CSA top-k, every visible HCA entry);
+**pass B** runs every head of the protected rows over the native key sets (the native indexer
+across frames); z = z_G + z_L with z_L read from the pool for unprotected document rows, the
+protected rows' projected state **replaces** theirs (never added); `wo_b` once; mHC; MoE with
+the fan-out rule.
+
+Relocation in this XLA path: a frame's canonical keys are turned by R(D) while they are read
+(the orthogonal twin of turning the query by R(-D): <R(-D) q, k> = <q, R(D) k>), so the
+output needs no phase restore before the native inverse output RoPE. The artifact itself is
+never written. The Mosaic GPU kernel (issue #7) rotates queries per segment instead; both are
+tested against the reference's per-frame rotated-query form.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+
+import numpy as np
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from redknot_jax.attention import sink_softmax_attend
+from redknot_jax.config import CSA, HCA
+from redknot_jax.indexer import index_scores, select_topk
+from redknot_jax.mhc import HyperConnection
+from redknot_jax.norms import rms_norm
+from redknot_jax.reuse.artifact import Artifact, local_head_mask
+from redknot_jax.reuse.fanout import fanout_keep
+from redknot_jax.reuse.planner import Plan, fill_itop
+from redknot_jax.rope import apply_rope
+
+HIGHEST = jax.lax.Precision.HIGHEST
+NEVER = np.int32(2 ** 30)  # last position of a padding entry: never visible
+ENTRY_PAD = 64
+
+
+def _ceil(n: int, m: int) -> int:
+    return max(m, -(-n // m) * m)
+
+
+# ---------------------------------------------------------------------------------- pool
+class DocPool:
+    """Device-resident artifacts of a set of documents, packed per reusable layer."""
+
+    def __init__(self, artifacts: list[Artifact], layers, dtype):
+        self.index = {id(a): k for k, a in enumerate(artifacts)}
+        self.artifacts = list(artifacts)
+        lens = [a.length for a in artifacts]
+        self.row_base = np.r_[0, np.cumsum(lens)][:-1].astype(np.int64)
+        self.rows = int(sum(lens))
+        self.layers = {}
+        for i in layers:
+            per = [a.layers[i] for a in artifacts]
+            d = {"kv": jnp.concatenate([jnp.asarray(p["kv"], dtype) for p in per]),
+                 "zl": jnp.concatenate([jnp.asarray(p["zl"], dtype) for p in per])}
+            for name, state in (("entries", "cmp"), ("idx_entries", "idx")):
+                if name in per[0]:
+                    d[name] = jnp.concatenate([jnp.asarray(p[name], dtype) for p in per])
+                    d[state] = {s: jnp.concatenate([jnp.asarray(p[state][s], jnp.float32) for p in per])
+                                for s in ("kv", "gate")}
+            if "topk" in per[0]:
+                d["topk"] = jnp.concatenate([jnp.asarray(p["topk"], jnp.int32) for p in per])
+            self.layers[i] = d
+
+    def doc(self, art: Artifact) -> int:
+        if id(art) not in self.index:
+            raise KeyError("DocPool: this artifact is not in the pool (pack it with the request's documents)")
+        return self.index[id(art)]
+
+    def entry_base(self, art: Artifact, m: int) -> int:
+        k = self.doc(art)
+        return int(sum(a.length // m for a in self.artifacts[:k]))
+
+    def nbytes(self) -> int:
+        return int(sum(x.nbytes for x in jax.tree.leaves(self.layers)))
+
+
+# ---------------------------------------------------------------------------------- layout
+def _entry_table(plan: Plan, pool: DocPool, m: int, overlap: bool, refresh: np.ndarray, t: int,
+                 frames) -> dict:
+    """The request's entries at rate m: pool entry or online slots, offset, last position."""
+    r = (2 if overlap else 1) * m
+    src, on_slots, d_off, wcan, endpos = [], [], [], [], []
+    ebase = np.zeros(t, np.int32)
+    count = 0
+    for f in frames:
+        n = f.end - f.start
+        nw = n // m
+        ebase[f.start:f.end] = count
+        count += nw
+        w = np.arange(nw)
+        L = f.doc_len if f.artifact is not None else 0
+        ref_rows = refresh[f.start:f.start + nw * m].reshape(nw, m).any(1) if nw else np.zeros(0, bool)
+        if overlap and nw:
+            ref_rows = ref_rows | np.r_[False, ref_rows[:-1]]
+        from_pool = ((w + 1) * m <= L) & ~ref_rows
+        pbase = pool.entry_base(f.artifact, m) if L else 0
+        ring0 = pool.doc(f.artifact) * r if L else 0
+        src.append(np.where(from_pool, pbase + w, -1))
+        lo = (w - 1) * m if overlap else w * m
+        c = lo[:, None] + np.arange(r)[None, :]  # canonical slot positions [nw, r]
+        art_slot = (c < L) & ~ref_rows[:, None]
+        if np.any(art_slot & ~from_pool[:, None] & (c >= 0) & (c < L - r)):
+            raise AssertionError("entry table: a continuation slot lies before the artifact's boundary ring")
+        slots = np.where(c < 0, -1, np.where(art_slot, t + ring0 + np.mod(c, r), f.start + c))
+        on_slots.append(slots)
+        d_off.append(np.full(nw, f.offset))
+        wcan.append(w)
+        endpos.append(f.offset + (w + 1) * m - 1)
+    cat = lambda xs, dt: np.concatenate(xs).astype(dt) if xs else np.zeros(0, dt)
+    src, slots = cat(src, np.int32), (np.concatenate(on_slots) if on_slots else np.zeros((0, r))).astype(np.int32)
+    d_off, wcan, endpos = cat(d_off, np.int32), cat(wcan, np.int32), cat(endpos, np.int32)
+    e = src.shape[0]
+    E = _ceil(e, ENTRY_PAD)
+    online = np.flatnonzero(src < 0)
+    E_on = _ceil(online.size, ENTRY_PAD)
+    pad = E - e
+    return {
+        "src": np.r_[src, np.full(pad, -1)].astype(np.int32),
+        "d": np.r_[d_off, np.zeros(pad)].astype(np.int32),
+        "w": np.r_[wcan, np.zeros(pad)].astype(np.int32),
+        "end": np.r_[endpos, np.full(pad, NEVER)].astype(np.int32),
+        "on_idx": np.r_[online, np.full(E_on - online.size, E)].astype(np.int32),
+        "on_slots": np.r_[slots[online], np.full((E_on - online.size, r), -1)].astype(np.int32),
+        "ebase": ebase,
+    }
+
+
+@dataclasses.dataclass
+class Layout:
+    """Index tables of one planned request (device arrays) and its static sizes."""
+
+    tables: dict
+    t: int  # padded rows
+    n_real: int
+    n_prot: int  # real protected rows
+
+
+def build_layout(plan: Plan, pool: DocPool, profile, cfg, block: int) -> Layout:
+    t_real = plan.n_rows
+    t = _ceil(t_real, block)
+    prot = plan.protected
+    collapse = profile.latent_refresh == "protected" and bool((prot | ~plan.doc_row).all())
+    if collapse:  # every latent refreshed: one online frame at 0, the native computation
+        frames = [dataclasses.replace(plan.frames[0], offset=0, start=0, end=t, doc_len=0, artifact=None)]
+        doc_row = np.zeros(t, bool)
+    else:
+        frames = list(plan.frames)
+        frames[-1] = dataclasses.replace(frames[-1], end=t)  # padding rows extend the last frame
+        doc_row = np.r_[plan.doc_row, np.zeros(t - t_real, bool)]
+    prot_t = np.r_[prot, np.zeros(t - t_real, bool)]
+    refresh = prot_t if profile.latent_refresh == "protected" else np.zeros(t, bool)
+    d_row = np.zeros(t, np.int32)
+    frame = np.zeros(t, np.int32)
+    pool_row = np.full(t, -1, np.int64)
+    for fi, f in enumerate(frames):
+        d_row[f.start:f.end] = f.offset
+        frame[f.start:f.end] = fi
+        if f.artifact is not None and f.doc_len:
+            pool_row[f.start:f.start + f.doc_len] = pool.row_base[pool.doc(f.artifact)] + np.arange(f.doc_len)
+    art_row = np.where(refresh, -1, pool_row)  # canonical latent read from the pool
+    zl_row = np.where(doc_row & ~prot_t, pool_row, -1)  # z_L restored (and top-k read) from the pool
+    prot_idx = np.flatnonzero(prot_t)
+    P = _ceil(prot_idx.size, block)
+    tab = {"pos": np.arange(t, dtype=np.int32), "d": d_row, "frame": frame,
+           "art_row": art_row.astype(np.int32), "zl_row": zl_row.astype(np.int32),
+           "prot_idx": np.r_[prot_idx, np.full(P - prot_idx.size, t)].astype(np.int32),
+           "n_real": np.int32(t_real)}
+    rates = {}
+    if CSA in cfg.layer_types:
+        rates["csa"] = _entry_table(plan, pool, cfg.csa_rate, True, refresh, t, frames)
+    if HCA in cfg.layer_types:
+        rates["hca"] = _entry_table(plan, pool, cfg.hca_rate, False, refresh, t, frames)
+    tab["rates"] = rates
+    return Layout(tables=jax.tree.map(jnp.asarray, tab), t=t, n_real=t_real, n_prot=int(prot_idx.size))
+
+
+# ---------------------------------------------------------------------------------- layer math
+def _online_entries(comp, proj_kv, proj_gate, ring, tab, freqs, pool_entries, E):
+    """Request entries [E, dk] in absolute coordinates: pool entries, or pooled from slots
+    (request rows' projections, or the artifact's boundary ring), turned by R(D)."""
+    srcs_kv = jnp.concatenate([proj_kv, ring["kv"]]) if ring is not None else proj_kv
+    srcs_gate = jnp.concatenate([proj_gate, ring["gate"]]) if ring is not None else proj_gate
+    slots = tab["on_slots"]  # [E_on, r]
+    ok = slots >= 0
+    sk = srcs_kv[jnp.maximum(slots, 0)]  # [E_on, r, c*dk]
+    sg = jnp.where(ok[..., None], srcs_gate[jnp.maximum(slots, 0)], -jnp.inf)
+    m, dk = comp.m, comp.dk
+    if comp.overlap:  # A halves of window w-1 (first m slots), B halves of window w
+        kv = jnp.concatenate([sk[:, :m, :dk], sk[:, m:, dk:]], axis=1)
+        gate = jnp.concatenate([sg[:, :m, :dk], sg[:, m:, dk:]], axis=1)
+    else:
+        kv, gate = sk, sg
+    w = tab["w"][jnp.minimum(tab["on_idx"], E - 1)]
+    ent = comp.pool(kv[None], gate[None], w[None], freqs)[0]  # canonical RoPE at w*m
+    ent = jnp.where(ok.any(1)[:, None], ent, 0.0)
+    out = jnp.zeros((E, dk), jnp.float32)
+    if pool_entries is not None:
+        out = jnp.where((tab["src"] >= 0)[:, None], pool_entries[jnp.maximum(tab["src"], 0)].astype(jnp.float32), out)
+    out = out.at[tab["on_idx"]].set(ent, mode="drop")
+    return apply_rope(out, tab["d"], freqs)  # relocate: R(D) on the RoPE slice
+
+
+def _pass_a(q, tab, kv_abs, ents, sink, scale, kind, block, window, csa_ids):
+    """Global heads of every row: own frame's window, document-local top-k, visible HCA."""
+    t = q.shape[0]
+    pad = jnp.zeros((window, kv_abs.shape[1]), kv_abs.dtype)
+    ext = jnp.concatenate([pad, kv_abs])
+    ext_frame = jnp.concatenate([jnp.full((window,), -1, jnp.int32), tab["frame"]])
+
+    def run(start):
+        qb = jax.lax.dynamic_slice_in_dim(q, start, block)
+        pb = start + jnp.arange(block)
+        fb = jax.lax.dynamic_slice_in_dim(tab["frame"], start, block)
+        wk = jax.lax.dynamic_slice_in_dim(ext, start, block + window)
+        wf = jax.lax.dynamic_slice_in_dim(ext_frame, start, block + window)
+        wp = start - window + jnp.arange(block + window)
+        wm = (wp[None] <= pb[:, None]) & (wp[None] > pb[:, None] - window) & (wf[None] == fb[:, None])
+        sets = [(wk[None], wm[None, :, None, :], "bthk,bsk->bths")]
+        if kind == HCA:
+            e, end = ents
+            sets.append((e[None].astype(q.dtype), (end[None] <= pb[:, None])[None, :, None, :], "bthk,bwk->bthw"))
+        elif kind == CSA:
+            e, end = ents
+            ids = jax.lax.dynamic_slice_in_dim(csa_ids, start, block)
+            safe = jnp.maximum(ids, 0)
+            ok = (ids >= 0) & (end[safe] <= pb[:, None])
+            sets.append((e[safe][None].astype(q.dtype), ok[None, :, None, :], "bthk,btwk->bthw"))
+        o, _ = sink_softmax_attend(qb[None], sets, sink, scale)
+        return o[0].astype(q.dtype)
+
+    n = t // block
+    o = run(0) if n == 1 else jax.lax.map(run, jnp.arange(n) * block).reshape(t, *q.shape[1:])
+    return o
+
+
+def _pass_b(q, pos, kv_abs, ents, idx, sink, scale, kind, block, window, topk):
+    """Every head of the protected rows over the native key sets (indexer across frames)."""
+    P = q.shape[0]
+
+    def run(start):
+        qb = jax.lax.dynamic_slice_in_dim(q, start, block)
+        pb = jax.lax.dynamic_slice_in_dim(pos, start, block)
+        kp = pb[:, None] - window + 1 + jnp.arange(window)  # window keys: positions = rows
+        wk = kv_abs[jnp.clip(kp, 0, kv_abs.shape[0] - 1)]
+        sets = [(wk[None], (kp >= 0)[None, :, None, :], "bthk,btsk->bths")]
+        if kind == HCA:
+            e, end = ents
+            sets.append((e[None].astype(q.dtype), (end[None] <= pb[:, None])[None, :, None, :], "bthk,bwk->bthw"))
+        elif kind == CSA:
+            e, end = ents
+            iq, iw, ikeys = idx
+            iqb = jax.lax.dynamic_slice_in_dim(iq, start, block)
+            iwb = jax.lax.dynamic_slice_in_dim(iw, start, block)
+            vis = (end[None] <= pb[:, None])[None]
+            k = min(topk, e.shape[0])
+            sel, ok = select_topk(index_scores(iqb[None], iwb[None], ikeys[None]), vis, k)
+            sets.append((e[sel[0]][None].astype(q.dtype), ok[:, :, None, :], "bthk,btwk->bthw"))
+        o, _ = sink_softmax_attend(qb[None], sets, sink, scale)
+        return o[0].astype(q.dtype)
+
+    n = P // block
+    return run(0) if n == 1 else jax.lax.map(run, jnp.arange(n) * block).reshape(P, *q.shape[1:])
+
+
+def reusable_layer(blk, x, ids, tab, pool_layer, *, freqs, glob, block, fan):
+    """One reusable layer of the RedKnot arm over the request rows (see the module doc)."""
+    attn = blk.attn
+    t = x.shape[1]
+    h, k, g, w = attn.h, attn.k, attn.g, attn.window
+    u, post, comb = blk.hc_attn.pre(x)
+    xa = blk.attn_norm(u)[0]  # [t, d]
+    pos, d_row = tab["pos"], tab["d"]
+    cpos = pos - d_row
+    cq = attn.q_norm(jnp.einsum("td,qd->tq", xa, attn.wq_a[...], precision=HIGHEST))
+    wq = attn.wq_b[...].reshape(h, k, -1)
+
+    def queries(c, heads, p):
+        qq = jnp.einsum("tq,hkq->thk", c, wq[heads], precision=HIGHEST)
+        return apply_rope(rms_norm(qq, None, attn.eps), p, freqs)
+
+    # keys: canonical pool latent or online latent at the canonical position, turned by R(D)
+    kv_on = attn.latent(xa[None], cpos[None], freqs)[0]
+    ar = tab["art_row"]
+    kv = jnp.where((ar >= 0)[:, None], pool_layer["kv"][jnp.maximum(ar, 0)].astype(kv_on.dtype), kv_on)
+    kv_abs = apply_rope(kv, d_row, freqs)
+
+    kind = attn.kind
+    ents = idx_keys = None
+    if kind in (CSA, HCA):
+        comp = attn.compressor
+        rt = tab["rates"]["csa" if kind == CSA else "hca"]
+        E = rt["src"].shape[0]
+        pk, pg = comp.project(xa[None], cpos[None])
+        ents = (_online_entries(comp, pk[0], pg[0], pool_layer.get("cmp"), rt, freqs, pool_layer.get("entries"), E),
+                rt["end"])
+        if kind == CSA:
+            ic = attn.indexer.compressor
+            ik, ig = ic.project(xa[None], cpos[None])
+            idx_keys = _online_entries(ic, ik[0], ig[0], pool_layer.get("idx"), rt, freqs,
+                                       pool_layer.get("idx_entries"), E)
+    scale, sink = k ** -0.5, attn.attn_sink[...]
+
+    # pass A: Global heads of every row
+    zr = tab["zl_row"]
+    csa_ids = None
+    if kind == CSA:
+        local_ids = pool_layer["topk"][jnp.maximum(zr, 0)]  # document-local entry ids [t, K]
+        rt = tab["rates"]["csa"]
+        csa_ids = jnp.where((zr >= 0)[:, None] & (local_ids >= 0), rt["ebase"][:, None] + local_ids, -1)
+    q_g = queries(cq, glob, pos)
+    o_g = _pass_a(q_g, tab, kv_abs, ents, sink[glob], scale, kind, block, w, csa_ids)
+    o_g = apply_rope(o_g, pos, freqs, inverse=True)
+    hpg = h // g
+    wa = attn.wo_a[...].reshape(g, attn.o, hpg, k)
+    gl = np.asarray(glob) % hpg
+    z = jnp.einsum("tgjk,gojk->tgo", o_g.reshape(t, g, len(gl) // g, k), wa[:, :, gl[: len(gl) // g]],
+                   precision=HIGHEST)
+    z = z + jnp.where((zr >= 0)[:, None, None], pool_layer["zl"][jnp.maximum(zr, 0)].astype(z.dtype), 0)
+
+    # pass B: every head of the protected rows, native key sets; their z replaces the row's
+    pi = tab["prot_idx"]
+    pic = jnp.minimum(pi, t - 1)
+    pp = pos[pic]
+    q_p = queries(cq[pic], np.arange(h), pp)
+    idx = None
+    if kind == CSA:
+        iq, iw = attn.indexer.queries(xa[pic][None], cq[pic][None], pp[None], freqs)
+        idx = (iq[0], iw[0], idx_keys)
+    o_p = _pass_b(q_p, pp, kv_abs, ents, idx, sink, scale, kind, block, w,
+                  attn.indexer.topk if kind == CSA else 0)
+    o_p = apply_rope(o_p, pp, freqs, inverse=True)
+    z_p = attn.wo_a_apply(o_p[None])[0]
+    z = z.at[pi].set(z_p.astype(z.dtype), mode="drop")
+
+    y = attn.wo_b_apply(z[None])
+    x = HyperConnection.post(x, y.astype(x.dtype), post, comb)
+    keep_fn = lambda sel, wts, scores: fanout_keep(wts, fan[0], fan[1], fan[2])
+    x, keep = blk.ffn_residual(x, ids, keep_fn, with_keep=True)
+    real = pos < tab["n_real"]
+    kept = jnp.sum(keep[0], -1)
+    hist = jnp.zeros((keep.shape[-1] + 1,), jnp.int32).at[kept].add(real.astype(jnp.int32))
+    return x, hist
+
+
+# ---------------------------------------------------------------------------------- jitted layers
+@functools.partial(jax.jit, static_argnames=("graphdef", "freqs", "block", "cap"))
+def _native_jit(state, x, ids, n_real, *, graphdef, freqs, block, cap):
+    blk = nnx.merge(graphdef, state)
+    cache = blk.attn.init_cache(1, cap, x.dtype)
+    x, _ = blk(x, ids, jnp.zeros((1,), jnp.int32), n_real[None], cache, freqs, block)
+    return x
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "freqs", "glob", "block", "fan"))
+def _reusable_jit(state, x, ids, tab, pool_layer, *, graphdef, freqs, glob, block, fan):
+    blk = nnx.merge(graphdef, state)
+    return reusable_layer(blk, x, ids, tab, pool_layer, freqs=freqs, glob=np.asarray(glob), block=block, fan=fan)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef",))
+def _embed_jit(state, ids, *, graphdef):
+    return nnx.merge(graphdef, state).embed_streams(ids)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef",))
+def _logits_jit(state, x, rows, *, graphdef):
+    return nnx.merge(graphdef, state).logits(x, rows)
+
+
+@functools.partial(jax.jit, static_argnames=("pre_def", "csa_def", "freqs", "m"))
+def _controller_jit(pre_state, csa_state, xq, qr, ikeys, d_e, end_e, *, pre_def, csa_def, freqs, m):
+    """Indexer scores of the documents' windows for the query rows (max over query rows)."""
+    first, blk = nnx.merge(pre_def, pre_state), nnx.merge(csa_def, csa_state)
+    u, _, _ = first.hc_attn.pre(xq)
+    xa = blk.attn_norm(u)
+    _, cq = blk.attn.query(xa, qr[None], freqs)
+    iq, iw = blk.attn.indexer.queries(xa, cq, qr[None], freqs)
+    keys = apply_rope(ikeys.astype(jnp.float32), d_e, freqs).astype(ikeys.dtype)
+    s = index_scores(iq, iw, keys[None])[0]  # [q, E]
+    s = jnp.where(end_e[None] <= qr[:, None], s, -jnp.inf)
+    return jnp.max(s, axis=0)
+
+
+class Consumer:
+    """Both arms of a model at serving scale: `recompute(req)` and `redknot(req, pool)`."""
+
+    def __init__(self, model, profile, block: int | None = None):
+        # query block: 256 rows at model scale; 32 for the small test models (fewer padded rows)
+        block = block or (256 if model.cfg.hidden_size >= 1024 else 32)
+        self.model, self.profile, self.cfg, self.block = model, profile, model.cfg, block
+        self.defs = [nnx.split(b) for b in model.layers]
+        self.top_def, self.top_state = nnx.split(model)  # embedding / head jits read only their leaves
+        local = local_head_mask(model, profile)
+        self.glob = tuple(int(i) for i in np.flatnonzero(~local))
+        self.reusable = list(profile.reusable_layers(self.cfg.num_layers))
+        self.fan = (profile.fanout_mode, float(profile.tau), int(profile.fanout_min))
+
+    def pool(self, artifacts) -> DocPool:
+        return DocPool(artifacts, self.reusable, self.model.dtype)
+
+    # -------------------------------------------------------------- pieces
+    def _pad(self, tokens):
+        t_real = len(tokens)
+        t = _ceil(t_real, self.block)
+        ids = jnp.asarray(np.pad(np.asarray(tokens, np.int32), (0, t - t_real)))[None]
+        return ids, t, t_real
+
+    def _native(self, i, x, ids, t_real, t):
+        gd, st = self.defs[i]
+        cap = _ceil(t, self.cfg.hca_rate)
+        return _native_jit(st, x, ids, jnp.int32(t_real), graphdef=gd, freqs=self.model.freqs(i),
+                           block=min(self.block, t), cap=cap)
+
+    def _logits(self, x, rows):
+        return _logits_jit(self.top_state, x, jnp.asarray(rows, jnp.int32)[None], graphdef=self.top_def)[0]
+
+    # -------------------------------------------------------------- arms
+    def recompute(self, tokens, query_rows) -> jax.Array:
+        """The Recomputed arm: every layer native over the whole request (logits [q, vocab])."""
+        ids, t, t_real = self._pad(tokens)
+        x = _embed_jit(self.top_state, ids, graphdef=self.top_def)
+        for i in range(self.cfg.num_layers):
+            x = self._native(i, x, ids, t_real, t)
+        return self._logits(x, query_rows)
+
+    def controller(self, plan: Plan, x, pool: DocPool) -> None:
+        """Fill Itop and the budget (profile rule) from the native indexer for the query rows."""
+        cfg, prof = self.cfg, self.profile
+        csa = [i for i in self.reusable if cfg.layer_types[i] == CSA]
+        scores = np.full(plan.n_rows, -np.inf)
+        conc = 1.0
+        docs = [f for f in plan.frames if f.artifact is not None and f.doc_len >= cfg.csa_rate]
+        if csa and docs:
+            li, m = csa[0], cfg.csa_rate
+            keys = jnp.concatenate([jnp.asarray(f.artifact.layers[li]["idx_entries"]) for f in docs])
+            d_e = np.concatenate([np.full(f.doc_len // m, f.offset) for f in docs]).astype(np.int32)
+            w_e = np.concatenate([np.arange(f.doc_len // m) for f in docs])
+            end_e = d_e + (w_e + 1) * m - 1
+            qr = np.asarray(plan.query_rows, np.int32)
+            pd, ps = self.defs[self.reusable[0]]
+            cd, cs = self.defs[li]
+            s = np.asarray(_controller_jit(ps, cs, x[:, qr], jnp.asarray(qr), keys, jnp.asarray(d_e),
+                                           jnp.asarray(end_e), pre_def=pd, csa_def=cd,
+                                           freqs=self.model.freqs(li), m=m))
+            off = 0
+            for f in docs:
+                n = f.doc_len // m
+                scores[f.start:f.start + n * m] = np.repeat(s[off:off + n], m)
+                off += n
+            flat = s[np.isfinite(s)]
+            if flat.size:
+                p = np.exp(flat - flat.max())
+                p /= p.sum()
+                conc = float(np.sort(p)[::-1][: cfg.index_topk].sum())
+        plan.concentration = conc
+        budget = prof.budget_override if prof.budget_override is not None else prof.choose_budget(conc)
+        fill_itop(plan, scores, budget)
+
+    def redknot(self, plan: Plan, tokens, pool: DocPool, timings: dict | None = None):
+        """The RedKnot arm for a planned request whose artifacts are in `pool`; fills Itop.
+        Returns (logits [q, vocab], fan-out histogram [k+1] over reusable layers and rows)."""
+        cfg, prof = self.cfg, self.profile
+        ids, t, t_real = self._pad(tokens)
+        x = _embed_jit(self.top_state, ids, graphdef=self.top_def)
+        hist, layout = None, None
+        for i in range(cfg.num_layers):
+            if prof.is_fence(i, cfg.num_layers):
+                x = self._native(i, x, ids, t_real, t)
+                continue
+            if layout is None:  # the controller reads the first reusable layer's input
+                t0 = time.perf_counter()
+                self.controller(plan, x, pool)
+                layout = build_layout(plan, pool, prof, cfg, self.block)
+                if timings is not None:
+                    timings["plan_s"] = time.perf_counter() - t0
+            gd, st = self.defs[i]
+            x, h = _reusable_jit(st, x, ids, layout.tables, pool.layers[i], graphdef=gd,
+                                 freqs=self.model.freqs(i), glob=self.glob, block=self.block, fan=self.fan)
+            hist = h if hist is None else hist + h
+        return self._logits(x, plan.query_rows), hist
