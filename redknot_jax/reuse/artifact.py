@@ -11,10 +11,12 @@ memory here; persistence is the store's job.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import numpy as np
 import jax
 import jax.numpy as jnp
+from flax import nnx
 
 from redknot_jax.generate import bucket
 from redknot_jax.model import Model
@@ -59,6 +61,25 @@ def project_heads(attn, o: jax.Array, heads: np.ndarray) -> jax.Array:
     return attn.wo_a_apply((o * jnp.asarray(heads, o.dtype)[None, :, None])[None])[0]
 
 
+@functools.partial(jax.jit, static_argnames=("graphdef", "freqs", "block", "cap", "local", "keep"))
+def _layer(state, x, ids, n_new, *, graphdef, freqs, block, cap, local, keep):
+    """One layer of the document's native run; for a reusable layer also what it keeps."""
+    blk = nnx.merge(graphdef, state)
+    cache = blk.attn.init_cache(1, cap, x.dtype)
+    x, c, tr = blk(x, ids, jnp.zeros((1,), jnp.int32), n_new, cache, freqs, block, trace=True)
+    if not keep:
+        return x, None
+    d = {"kv": tr["kv"][0], "zl": project_heads(blk.attn, tr["o"][0], np.asarray(local))}
+    if blk.attn.compressor is not None:
+        d["entries"] = c["entries"][0]
+        d["cmp"] = jax.tree.map(lambda a: a[0], c["cmp"])
+    if blk.attn.indexer is not None:
+        d["idx_entries"] = c["idx_entries"][0]
+        d["idx"] = jax.tree.map(lambda a: a[0], c["idx"])
+        d["topk"] = tr["topk"][0]
+    return x, d
+
+
 def build_artifact(model: Model, profile: RedKnotProfile, tokens, *, checkpoint_fingerprint: str,
                    generation: int = 1, tp: TPGeometry | None = None) -> Artifact:
     """Run `tokens` alone at position 0 and keep what reusable layers need."""
@@ -70,26 +91,22 @@ def build_artifact(model: Model, profile: RedKnotProfile, tokens, *, checkpoint_
     width = bucket(n)
     ids = jnp.asarray(np.pad(tokens, (0, width - n)))[None]
     cap = -(-width // cfg.hca_rate) * cfg.hca_rate
-    cache = model.init_cache(1, cap)
     x = model.embed_streams(ids)
-    pos0, n_new = jnp.zeros((1,), jnp.int32), jnp.full((1,), n, jnp.int32)
-    local = local_head_mask(model, profile)
+    n_new = jnp.full((1,), n, jnp.int32)
+    local = tuple(bool(v) for v in local_head_mask(model, profile))
     reusable = set(profile.reusable_layers(cfg.num_layers))
     layers = {}
-    for i, blk in enumerate(model.layers):
-        x, c, tr = blk(x, ids, pos0, n_new, cache["layers"][i], model.freqs(i), min(256, width), trace=True)
-        if i not in reusable:
+    for i, blk in enumerate(model.layers):  # one jitted program per distinct layer structure
+        graphdef, state = nnx.split(blk)
+        x, d = _layer(state, x, ids, n_new, graphdef=graphdef, freqs=model.freqs(i), block=min(256, width),
+                      cap=cap, local=local, keep=i in reusable)
+        if d is None:
             continue
-        d = {"kv": tr["kv"][0, :n], "zl": project_heads(blk.attn, tr["o"][0, :n], local)}
-        if blk.attn.compressor is not None:
-            m = blk.attn.compressor.m
-            d["entries"] = c["entries"][0, : n // m]
-            d["cmp"] = jax.tree.map(lambda a: a[0], c["cmp"])
+        m = blk.attn.compressor.m if blk.attn.compressor is not None else 1
+        cut = {"kv": n, "zl": n, "topk": n, "entries": n // m}
         if blk.attn.indexer is not None:
-            d["idx_entries"] = c["idx_entries"][0, : n // blk.attn.indexer.m]
-            d["idx"] = jax.tree.map(lambda a: a[0], c["idx"])
-            d["topk"] = tr["topk"][0, :n]
-        layers[i] = d
+            cut["idx_entries"] = n // blk.attn.indexer.m
+        layers[i] = {k: (v[: cut[k]] if k in cut else v) for k, v in d.items()}
     tp = tp or single_rank()
     art = Artifact(tokens=tokens, layers=layers, certificate=None)
     art.certificate = Certificate(

@@ -479,8 +479,9 @@ class Consumer:
         budget = prof.budget_override if prof.budget_override is not None else prof.choose_budget(conc)
         fill_itop(plan, scores, budget)
 
-    def redknot(self, plan: Plan, tokens, pool: DocPool, timings: dict | None = None):
-        """The RedKnot arm for a planned request whose artifacts are in `pool`; fills Itop.
+    def redknot(self, plan: Plan, tokens, pool: DocPool, timings: dict | None = None, frozen: bool = False):
+        """The RedKnot arm for a planned request whose artifacts are in `pool`; fills Itop
+        (unless the plan is `frozen`: decode continuation keeps the prompt's protected set).
         Returns (logits [q, vocab], fan-out histogram [k+1] over reusable layers and rows)."""
         cfg, prof = self.cfg, self.profile
         ids, t, t_real = self._pad(tokens)
@@ -492,7 +493,8 @@ class Consumer:
                 continue
             if layout is None:  # the controller reads the first reusable layer's input
                 t0 = time.perf_counter()
-                self.controller(plan, x, pool)
+                if not frozen:
+                    self.controller(plan, x, pool)
                 layout = build_layout(plan, pool, prof, cfg, self.block)
                 if timings is not None:
                     timings["plan_s"] = time.perf_counter() - t0

@@ -35,7 +35,7 @@ from redknot_jax.reuse.consumer import Consumer, DocPool
 from redknot_jax.reuse.certificate import (CertCounters, FallbackReason, TPGeometry, explain, payload_digest,
                                            token_digest)
 from redknot_jax.reuse.fanout import fanout_histogram, fanout_keep, mean_kept
-from redknot_jax.reuse.planner import Plan, Request, Segment, fill_itop, plan_request
+from redknot_jax.reuse.planner import Plan, Request, fill_itop, plan_request
 from redknot_jax.reuse.profile import RedKnotProfile
 from redknot_jax.reuse.relocation import merge_partials, partial_attention, rotate
 from redknot_jax.rope import apply_rope
@@ -140,25 +140,27 @@ class ReuseRuntime:
         """Greedy tokens after the request. The first token comes from `prefill`; decoding then
         continues natively over the same relocated frames: each generated token is a new,
         protected query row appended to the last frame, and the plan of the prompt rows stays
-        frozen (so earlier rows never change). Reference path: each step re-runs the layers over
-        all rows (no incremental cache yet). Returns (tokens, first PrefillResult)."""
+        frozen (so earlier rows never change). Each step re-runs the jitted layers over all
+        rows (no incremental RedKnot cache yet: O(rows) per token). Returns (tokens, first PrefillResult)."""
         first = self.prefill(req, arm, require_reuse)
         toks = [int(np.argmax(first.logits[-1]))]
         for _ in range(max_new_tokens - 1):
             toks.append(int(np.argmax(self.next_logits(req, first, toks))))
         return toks, first
 
-    def next_logits(self, req: Request, first: PrefillResult, generated) -> np.ndarray:
+    def next_logits(self, req: Request, first: PrefillResult, generated, pool: DocPool | None = None) -> np.ndarray:
         """Logits [vocab] of the row after `generated` (tokens sampled so far after `req`), in
         the arm `first` actually ran: RedKnot continues over the same frames with the prompt's
         plan frozen; a request that fell back continues natively."""
         gen = np.asarray(generated, np.int32)
+        full = np.concatenate([req.tokens, gen])
         if first.arm == "recompute":
-            full = np.concatenate([req.tokens, gen])
-            return self._recompute(_Tokens(full.tolist()), [full.size - 1])[-1]
-        ext = Request(req.segments + [Segment(gen)])
-        logits, _, _ = self._redknot(ext, frozen=_extend_plan(first.plan, gen.size))
-        return logits[-1]
+            return np.asarray(self.consumer.recompute(full, [full.size - 1]))[-1]
+        plan = _extend_plan(first.plan, gen.size)
+        if pool is None:
+            pool = self.consumer.pool([s.artifact for s in req.segments if s.artifact is not None])
+        logits, _ = self.consumer.redknot(plan, full, pool, frozen=True)
+        return np.asarray(logits)[-1]
 
     def _recompute(self, req, rows) -> np.ndarray:
         ids = jnp.asarray(req.tokens)[None]
@@ -376,11 +378,6 @@ class ReuseRuntime:
                 win_ref = win_ref | jnp.concatenate([jnp.zeros((1,), bool), win_ref[:-1]])
             out[name] = jnp.where(win_ref[:, None], online, base)
         return out
-
-
-@dataclasses.dataclass
-class _Tokens:
-    tokens: list
 
 
 def _extend_plan(plan: Plan, n_new: int) -> Plan:

@@ -1,0 +1,96 @@
+"""The jitted consumer equals the eager reference runtime (which carries identities (a)-(i)).
+
+Same request, same artifacts, same plan: the consumer's RedKnot arm (keys turned by R(D) as
+they are read, Global heads of every row in pass A, every head of protected rows in pass B,
+z_L read from the pool) gives the reference's logits (per-frame rotated queries, LSE merge,
+row replacement) in fp32 across the three tiny schedules, both latent-refresh modes and
+every fan-out mode; its Recomputed arm equals `Model.forward`. A negative control checks the
+comparison can fail.
+"""
+
+import dataclasses
+
+import numpy as np
+import pytest
+import jax.numpy as jnp
+
+from redknot_jax import config
+from redknot_jax.init import random_model
+from redknot_jax.reuse.artifact import build_artifact
+from redknot_jax.reuse.consumer import DocPool, build_layout
+from redknot_jax.reuse.planner import Request, Segment, plan_request
+from redknot_jax.reuse.profile import tiny_profile
+from redknot_jax.reuse.runtime import ReuseRuntime
+from tests.tolerances import rel_err
+
+CASES = [("mixed", "none", "tau"), ("csa", "protected", "k3")]
+
+
+def _request(cfg, prof, model, seed):
+    rng = np.random.default_rng(seed)
+    docs = [rng.integers(2, cfg.vocab_size, n) for n in (40, 33, 29)]
+    arts = [build_artifact(model, prof, d, checkpoint_fingerprint="fp") for d in docs]
+    new = lambda n: Segment(rng.integers(2, cfg.vocab_size, n))
+    # a prefix document, a relocated one, new rows, another relocated one (offsets not aligned
+    # to the compression rates), the question
+    return Request([Segment(docs[0], arts[0]), Segment(docs[2], arts[2]), new(5), Segment(docs[1], arts[1]),
+                    new(7)], query_rows=(60, 110, 113)), arts
+
+
+@pytest.mark.parametrize("kind,refresh,fan", CASES)
+def test_consumer_equals_reference(kind, refresh, fan):
+    cfg = config.tiny(kind)  # top-3 routing; a minimum of 2 lets the tau rule trim
+    model = random_model(cfg, seed=7, dtype=jnp.float32)
+    prof = dataclasses.replace(tiny_profile(cfg.num_layers), budget_override=0.2, tail_rows=8,
+                               latent_refresh=refresh, fanout_mode=fan, tau=0.8, fanout_min=2)
+    req, arts = _request(cfg, prof, model, 3)
+    rt = ReuseRuntime(model, prof, "fp")
+    ref = rt.prefill(req, "redknot", require_reuse=True, path="reference")
+    fast = rt.prefill(req, "redknot", require_reuse=True, pool=rt.consumer.pool(arts))
+    assert fast.arm == ref.arm == "redknot"
+    assert (fast.plan.protected == ref.plan.protected).all() and fast.plan.budget == ref.plan.budget
+    assert 0 < fast.plan.fraction_protected() < 1  # rows really were restored
+    assert rel_err(fast.logits, ref.logits) < 1e-5
+    np.testing.assert_array_equal(fast.fanout_hist, ref.fanout_hist)
+    if fan == "tau":
+        assert fast.fanout_hist[2] > 0 and fast.fanout_hist[3] > 0  # the rule really trimmed some rows
+    rec = rt.prefill(req, "recompute")
+    rec_ref = rt.prefill(req, "recompute", path="reference")
+    assert rel_err(rec.logits, rec_ref.logits) < 1e-5
+    assert rel_err(fast.logits, rec.logits) > 1e-4  # negative control: relocation is an approximation
+
+
+def test_layout_tables_name_pool_rows_and_online_entries():
+    """The index tables a request is turned into: pool rows for document rows, -1 for new rows,
+    online entries exactly where windows leave the artifact, padding never visible."""
+    cfg = config.tiny("mixed")
+    model = random_model(cfg, seed=1, dtype=jnp.float32)
+    prof = dataclasses.replace(tiny_profile(cfg.num_layers), budget_override=0.1, tail_rows=4)
+    rng = np.random.default_rng(0)
+    d0, d1 = rng.integers(2, cfg.vocab_size, 18), rng.integers(2, cfg.vocab_size, 21)
+    a0, a1 = (build_artifact(model, prof, d, checkpoint_fingerprint="fp") for d in (d0, d1))
+    pool = DocPool([a1, a0], [2], jnp.float32)  # pool order differs from request order
+    plan = plan_request(Request([Segment(d0, a0), Segment(d1, a1), Segment(np.arange(2, 8))]), prof)
+    plan.classes["I"][:] = False
+    lay = build_layout(plan, pool, prof, cfg, block=16)
+    tab = {k: np.asarray(v) for k, v in lay.tables.items() if k != "rates"}
+    assert lay.t == 48 and lay.n_real == 45
+    np.testing.assert_array_equal(tab["art_row"][:18], 21 + np.arange(18))  # a0 sits after a1
+    np.testing.assert_array_equal(tab["art_row"][18:39], np.arange(21))
+    assert (tab["art_row"][39:] == -1).all() and (tab["d"][18:] == 18).all()
+    hca = {k: np.asarray(v) for k, v in lay.tables["rates"]["hca"].items()}  # rate 16
+    # frame 0: 18 rows -> window 0 from the pool (a0's entry 0 = pool entry 21 // 16 = 1);
+    # frame 1: 30 rows (21 doc + 9 new/padding) -> window 0 from a1 (pool entry 0)
+    np.testing.assert_array_equal(hca["src"][:2], [1, 0])
+    assert (hca["end"][:2] == [15, 18 + 15]).all() and (hca["end"][2:] == 2 ** 30).all()
+    csa = {k: np.asarray(v) for k, v in lay.tables["rates"]["csa"].items()}  # rate 4
+    n_doc0, n_f1 = 18 // 4, 30 // 4
+    online = np.flatnonzero(csa["src"][: n_doc0 + n_f1] < 0)
+    # frame 0 has no online window (18 rows: 4 whole windows from the pool); frame 1: windows
+    # 5.. (rows 20..) need rows past a1's 21 tokens
+    np.testing.assert_array_equal(online, n_doc0 + np.arange(5, n_f1))
+    # window 5 of frame 1 pools canonical positions 16..23: those before a1's end (21) come from
+    # a1's boundary ring (a1 is the pool's doc 0: sources t + p mod 8), the rest are request rows
+    first = csa["on_slots"][0]
+    np.testing.assert_array_equal(first[:5], lay.t + np.mod(np.arange(16, 21), 8))
+    np.testing.assert_array_equal(first[5:], 18 + np.arange(21, 24))
