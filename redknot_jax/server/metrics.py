@@ -64,6 +64,10 @@ class Metrics:
         self.token_row = Summary("redknot_token_row_saving", "Token-row saving per RedKnot request", registry=r)
         self.cached_rows = Summary("redknot_cached_tokens", "Restored document rows per RedKnot request",
                                    registry=r)
+        self.artifact_tier = Counter(
+            "redknot_artifact_tier_hits", "Artifacts a RedKnot request cited, by where they were found: device "
+            "(in a packed device pool already), host (built, packed now), built (constructed for this request)",
+            ["tier"], registry=r)
         r.register(_CertCollector(cert_counters))
 
     def record_ledgers(self, ledgers: dict, cached: int) -> None:

@@ -9,7 +9,9 @@ and leave between steps (continuous batching). Sampling is per slot on the host 
 keeps its own temperature, top_p and seed).
 
 What is not batched: requests citing documents in the RedKnot arm run through
-`ReuseRuntime` (an eager, one-request reference path) and artifact builds run `build_artifact`;
+`ReuseRuntime` (jitted per layer, one request at a time, over a device pool of the cited
+documents' artifacts that stays hot while they are cited) and artifact builds run
+`build_artifact`;
 each such job runs alone on the worker between two decode steps, so it pauses the batch for its
 duration. Model work never runs on the event loop: the HTTP side only enqueues jobs and reads
 their events.
@@ -123,6 +125,7 @@ class Scheduler:
         self._splice = jax.jit(lambda big, one, i: jax.tree.map(
             lambda b, o: jax.lax.dynamic_update_index_in_dim(b, o[0], i, 0), big, one), donate_argnums=(0,))
         self.alive = False
+        self._pools: collections.OrderedDict = collections.OrderedDict()  # hot tier: packed DocPools
 
     # ------------------------------------------------------------------ event-loop side
     def submit(self, job: Job) -> None:
@@ -285,6 +288,27 @@ class Scheduler:
             doc.artifact = build_artifact(self.rt.model, self.rt.profile, doc.tokens,
                                           checkpoint_fingerprint=self.fp)
 
+    def _hot_pool(self, docs, keep: int = 4):
+        """The device pool of these documents' artifacts (the hot tier): reused while the same
+        documents are cited (and through decode), built otherwise; the `keep` most recent pools
+        stay resident. Every cited artifact is counted by the tier it came from."""
+        built = [d.artifact is None for d in docs]
+        for d in docs:
+            self._ensure_artifact(d)
+        key = tuple(id(d.artifact) for d in docs)
+        pool = self._pools.get(key)
+        if pool is not None:
+            self._pools.move_to_end(key)
+            self.metrics.artifact_tier.labels("device").inc(len(docs))
+            return pool
+        for b in built:
+            self.metrics.artifact_tier.labels("built" if b else "host").inc()
+        unique = list({id(d.artifact): d.artifact for d in docs}.values())  # a document cited twice
+        pool = self._pools[key] = self.rt.consumer.pool(unique)
+        while len(self._pools) > keep:
+            self._pools.popitem(last=False)
+        return pool
+
     def _run_build(self, job: Job) -> None:
         self._ensure_artifact(job.doc)
         job.emit("done", "built", {})
@@ -293,15 +317,15 @@ class Scheduler:
         """A request citing documents, RedKnot arm (falls back to recomputation, counted, when
         an artifact fails certification). Decoding after the first token follows
         `ReuseRuntime.generate` (plan frozen, generated tokens appended as protected new rows;
-        reference path, one forward per token) with this request's sampling."""
+        one jitted pass over all rows per token) with this request's sampling; the documents'
+        device pool is reused across requests citing the same documents."""
         if job.cancelled.is_set():
             self._count_cancel(job)
             return
-        for d in job.docs:
-            self._ensure_artifact(d)
+        pool = self._hot_pool(job.docs)
         segs = [Segment(np.asarray(d.tokens, np.int32), d.artifact) for d in job.docs]
         req = Request(segs + [Segment(np.asarray(job.tokens, np.int32))])
-        first = self.rt.prefill(req, "redknot")
+        first = self.rt.prefill(req, "redknot", pool=pool)
         arm = first.arm
         info = {"arm": arm, "fallback": first.fallback.value if first.fallback else None,
                 "fallback_detail": first.fallback_detail, "cached_tokens": 0}
@@ -327,7 +351,7 @@ class Scheduler:
                 if self._stopping and time.perf_counter() > self._deadline:
                     job.emit("error", 503, "server is shutting down; generation stopped")
                     return
-            toks.append(sample_host(self.rt.next_logits(req, first, toks), job.sampling, rng))
+            toks.append(sample_host(self.rt.next_logits(req, first, toks, pool=pool), job.sampling, rng))
             fin = self._token(job, toks[-1], len(toks), t_prev, arm)
             t_prev = time.perf_counter()
         job.emit("done", fin, info)

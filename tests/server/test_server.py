@@ -197,6 +197,8 @@ def test_document_reuse_first_token_equals_recompute(server):
     st2, again = server.request("POST", "/v1/documents", {"text": DOC})
     assert st2 == 200 and again["id"] == doc["id"]  # idempotent per tenant and content
     c = server.client()
+    tier = lambda name: server.metric("redknot_artifact_tier_hits_total", f'tier="{name}"')
+    host0, dev0 = tier("host"), tier("device")
     # two tokens: the first from the reuse prefill, the second from decoding over the frozen plan
     red = c.completions.create(model=MODEL, prompt=QUESTION, max_tokens=2, extra_body={"documents": [doc["id"]]})
     rec = c.completions.create(model=MODEL, prompt=QUESTION, max_tokens=2,
@@ -216,6 +218,11 @@ def test_document_reuse_first_token_equals_recompute(server):
     assert server.metric("redknot_cached_tokens_last") == cached
     assert server.metric("redknot_cert_fallback_total", 'reason="token_mismatch"') == 0
     assert server.metric("redknot_ttft_seconds_count", 'arm="redknot"') >= 1
+    # artifact tiers: built at registration, packed into a device pool at the first citation
+    # (host), then found in that pool (device)
+    assert tier("host") == host0 + 1 and tier("device") == dev0
+    c.completions.create(model=MODEL, prompt=QUESTION, max_tokens=1, extra_body={"documents": [doc["id"]]})
+    assert tier("device") == dev0 + 1 and tier("host") == host0 + 1
 
 
 def test_tenant_isolation_and_document_crud(server):
