@@ -285,8 +285,12 @@ def _pass_b(q, pos, kv_abs, ents, idx, sink, scale, kind, block, window, topk):
     return run(0) if n == 1 else jax.lax.map(run, jnp.arange(n) * block).reshape(P, *q.shape[1:])
 
 
-def reusable_layer(blk, x, ids, tab, pool_layer, *, freqs, glob, block, fan):
-    """One reusable layer of the RedKnot arm over the request rows (see the module doc)."""
+def reusable_layer(blk, x, ids, tab, pool_layer, *, freqs, glob, block, fan, reduce=None, ffn=None):
+    """One reusable layer of the RedKnot arm over the request rows (see the module doc).
+
+    Under tensor parallelism (`redknot_jax.sharding.consumer_tp`) the block holds a rank's
+    heads / groups / experts, `reduce` sums the row-parallel `wo_b` output over ranks and
+    `ffn(x, ids, keep_fn) -> (x, keep)` is the rank's MoE half; by default both are local."""
     attn = blk.attn
     t = x.shape[1]
     h, k, g, w = attn.h, attn.k, attn.g, attn.window
@@ -356,9 +360,14 @@ def reusable_layer(blk, x, ids, tab, pool_layer, *, freqs, glob, block, fan):
     z = z.at[pi].set(z_p.astype(z.dtype), mode="drop")
 
     y = attn.wo_b_apply(z[None])
+    if reduce is not None:
+        y = reduce(y)
     x = HyperConnection.post(x, y.astype(x.dtype), post, comb)
     keep_fn = lambda sel, wts, scores: fanout_keep(wts, fan[0], fan[1], fan[2])
-    x, keep = blk.ffn_residual(x, ids, keep_fn, with_keep=True)
+    if ffn is None:
+        x, keep = blk.ffn_residual(x, ids, keep_fn, with_keep=True)
+    else:
+        x, keep = ffn(x, ids, keep_fn)
     real = pos < tab["n_real"]
     kept = jnp.sum(keep[0], -1)
     hist = jnp.zeros((keep.shape[-1] + 1,), jnp.int32).at[kept].add(real.astype(jnp.int32))
@@ -434,6 +443,9 @@ class Consumer:
         return _native_jit(st, x, ids, jnp.int32(t_real), graphdef=gd, freqs=self.model.freqs(i),
                            block=min(self.block, t), cap=cap)
 
+    def _embed(self, ids):
+        return _embed_jit(self.top_state, ids, graphdef=self.top_def)
+
     def _logits(self, x, rows):
         return _logits_jit(self.top_state, x, jnp.asarray(rows, jnp.int32)[None], graphdef=self.top_def)[0]
 
@@ -441,7 +453,7 @@ class Consumer:
     def recompute(self, tokens, query_rows) -> jax.Array:
         """The Recomputed arm: every layer native over the whole request (logits [q, vocab])."""
         ids, t, t_real = self._pad(tokens)
-        x = _embed_jit(self.top_state, ids, graphdef=self.top_def)
+        x = self._embed(ids)
         for i in range(self.cfg.num_layers):
             x = self._native(i, x, ids, t_real, t)
         return self._logits(x, query_rows)
@@ -485,7 +497,7 @@ class Consumer:
         Returns (logits [q, vocab], fan-out histogram [k+1] over reusable layers and rows)."""
         cfg, prof = self.cfg, self.profile
         ids, t, t_real = self._pad(tokens)
-        x = _embed_jit(self.top_state, ids, graphdef=self.top_def)
+        x = self._embed(ids)
         hist, layout = None, None
         for i in range(cfg.num_layers):
             if prof.is_fence(i, cfg.num_layers):

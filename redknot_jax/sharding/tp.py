@@ -44,29 +44,33 @@ def _localize(model: Model, tp: int) -> None:
     """Make the merged per-rank model consistent with its parameter blocks: the static head /
     group / expert counts the modules keep become per-rank counts. (A module that derived them
     from its parameter shapes would need none of this; see docs/sharding.md.)"""
-    cfg = model.cfg
     for blk in model.layers:
-        attn, moe = blk.attn, blk.ffn
-        attn.h, attn.g = cfg.num_heads // tp, cfg.o_groups // tp
-        moe.e = cfg.n_routed_experts // tp
-        if attn.indexer is not None and tp > 1:
-            ix = attn.indexer
-            ix.heads = cfg.index_n_heads // tp
-            local_queries = ix.queries
-            # Indexer.queries scales the head weights by 1/sqrt(its head count): correct the
-            # per-rank count back to the model's.
-            fix = math.sqrt(ix.heads / cfg.index_n_heads)
+        localize_block(blk, model.cfg, tp)
 
-            def gathered_queries(x, cq, pos, freqs, _local=local_queries, _fix=fix):
-                q, w = _local(x, cq, pos, freqs)  # [b, t, i/tp, j], [b, t, i/tp] fp32
-                # COLLECTIVE (CSA layers): all-gather of the indexer queries over tp along heads:
-                # b*t*i*j elements in the activation dtype; every rank then holds all i heads.
-                q = jax.lax.all_gather(q, AXIS, axis=2, tiled=True, to="invarying")
-                # COLLECTIVE (CSA layers): all-gather of the indexer head weights: b*t*i fp32.
-                w = jax.lax.all_gather(w * _fix, AXIS, axis=2, tiled=True, to="invarying")
-                return q, w
 
-            object.__setattr__(ix, "queries", gathered_queries)
+def localize_block(blk, cfg: ModelConfig, tp: int) -> None:
+    """`_localize` for one block (the per-layer programs of the tensor-parallel consumer)."""
+    attn, moe = blk.attn, blk.ffn
+    attn.h, attn.g = cfg.num_heads // tp, cfg.o_groups // tp
+    moe.e = cfg.n_routed_experts // tp
+    if attn.indexer is not None and tp > 1:
+        ix = attn.indexer
+        ix.heads = cfg.index_n_heads // tp
+        local_queries = ix.queries
+        # Indexer.queries scales the head weights by 1/sqrt(its head count): correct the
+        # per-rank count back to the model's.
+        fix = math.sqrt(ix.heads / cfg.index_n_heads)
+
+        def gathered_queries(x, cq, pos, freqs, _local=local_queries, _fix=fix):
+            q, w = _local(x, cq, pos, freqs)  # [b, t, i/tp, j], [b, t, i/tp] fp32
+            # COLLECTIVE (CSA layers): all-gather of the indexer queries over tp along heads:
+            # b*t*i*j elements in the activation dtype; every rank then holds all i heads.
+            q = jax.lax.all_gather(q, AXIS, axis=2, tiled=True, to="invarying")
+            # COLLECTIVE (CSA layers): all-gather of the indexer head weights: b*t*i fp32.
+            w = jax.lax.all_gather(w * _fix, AXIS, axis=2, tiled=True, to="invarying")
+            return q, w
+
+        object.__setattr__(ix, "queries", gathered_queries)
 
 
 def _rank(tp: int):

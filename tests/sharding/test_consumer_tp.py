@@ -1,0 +1,53 @@
+"""Both arms tensor-parallel: the consumer's layers under shard_map on tp = 2 and 8 give the
+single-device consumer's logits (fp32; summation order only), for a request with a prefix
+document, relocated documents and new rows, with the fan-out rule trimming experts."""
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from redknot_jax import config
+from redknot_jax.config import CSA, HASH_MOE, HCA, MOE, SLIDING
+from redknot_jax.reuse.artifact import build_artifact
+from redknot_jax.reuse.consumer import Consumer
+from redknot_jax.reuse.planner import Request, Segment, plan_request
+from redknot_jax.reuse.profile import tiny_profile
+from redknot_jax.sharding.consumer_tp import TPConsumer
+from redknot_jax.sharding.table import make_mesh
+from tests.sharding.helpers import tiny_model
+from tests.tolerances import TOL, rel_err
+
+# every count divides 8: heads 16 / groups 8 / indexer heads 16 / experts 16 / vocab 128
+CFG = config.tiny("mixed", num_layers=4, layer_types=(SLIDING, CSA, HCA, CSA),
+                  mlp_layer_types=(HASH_MOE, MOE, MOE, MOE), num_heads=16, o_groups=8, index_n_heads=16,
+                  n_routed_experts=16, experts_per_tok=3, vocab_size=128)
+
+
+@pytest.fixture(scope="module")
+def setup():
+    model = tiny_model(CFG, seed=3)
+    prof = dataclasses.replace(tiny_profile(CFG.num_layers), budget_override=0.25, tail_rows=6, tau=0.6,
+                               fanout_min=2)
+    rng = np.random.default_rng(4)
+    docs = [rng.integers(2, CFG.vocab_size, n) for n in (36, 27)]
+    arts = [build_artifact(model, prof, d, checkpoint_fingerprint="fp") for d in docs]
+    req = Request([Segment(docs[0], arts[0]), Segment(docs[1], arts[1]), Segment(rng.integers(2, 128, 9))])
+    single = Consumer(model, prof)
+    plan = plan_request(req, prof)
+    ref, hist = single.redknot(plan, req.tokens, single.pool(arts))
+    rec = single.recompute(req.tokens, plan.query_rows)
+    return model, prof, arts, req, plan, np.asarray(ref), np.asarray(hist), np.asarray(rec)
+
+
+@pytest.mark.parametrize("tp", [2, 8])
+def test_tp_consumer_equals_single_device(setup, tp):
+    model, prof, arts, req, plan1, ref, hist1, rec1 = setup
+    assert 0 < plan1.fraction_protected() < 1 and hist1[2] > 0  # rows restored, experts trimmed
+    con = TPConsumer(model, prof, make_mesh(tp))
+    plan = plan_request(req, prof)
+    logits, hist = con.redknot(plan, req.tokens, con.pool(arts))
+    assert (plan.protected == plan1.protected).all()
+    assert rel_err(np.asarray(logits), ref) < TOL["resharded_fp32"][0]
+    np.testing.assert_array_equal(np.asarray(hist), hist1)
+    assert rel_err(np.asarray(con.recompute(req.tokens, plan.query_rows)), rec1) < TOL["resharded_fp32"][0]
