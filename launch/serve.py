@@ -22,7 +22,8 @@ def main(argv=None):
     ap.add_argument("--preset", default="tiny", help="random-weight preset when no checkpoint")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--profile", default="auto", help="auto | tiny | tiny-exact | flash | pro | profile.json")
-    ap.add_argument("--artifact-store", help="directory for document records (reloaded at start-up)")
+    ap.add_argument("--artifact-store", help="directory for document records (reloaded at start-up) and their artifacts "
+                    "(per-tenant ArtifactStores under DIR/artifacts: published when built, read back verified)")
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=8000)
     ap.add_argument("--api-keys-file")

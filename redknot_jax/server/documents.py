@@ -10,8 +10,8 @@ so one tenant cannot probe another's ids.
 
 With `store_dir`, each record (tokens, owner, shared flag) is written as JSON and reloaded at
 start-up; the server secret is kept beside it so ids stay stable across restarts. Artifacts
-themselves are held in memory and rebuilt lazily after a restart (Orbax persistence of
-artifacts is the artifact store's job, not this registry's).
+are the scheduler's: held in memory, published to the tenant's `ArtifactStore` under
+`store_dir/artifacts` when built, and read back (verified) after a restart.
 """
 
 from __future__ import annotations

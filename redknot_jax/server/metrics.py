@@ -66,7 +66,8 @@ class Metrics:
                                    registry=r)
         self.artifact_tier = Counter(
             "redknot_artifact_tier_hits", "Artifacts a RedKnot request cited, by where they were found: device "
-            "(in a packed device pool already), host (built, packed now), built (constructed for this request)",
+            "(in a packed device pool already), host (in memory, packed now), disk (read from the artifact "
+            "store, verified), built (constructed for this request)",
             ["tier"], registry=r)
         r.register(_CertCollector(cert_counters))
 

@@ -25,6 +25,8 @@ sequences finish for up to `grace_s` seconds, then fails whatever is left, expli
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import os
 import collections
 import dataclasses
 import logging
@@ -37,6 +39,7 @@ import jax
 
 from redknot_jax.generate import Engine
 from redknot_jax.reuse.artifact import build_artifact
+from redknot_jax.reuse.certificate import FallbackReason
 from redknot_jax.reuse.planner import Request, Segment
 from redknot_jax.reuse.runtime import ReuseRuntime
 
@@ -112,8 +115,9 @@ class _Slot:
 
 class Scheduler:
     def __init__(self, engine: Engine, runtime: ReuseRuntime, metrics, *, slots: int = 8, max_queue: int = 64,
-                 checkpoint_fingerprint: str = ""):
+                 checkpoint_fingerprint: str = "", store_root: str | None = None):
         self.eng, self.rt, self.metrics = engine, runtime, metrics
+        self.store_root, self._stores = store_root, {}
         self.slots_n, self.max_queue, self.fp = slots, max_queue, checkpoint_fingerprint
         self._cond = threading.Condition()
         self._pending: collections.deque[Job] = collections.deque()
@@ -283,26 +287,52 @@ class Scheduler:
                 self._slots[i] = None
 
     # ------------------------------------------------------------------ special jobs
-    def _ensure_artifact(self, doc) -> None:
-        if doc.artifact is None:
-            doc.artifact = build_artifact(self.rt.model, self.rt.profile, doc.tokens,
-                                          checkpoint_fingerprint=self.fp)
+    def _ensure_artifact(self, doc) -> str | None:
+        """Give `doc` its artifact; returns where it came from when it was not in memory: "disk"
+        (the artifact store: verified read) or "built" (constructed now, then published to the
+        store when there is one). A store miss or a failed verification is counted by reason
+        in the certification counters and the artifact is rebuilt."""
+        if doc.artifact is not None:
+            return None
+        rt, store = self.rt, self._store(doc.tenant)
+        if store is not None:
+            got = store.lookup_for_request(doc.tokens, rt.profile, rt.cfg, self.fp, tp=rt.tp,
+                                           min_generation=rt.min_generation)
+            if not isinstance(got, FallbackReason):
+                doc.artifact = got
+                return "disk"
+            if got != FallbackReason.UNKNOWN_ARTIFACT:
+                log.warning("document %s: stored artifact unusable (%s); rebuilding", doc.id[:12], got.value)
+        doc.artifact = build_artifact(rt.model, rt.profile, doc.tokens, checkpoint_fingerprint=self.fp)
+        if store is not None:
+            store.publish(doc.artifact)  # a new generation; readers of an older one are unaffected
+        return "built"
+
+    def _store(self, tenant: str):
+        """The tenant's own artifact store (no sharing of stored artifacts across tenants, so
+        a build's timing says nothing about another tenant's documents: vLLM's cache_salt)."""
+        if self.store_root is None:
+            return None
+        key = hashlib.sha256(tenant.encode()).hexdigest()[:32]
+        if key not in self._stores:
+            from redknot_jax.store import ArtifactStore
+
+            self._stores[key] = ArtifactStore(os.path.join(self.store_root, key))
+        return self._stores[key]
 
     def _hot_pool(self, docs, keep: int = 4):
         """The device pool of these documents' artifacts (the hot tier): reused while the same
         documents are cited (and through decode), built otherwise; the `keep` most recent pools
         stay resident. Every cited artifact is counted by the tier it came from."""
-        built = [d.artifact is None for d in docs]
-        for d in docs:
-            self._ensure_artifact(d)
+        fetched = [self._ensure_artifact(d) for d in docs]
         key = tuple(id(d.artifact) for d in docs)
         pool = self._pools.get(key)
         if pool is not None:
             self._pools.move_to_end(key)
             self.metrics.artifact_tier.labels("device").inc(len(docs))
             return pool
-        for b in built:
-            self.metrics.artifact_tier.labels("built" if b else "host").inc()
+        for where in fetched:
+            self.metrics.artifact_tier.labels(where or "host").inc()
         unique = list({id(d.artifact): d.artifact for d in docs}.values())  # a document cited twice
         pool = self._pools[key] = self.rt.consumer.pool(unique)
         while len(self._pools) > keep:

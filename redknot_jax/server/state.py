@@ -116,7 +116,10 @@ def build_state(sc: ServeConfig) -> ServerState:
     rt = ReuseRuntime(model, prof, fp)
     eng = Engine(model, capacity=sc.max_model_len)
     metrics = Metrics(rt.counters)
-    sched = Scheduler(eng, rt, metrics, slots=sc.slots, max_queue=sc.max_queue, checkpoint_fingerprint=fp)
+    # artifacts persist in per-tenant artifact stores under the registry's directory
+    store_root = os.path.join(sc.artifact_store, "artifacts") if sc.artifact_store else None
+    sched = Scheduler(eng, rt, metrics, slots=sc.slots, max_queue=sc.max_queue, checkpoint_fingerprint=fp,
+                      store_root=store_root)
     if sc.warmup:
         sched.warmup()
     keys = load_api_keys(sc.api_keys_file, os.environ.get(sc.api_keys_env))

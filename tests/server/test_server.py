@@ -461,3 +461,44 @@ def test_byte_tokenizer_and_tenant_salted_ids(tmp_path):
     # records survive a restart with the same ids (secret kept in the store)
     again = DocumentRegistry(str(tmp_path / "store"))
     assert again.get("a", a.id).tokens.tolist() == [3, 4, 5] and again.content_id("a", [3, 4, 5]) == a.id
+
+
+def test_artifacts_persist_in_per_tenant_stores(tmp_path):
+    """With an artifact store, a built artifact is published; after a restart (a new scheduler
+    on the same directory) it is read back verified ("disk") and certifies; another tenant's
+    store never serves it (no cross-tenant reuse of stored artifacts)."""
+    import dataclasses as dc
+
+    import jax.numpy as jnp
+    import numpy as np
+
+    from redknot_jax import config
+    from redknot_jax.generate import Engine
+    from redknot_jax.init import random_model
+    from redknot_jax.reuse.planner import Request, Segment
+    from redknot_jax.reuse.profile import tiny_profile
+    from redknot_jax.reuse.runtime import ReuseRuntime
+    from redknot_jax.server.metrics import Metrics
+    from redknot_jax.server.scheduler import Scheduler
+
+    cfg = config.tiny("mixed")
+    model = random_model(cfg, seed=2, dtype=jnp.float32)
+    rt = ReuseRuntime(model, tiny_profile(cfg.num_layers), "fp-test")
+
+    @dc.dataclass
+    class Doc:
+        id: str
+        tenant: str
+        tokens: np.ndarray
+        artifact: object = None
+
+    def scheduler():
+        return Scheduler(Engine(model, capacity=64), rt, Metrics(rt.counters), slots=1, checkpoint_fingerprint="fp-test",
+                         store_root=str(tmp_path / "artifacts"))
+
+    toks = np.random.default_rng(0).integers(2, cfg.vocab_size, 40).astype(np.int32)
+    assert scheduler()._ensure_artifact(Doc("a" * 64, "tenant-a", toks)) == "built"
+    doc = Doc("a" * 64, "tenant-a", toks)
+    assert scheduler()._ensure_artifact(doc) == "disk"  # a restart reads it back, verified
+    assert rt.certify(Request([Segment(toks, doc.artifact), Segment(toks[:5])])) is None
+    assert scheduler()._ensure_artifact(Doc("b" * 64, "tenant-b", toks)) == "built"  # not a's store
