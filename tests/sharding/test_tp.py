@@ -10,7 +10,6 @@ one rank is detected.
 
 import dataclasses
 import re
-from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -41,15 +40,15 @@ def engines(model):
 
 @pytest.fixture(scope="module")
 def runs(engines):
-    """Every tp's run and the unsharded prefill, in threads: the tests are compile-bound and
-    XLA compiles release the GIL, so the two CI cores compile two programs at a time."""
+    """Every tp's run and the unsharded prefill, one after the other (tracing and compiling
+    from several Python threads at once -- Flax NNX graph utilities included -- was a suspect of
+    a segfault in XLA's CPU compiler seen once late in a full CI run)."""
     ids, n_new, rows, decode = inputs()
-    with ThreadPoolExecutor(4) as pool:
-        unsharded = pool.submit(unsharded_prefill)
-        futs = {tp: pool.submit(run_steps, f.forward, f.init_cache(BATCH, CAPACITY), ids, n_new, rows, decode)
-                for tp, f in engines.items() if tp != 1}
-        futs[1] = pool.submit(reference_run)
-        return {"unsharded": unsharded.result(), **{tp: fu.result() for tp, fu in futs.items()}}
+    out = {"unsharded": unsharded_prefill(), 1: reference_run()}
+    for tp, f in engines.items():
+        if tp != 1:
+            out[tp] = run_steps(f.forward, f.init_cache(BATCH, CAPACITY), ids, n_new, rows, decode)
+    return out
 
 
 def test_tp1_is_the_unsharded_model(runs):
