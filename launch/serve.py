@@ -1,7 +1,7 @@
 """OpenAI-compatible HTTP server for DeepSeek-V4 with RedKnot document reuse (issue #8).
 
-    python launch/serve.py                                  # embedded tiny random model, 127.0.0.1:8000
-    python launch/serve.py --profile tiny-exact --port 8123 # native MoE fan-out: prefix reuse exact
+    python launch/serve.py                                  # the shipped QA model, 127.0.0.1:8000
+    python launch/serve.py --preset tiny --profile tiny-exact --port 8123  # tiny random weights
     python launch/serve.py --checkpoint DIR --artifact-store /data/docs --api-keys-file keys.txt
 
 API keys: `--api-keys-file` (lines `KEY [TENANT]`) and/or $REDKNOT_API_KEYS (`KEY[:TENANT],...`);
@@ -17,11 +17,14 @@ import os
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--checkpoint", help="safetensors dir with config.json (+ tokenizer.json); default: embedded "
-                                         "tiny random-weight model with the byte-level fallback tokenizer")
-    ap.add_argument("--preset", default="tiny", help="random-weight preset when no checkpoint")
+    ap.add_argument("--checkpoint", help="safetensors dir with config.json (+ tokenizer.json, chat template, "
+                                         "redknot_profile.json); default: the shipped QA model "
+                                         "(redknot_jax/assets/qa_model)")
+    ap.add_argument("--preset", help="random-weight preset (e.g. tiny, with the byte-level fallback tokenizer) "
+                                     "instead of a checkpoint")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    ap.add_argument("--profile", default="auto", help="auto | tiny | tiny-exact | flash | pro | profile.json")
+    ap.add_argument("--profile", default="auto", help="auto (the checkpoint's redknot_profile.json, else by layer "
+                    "count) | tiny | tiny-exact | flash | pro | profile.json")
     ap.add_argument("--artifact-store", help="directory for document records (reloaded at start-up) and their artifacts "
                     "(per-tenant ArtifactStores under DIR/artifacts: published when built, read back verified)")
     ap.add_argument("--host", default="127.0.0.1")
@@ -30,7 +33,7 @@ def main(argv=None):
     ap.add_argument("--model-name")
     ap.add_argument("--slots", type=int, default=8, help="decode batch size (continuous batching)")
     ap.add_argument("--max-queue", type=int, default=64, help="waiting jobs before 429")
-    ap.add_argument("--max-model-len", type=int, default=512, help="prompt + documents + max_tokens")
+    ap.add_argument("--max-model-len", type=int, default=2048, help="prompt + documents + max_tokens")
     ap.add_argument("--max-tokens-limit", type=int, default=256)
     ap.add_argument("--max-body-bytes", type=int, default=1 << 20)
     ap.add_argument("--shutdown-grace-s", type=float, default=10.0)

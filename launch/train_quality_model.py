@@ -33,7 +33,8 @@ import jax.numpy as jnp
 from redknot_jax.init import random_model
 from redknot_jax.quality import data as D
 from redknot_jax.quality.model_config import qa_config, qa_cpu_config, qa_test_config
-from redknot_jax.quality.train import TrainConfig, Trainer, lr_at, save_checkpoint, teacher_forced_scores
+from redknot_jax.quality.train import (TrainConfig, Trainer, lr_at, save_checkpoint, teacher_forced_scores,
+                                       write_serving_files)
 
 
 def curriculum(frac: float, row: int, args) -> D.Curriculum:
@@ -97,7 +98,8 @@ def main(argv=None):
 
     t0 = time.perf_counter()
     example = (jnp.zeros((args.batch, args.seq_len + 1), jnp.int32), jnp.zeros((args.batch, args.seq_len), jnp.float32))
-    lowered = trainer._step.lower(trainer.params, trainer.rest, trainer.opt_state, *example, jnp.float32(0))
+    lowered = trainer._step.lower(trainer.params, trainer.rest, trainer.opt_state, *example, jnp.float32(0),
+                                  trainer.decay)
     log["lower_s"] = round(time.perf_counter() - t0, 2)
     print(f"train step lowered in {log['lower_s']:.1f}s", flush=True)
     t0 = time.perf_counter()
@@ -157,8 +159,7 @@ def main(argv=None):
 
     trainer.round_to_bf16()  # from here on: exactly the shipped weights
     files = save_checkpoint(trainer.model(), out, metadata={"step": str(step)})
-    (out / "tokenizer.json").write_text(D.tokenizer_json())
-    log["files"] = files + ["config.json", "tokenizer.json"]
+    log["files"] = files + ["config.json"] + write_serving_files(out)
     write_log()
     print(f"saved {files} after {step} steps ({tokens_seen} tokens) at {time.perf_counter() - t_start:.0f}s",
           flush=True)

@@ -10,3 +10,9 @@ loop (optax over the project's own modules). `docs/quality.md` reports the resul
 * `train`: loss (answer-span cross-entropy + Lightning Indexer KL), optax AdamW step, MoE
   bias balancing, checkpoint writer (hub-layout safetensors + config.json + tokenizer.json).
 """
+
+import pathlib
+
+# The trained QA model shipped with the package (safetensors, config.json, tokenizer.json,
+# chat template, RedKnot profile, model card): the server's default model.
+SHIPPED_MODEL = pathlib.Path(__file__).resolve().parents[1] / "assets" / "qa_model"

@@ -40,6 +40,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import optax
 from flax import nnx
+from jax.flatten_util import ravel_pytree
 
 from redknot_jax import weights as W
 from redknot_jax.config import ModelConfig
@@ -154,12 +155,12 @@ def lr_at(tc: TrainConfig, frac: float) -> float:
     return tc.lr * (tc.min_lr_frac + (1 - tc.min_lr_frac) * 0.5 * (1 + math.cos(math.pi * p)))
 
 
-def make_optimizer(tc: TrainConfig, params):
-    """AdamW without its learning rate (the step multiplies by lr, a traced scalar, so the
-    schedule can follow wall-clock time); decay on matrices only."""
-    mask = jax.tree.map(lambda p: p.ndim >= 2, params)
-    return optax.chain(optax.clip_by_global_norm(tc.clip), optax.scale_by_adam(b1=tc.b1, b2=tc.b2),
-                       optax.add_decayed_weights(tc.weight_decay, mask))
+def make_optimizer(tc: TrainConfig):
+    """Adam with global-norm clipping over the flat parameter vector, without its learning
+    rate or weight decay (the step applies lr, a traced scalar so the schedule can follow
+    wall-clock time, and decoupled decay on matrices). One flat vector instead of ~360 leaves
+    keeps the compiled step small: per-leaf optimizer updates were thousands of tiny kernels."""
+    return optax.chain(optax.clip_by_global_norm(tc.clip), optax.scale_by_adam(b1=tc.b1, b2=tc.b2))
 
 
 class Trainer:
@@ -167,9 +168,15 @@ class Trainer:
 
     def __init__(self, model: Model, tc: TrainConfig = TrainConfig()):
         self.cfg, self.tc = model.cfg, tc
+        for _, m in nnx.iter_graph(model):  # a small program to compile (mhc.sinkhorn)
+            if isinstance(m, HyperConnection):
+                m.unroll_sinkhorn = False
         self.graphdef, self.params, self.rest = nnx.split(model, nnx.Param, ...)
-        self.tx = make_optimizer(tc, self.params)
-        self.opt_state = self.tx.init(self.params)
+        flat, self._unravel = ravel_pytree(self.params)
+        # decoupled weight decay on matrices only, as a flat 0/1 vector (an argument, not a constant)
+        self.decay = ravel_pytree(jax.tree.map(lambda p: jnp.full(p.shape, p.ndim >= 2, p.dtype), self.params))[0]
+        self.tx = make_optimizer(tc)
+        self.opt_state = self.tx.init(flat)
         self._step = jax.jit(self._train_step, donate_argnums=(0, 2))
         self._eval = jax.jit(self._eval_logits)
 
@@ -188,12 +195,13 @@ class Trainer:
         ans_ce = jnp.sum(ce * ans) / jnp.maximum(jnp.sum(ans), 1)
         return lm + self.tc.indexer_coef * ikl, (lm, ikl, ans_ce, acc, loads)
 
-    def _train_step(self, params, rest, opt_state, tokens, w, lr):
+    def _train_step(self, params, rest, opt_state, tokens, w, lr, decay):
         (loss, (lm, ikl, ans_ce, acc, loads)), grads = jax.value_and_grad(self._loss, has_aux=True)(
             params, rest, tokens, w)
-        gnorm = optax.tree.norm(grads)
-        updates, opt_state = self.tx.update(grads, opt_state, params)
-        params = jax.tree.map(lambda p, u: p - lr * u, params, updates)
+        g, p = ravel_pytree(grads)[0], ravel_pytree(params)[0]
+        gnorm = jnp.linalg.norm(g)
+        u, opt_state = self.tx.update(g, opt_state, p)
+        params = self._unravel(p - lr * (u + self.tc.weight_decay * decay * p))
         if loads:  # aux-loss-free balancing of the learned routers
             model = nnx.merge(self.graphdef, params, rest)
             for i, load in loads.items():
@@ -207,7 +215,7 @@ class Trainer:
     def step(self, tokens, w, lr: float):
         self.params, self.opt_state, stats = self._step(self.params, self.rest, self.opt_state,
                                                         jnp.asarray(tokens), jnp.asarray(w),
-                                                        jnp.asarray(lr, jnp.float32))
+                                                        jnp.asarray(lr, jnp.float32), self.decay)
         return stats
 
     def _eval_logits(self, params, rest, inputs):
@@ -288,6 +296,27 @@ def save_checkpoint(model: Model, directory, shard_bytes: int = 12 << 20, metada
         names.append(name)
     (d / "config.json").write_text(json.dumps(model.cfg.to_hf_dict(), indent=1))
     return names
+
+
+CHAT_TEMPLATE = ("{% for m in messages %}{{ m['content'] }} {% endfor %}"
+                 "{% if add_generation_prompt %}answer :{% endif %}")
+
+
+def write_serving_files(directory) -> list[str]:
+    """What a server needs beside the weights: tokenizer.json (the task's word-level vocabulary),
+    chat_template.jinja (the messages' contents, then `answer :`: a user message `question :
+    where does ka lo live ?` becomes the task's question row) and redknot_profile.json (the QA
+    model's default RedKnot profile, read by the server's `--profile auto`)."""
+    from redknot_jax.quality.data import tokenizer_json
+    from redknot_jax.quality.model_config import qa_profile
+
+    d = pathlib.Path(directory)
+    cfg = ModelConfig.from_json(d / "config.json")
+    (d / "tokenizer.json").write_text(tokenizer_json())
+    (d / "chat_template.jinja").write_text(CHAT_TEMPLATE)
+    (d / "redknot_profile.json").write_text(
+        json.dumps(qa_profile(cfg.num_layers, cfg.sliding_window).to_dict(), indent=1))
+    return ["tokenizer.json", "chat_template.jinja", "redknot_profile.json"]
 
 
 def _key_order(key: str):

@@ -54,6 +54,7 @@ from redknot_jax.rope import apply_rope
 HIGHEST = jax.lax.Precision.HIGHEST
 NEVER = np.int32(2 ** 30)  # last position of a padding entry: never visible
 ENTRY_PAD = 64
+POOL_ROW_PAD = 256
 
 
 def _ceil(n: int, m: int) -> int:
@@ -61,8 +62,14 @@ def _ceil(n: int, m: int) -> int:
 
 
 # ---------------------------------------------------------------------------------- pool
+def _pad_rows(a: jax.Array, m: int) -> jax.Array:
+    return jnp.pad(a, [(0, _ceil(a.shape[0], m) - a.shape[0])] + [(0, 0)] * (a.ndim - 1))
+
+
 class DocPool:
-    """Device-resident artifacts of a set of documents, packed per reusable layer."""
+    """Device-resident artifacts of a set of documents, packed per reusable layer. Row arrays
+    are padded to a multiple of POOL_ROW_PAD rows (entries to ENTRY_PAD), so pools of similar
+    size share compiled layer programs; the padding is never indexed."""
 
     def __init__(self, artifacts: list[Artifact], layers, dtype):
         self.index = {id(a): k for k, a in enumerate(artifacts)}
@@ -73,15 +80,15 @@ class DocPool:
         self.layers = {}
         for i in layers:
             per = [a.layers[i] for a in artifacts]
-            d = {"kv": jnp.concatenate([jnp.asarray(p["kv"], dtype) for p in per]),
-                 "zl": jnp.concatenate([jnp.asarray(p["zl"], dtype) for p in per])}
+            d = {"kv": _pad_rows(jnp.concatenate([jnp.asarray(p["kv"], dtype) for p in per]), POOL_ROW_PAD),
+                 "zl": _pad_rows(jnp.concatenate([jnp.asarray(p["zl"], dtype) for p in per]), POOL_ROW_PAD)}
             for name, state in (("entries", "cmp"), ("idx_entries", "idx")):
                 if name in per[0]:
-                    d[name] = jnp.concatenate([jnp.asarray(p[name], dtype) for p in per])
+                    d[name] = _pad_rows(jnp.concatenate([jnp.asarray(p[name], dtype) for p in per]), ENTRY_PAD)
                     d[state] = {s: jnp.concatenate([jnp.asarray(p[state][s], jnp.float32) for p in per])
                                 for s in ("kv", "gate")}
             if "topk" in per[0]:
-                d["topk"] = jnp.concatenate([jnp.asarray(p["topk"], jnp.int32) for p in per])
+                d["topk"] = _pad_rows(jnp.concatenate([jnp.asarray(p["topk"], jnp.int32) for p in per]), POOL_ROW_PAD)
             self.layers[i] = d
 
     def doc(self, art: Artifact) -> int:

@@ -236,7 +236,7 @@ def parse_prompt(state, body: dict) -> list[int]:
                         f"are not supported), got {type(p).__name__}")
 
 
-def parse_messages(body: dict) -> str:
+def parse_messages(state, body: dict) -> str:
     msgs = body.get("messages")
     if not isinstance(msgs, list) or not msgs:
         raise bad("messages", "expected a non-empty list of {role, content}")
@@ -256,7 +256,7 @@ def parse_messages(body: dict) -> str:
         if not isinstance(c, str):
             raise bad(f"messages[{i}].content", f"expected a string, got {type(c).__name__}")
         out.append({"role": m["role"], "content": c})
-    return chat_prompt(out)
+    return chat_prompt(out, state.chat_template)
 
 
 # ---------------------------------------------------------------------------------- running
@@ -462,7 +462,7 @@ async def completions(state, request):
 async def chat_completions(state, request):
     tenant = tenant_of(state, request)
     body = await read_json(state, request)
-    toks = state.tokenizer.encode(parse_messages(body))
+    toks = state.tokenizer.encode(parse_messages(state, body))
     p = parse_common(state, body, CHAT_FIELDS, tenant, toks)
     return await run_completion(state, request, p, chat=True, endpoint="chat")
 

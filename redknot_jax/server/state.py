@@ -14,20 +14,22 @@ import jax.numpy as jnp
 
 from redknot_jax import config
 from redknot_jax.generate import Engine
+from redknot_jax.quality import SHIPPED_MODEL
 from redknot_jax.reuse import profile as profiles
 from redknot_jax.reuse.runtime import ReuseRuntime
 from redknot_jax.server.documents import DocumentRegistry
 from redknot_jax.server.metrics import Metrics
 from redknot_jax.server.scheduler import Scheduler
-from redknot_jax.server.tokenizer import load_tokenizer
+from redknot_jax.server.tokenizer import load_chat_template, load_tokenizer
 
 log = logging.getLogger("redknot.server")
+PROFILE_FILE = "redknot_profile.json"  # a checkpoint's own RedKnot profile (RedKnotProfile.to_dict)
 
 
 @dataclasses.dataclass(frozen=True)
 class ServeConfig:
-    checkpoint: str | None = None  # safetensors dir with config.json (None: embedded tiny model)
-    preset: str = "tiny"  # random-weight preset when no checkpoint
+    checkpoint: str | None = None  # safetensors dir with config.json (None and no preset: the shipped QA model)
+    preset: str | None = None  # random-weight preset (e.g. "tiny") instead of a checkpoint
     dtype: str = "float32"
     profile: str = "auto"  # auto | tiny | tiny-exact | flash | pro | path/to/profile.json
     artifact_store: str | None = None
@@ -38,7 +40,7 @@ class ServeConfig:
     model_name: str | None = None
     slots: int = 8  # decode batch size (continuous batching)
     max_queue: int = 64
-    max_model_len: int = 512  # prompt (documents included) + max_tokens
+    max_model_len: int = 2048  # prompt (documents included) + max_tokens
     max_tokens_limit: int = 256
     max_body_bytes: int = 1 << 20
     shutdown_grace_s: float = 10.0
@@ -49,14 +51,31 @@ class ServeConfig:
             v = getattr(self, f)
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"{f}: expected a positive int, got {v!r}")
+        if self.checkpoint and self.preset:
+            raise ValueError(f"checkpoint {self.checkpoint!r} and preset {self.preset!r}: give one of them")
         if self.dtype not in ("float32", "bfloat16"):
             raise ValueError(f"dtype: expected float32 or bfloat16, got {self.dtype!r}")
 
 
-def make_profile(name: str, cfg: config.ModelConfig) -> profiles.RedKnotProfile:
-    """`tiny-exact`: the tiny profile with native MoE fan-out, so prefix-only requests are exact
-    (DESIGN §4: a prefix document at 0 plus new rows is the native computation)."""
-    if name == "auto":
+def model_source(sc: ServeConfig) -> tuple[str | None, str | None]:
+    """(checkpoint directory, random preset): what the flags say, else the shipped QA model
+    (`redknot_jax/assets/qa_model`), else (a package installed without it) the tiny preset."""
+    if sc.checkpoint or sc.preset:
+        return sc.checkpoint, sc.preset
+    if (SHIPPED_MODEL / "config.json").is_file():
+        return str(SHIPPED_MODEL), None
+    log.warning("no shipped model under %s: serving the tiny random-weight preset", SHIPPED_MODEL)
+    return None, "tiny"
+
+
+def make_profile(name: str, cfg: config.ModelConfig, checkpoint: str | None = None) -> profiles.RedKnotProfile:
+    """`auto`: the checkpoint's `redknot_profile.json` when it ships one, else by layer count
+    (flash, pro, tiny). `tiny-exact`: the tiny profile with native MoE fan-out, so prefix-only
+    requests are exact (DESIGN §4: a prefix document at 0 plus new rows is the native
+    computation)."""
+    if name == "auto" and checkpoint and os.path.isfile(os.path.join(checkpoint, PROFILE_FILE)):
+        name = os.path.join(checkpoint, PROFILE_FILE)
+    elif name == "auto":
         name = {43: "flash", 61: "pro"}.get(cfg.num_layers, "tiny")
     if name == "tiny":
         return profiles.tiny_profile(cfg.num_layers)
@@ -81,6 +100,7 @@ class ServerState:
     eos_id: int
     capacity: int
     tokenizer: object
+    chat_template: str | None  # the checkpoint's Jinja chat template, if any
     registry: DocumentRegistry
     scheduler: Scheduler
     metrics: Metrics
@@ -94,25 +114,26 @@ def build_state(sc: ServeConfig) -> ServerState:
 
     t0 = time.perf_counter()
     dtype = jnp.dtype(sc.dtype)
-    if sc.checkpoint:
+    ckpt, preset = model_source(sc)
+    if ckpt:
         from checkpoints_convert.safetensors_io import ShardedCheckpoint
         from redknot_jax.model import Model
         from redknot_jax.weights import load_checkpoint
 
-        cfg = config.ModelConfig.from_json(os.path.join(sc.checkpoint, "config.json"))
+        cfg = config.ModelConfig.from_json(os.path.join(ckpt, "config.json"))
         model = Model(cfg, dtype)
-        load_checkpoint(model, cfg, sc.checkpoint)
-        files = ShardedCheckpoint(sc.checkpoint).fingerprint("size_mtime")
+        load_checkpoint(model, cfg, ckpt)
+        files = ShardedCheckpoint(ckpt).fingerprint("size_mtime")
         fp = "ckpt:" + hashlib.sha256(json.dumps(files, sort_keys=True).encode()).hexdigest()
-        name = sc.model_name or os.path.basename(os.path.normpath(sc.checkpoint))
+        name = sc.model_name or os.path.basename(os.path.normpath(ckpt))
     else:
         from redknot_jax.init import random_model
 
-        cfg = config.preset(sc.preset)
+        cfg = config.preset(preset)
         model = random_model(cfg, seed=0, dtype=dtype)
-        fp = f"embedded-random:{sc.preset}:seed0:{sc.dtype}:{cfg.fingerprint()}"
-        name = sc.model_name or f"redknot-{sc.preset}-random"
-    prof = make_profile(sc.profile, cfg)
+        fp = f"embedded-random:{preset}:seed0:{sc.dtype}:{cfg.fingerprint()}"
+        name = sc.model_name or f"redknot-{preset}-random"
+    prof = make_profile(sc.profile, cfg, ckpt)
     rt = ReuseRuntime(model, prof, fp)
     eng = Engine(model, capacity=sc.max_model_len)
     metrics = Metrics(rt.counters)
@@ -126,6 +147,7 @@ def build_state(sc: ServeConfig) -> ServerState:
     log.info("model %s (%d layers), profile %s, %d API keys, ready in %.1fs", name, cfg.num_layers, prof.name,
              len(keys), time.perf_counter() - t0)
     return ServerState(cfg=sc, model_name=name, vocab_size=cfg.vocab_size, eos_id=cfg.eos_token_id,
-                       capacity=sc.max_model_len, tokenizer=load_tokenizer(sc.checkpoint, cfg.vocab_size),
+                       capacity=sc.max_model_len, tokenizer=load_tokenizer(ckpt, cfg.vocab_size),
+                       chat_template=load_chat_template(ckpt),
                        registry=DocumentRegistry(sc.artifact_store), scheduler=sched, metrics=metrics, runtime=rt,
                        keys=keys, created=int(time.time()))

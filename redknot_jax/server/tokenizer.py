@@ -10,6 +10,8 @@ tab, non-ASCII) fold onto printable characters and do not round-trip.
 
 from __future__ import annotations
 
+import functools
+import json
 import pathlib
 from typing import Protocol, Sequence
 
@@ -65,8 +67,35 @@ def load_tokenizer(checkpoint_dir: str | None, vocab_size: int) -> Tokenizer:
     return ByteTokenizer(vocab_size)
 
 
-def chat_prompt(messages: list[dict]) -> str:
-    """A plain, documented chat layout (not DeepSeek's template, which needs its special
-    tokens): one "role: content" line per message, then "assistant:"."""
-    lines = [f"{m['role']}: {m['content']}" for m in messages]
-    return "\n".join(lines + ["assistant:"])
+def load_chat_template(checkpoint_dir: str | None) -> str | None:
+    """The checkpoint's chat template (transformers' conventions): `chat_template.jinja`, else
+    the `chat_template` string of `tokenizer_config.json`; None when it has neither."""
+    if not checkpoint_dir:
+        return None
+    d = pathlib.Path(checkpoint_dir)
+    if (d / "chat_template.jinja").is_file():
+        return (d / "chat_template.jinja").read_text()
+    cfg = d / "tokenizer_config.json"
+    if cfg.is_file():
+        t = json.loads(cfg.read_text()).get("chat_template")
+        if t is not None and not isinstance(t, str):
+            raise ValueError(f"{cfg}: chat_template must be a string (named templates are not supported)")
+        return t
+    return None
+
+
+def chat_prompt(messages: list[dict], template: str | None = None) -> str:
+    """The prompt text of a chat request. With the checkpoint's Jinja template: rendered in a
+    sandbox as transformers does (`messages`, `add_generation_prompt=True`). Without one: a
+    plain, documented layout (one "role: content" line per message, then "assistant:")."""
+    if template is None:
+        lines = [f"{m['role']}: {m['content']}" for m in messages]
+        return "\n".join(lines + ["assistant:"])
+    return _compiled(template).render(messages=messages, add_generation_prompt=True)
+
+
+@functools.lru_cache(maxsize=4)
+def _compiled(template: str):
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    return ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True).from_string(template)

@@ -95,7 +95,7 @@ def server(tmp_path_factory):
     env.pop("REDKNOT_API_KEYS", None)
     log = open(tmp / "server.log", "w+")
     proc = subprocess.Popen([sys.executable, str(ROOT / "launch" / "serve.py"), "--port", str(port),
-                             "--profile", "tiny-exact", "--api-keys-file", str(keys), "--artifact-store",
+                             "--preset", "tiny", "--profile", "tiny-exact", "--api-keys-file", str(keys), "--artifact-store",
                              str(tmp / "store"), "--max-model-len", "512", "--max-tokens-limit", "256",
                              "--max-body-bytes", "65536", "--log-level", "warning"],
                             cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)

@@ -1,0 +1,120 @@
+"""launch/bench_qps.py (issue #9 item 2): the throughput benchmark against a real server
+subprocess (tiny random preset, concurrency 1 and 2, both arms, 3 s windows), plus its
+bootstrap helper and flag validation in-process."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import signal
+
+import numpy as np
+import pytest
+
+from tests.server.test_server import ROOT, _free_port
+
+_spec = importlib.util.spec_from_file_location("bench_qps", ROOT / "launch" / "bench_qps.py")
+bench_qps = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(bench_qps)
+
+
+def test_bootstrap_ratio_ci():
+    rng = np.random.default_rng(1)
+    num = np.ones(200)
+    den = rng.exponential(0.5, 200)
+    point = num.sum() / den.sum()
+    lo, hi = bench_qps.bootstrap_ratio_ci(num, den, n_boot=1000, seed=3)
+    assert lo < point < hi and hi - lo < 0.5 * point
+    assert bench_qps.bootstrap_ratio_ci(num, den, n_boot=1000, seed=3) == (lo, hi)  # seeded
+    # scale multiplies the statistic; equal records give a zero-width interval at the point
+    lo2, hi2 = bench_qps.bootstrap_ratio_ci(num, den, scale=2.0, n_boot=1000, seed=3)
+    assert lo2 == pytest.approx(2 * lo) and hi2 == pytest.approx(2 * hi)
+    assert bench_qps.bootstrap_ratio_ci([1, 1, 1], [0.5, 0.5, 0.5], n_boot=200) == pytest.approx((2.0, 2.0))
+    assert bench_qps.bootstrap_ratio_ci([], []) is None
+    with pytest.raises(ValueError, match="num and den"):
+        bench_qps.bootstrap_ratio_ci([1, 2], [1.0])
+
+
+def test_cycles_tile_the_window():
+    recs = [{"client": 0, "start_s": 0.01, "end_s": 1.0}, {"client": 0, "start_s": 1.02, "end_s": 2.0},
+            {"client": 1, "start_s": 0.02, "end_s": 2.5}]
+    cyc = bench_qps.cycles(recs, 2.5)
+    assert cyc == pytest.approx([1.02, 1.48, 2.5])
+    s = bench_qps.summarize([dict(r, status=200, completion_tokens=4) for r in recs], 2, 200, 0)
+    assert s["requests_per_s"] == pytest.approx(3 / 2.5) and s["output_tokens_per_s"] == pytest.approx(12 / 2.5)
+    # an error is counted, never dropped, and lowers the completed rate
+    s = bench_qps.summarize([dict(r, status=200 if i else 503, completion_tokens=4) for i, r in enumerate(recs)],
+                            2, 200, 0)
+    assert s["errors"] == 1 and s["errors_by_status"] == {"503": 1} and s["completed"] == 2
+
+
+@pytest.mark.parametrize("argv, flag", [
+    (["--concurrency", "1,0"], "--concurrency"),
+    (["--concurrency", "1,-2"], "--concurrency"),
+    (["--concurrency", "a"], "--concurrency"),
+    (["--duration-s", "0"], "--duration-s"),
+    (["--arms", "redknot,native"], "--arms"),
+    (["--docs", "2", "--docs-per-request", "3"], "--docs-per-request"),
+    (["--serve-args", "--preset tiny --port 9"], "--serve-args"),
+    (["--url", "http://127.0.0.1:1", "--serve-args", "--preset tiny"], "--serve-args"),
+])
+def test_bad_flags_name_the_flag(argv, flag, capsys):
+    with pytest.raises(SystemExit) as e:
+        bench_qps.main(argv)
+    assert e.value.code == 2
+    assert flag in capsys.readouterr().err
+
+
+def test_bench_against_real_server(tmp_path, monkeypatch, capsys):
+    monkeypatch.delenv("XLA_FLAGS", raising=False)  # the server needs one CPU device, not the session's 8
+    monkeypatch.setenv("JAX_PLATFORMS", "cpu")
+    monkeypatch.delenv("REDKNOT_API_KEYS", raising=False)
+    out_file = tmp_path / "qps.json"
+    dur = 3.0
+    res = bench_qps.main(["--serve-args", "--preset tiny --profile tiny-exact --max-model-len 512 --log-level warning",
+                          "--port", str(_free_port()), "--concurrency", "1,2", "--arms", "redknot,recompute",
+                          "--duration-s", str(dur), "--warmup-requests", "2", "--docs", "4",
+                          "--docs-per-request", "2", "--doc-chars", "48", "--prompt-chars", "16",
+                          "--output-len", "4", "--bootstrap", "500", "--out", str(out_file)])
+    printed = capsys.readouterr().out
+    with capsys.disabled():
+        print("\n" + printed)
+    data = json.loads(out_file.read_text())
+    assert data["cells"] == json.loads(json.dumps(res["cells"]))
+    assert data["server"]["started_here"]
+    stop = data["server"]["stop"]  # graceful: uvicorn re-raises SIGTERM after draining
+    assert stop["stopped_by"] == "SIGTERM" and stop["exit_code"] in (0, -signal.SIGTERM), stop
+    assert data["server"]["device"]["backend"] == "cpu"
+    assert data["host"]["node"] and "serve.py" in " ".join(data["server"]["command"])
+    assert "closed loop" in data["policies"]["arrival"] and "one at a time" in data["policies"]["server_batching"]
+    assert [d["tokens"] for d in data["workload"]["documents"]] == [48] * 4  # byte tokenizer: one id per char
+    assert set(data["results"]) == {"redknot", "recompute"}
+    for arm in ("redknot", "recompute"):
+        assert set(data["results"][arm]) == {"1", "2"}
+    assert "| redknot | 1 |" in printed and "| recompute | 2 |" in printed
+    for cell in data["cells"]:
+        s, recs = cell["summary"], cell["records"]
+        assert s["completed"] > 0 and s["errors"] == 0 and cell["warmup_errors"] == 0, s
+        assert s["clients"] == cell["concurrency"] and s["fallbacks"] == 0
+        assert s["arm_ran"] == [cell["arm"]]  # the RedKnot arm really ran, and recompute ran natively
+        # raw records kept: one per request sent in the window, every client at least once
+        assert len(recs) == s["requests_sent"] == s["completed"]
+        assert {r["client"] for r in recs} == set(range(cell["concurrency"]))
+        assert all(0 <= r["start_s"] < dur < s["window_s"] for r in recs)  # started before the deadline
+        assert max(r["end_s"] for r in recs) == pytest.approx(s["window_s"])
+        assert all(1 <= r["completion_tokens"] <= 4 and len(r["docs"]) == 2 for r in recs)
+        assert s["output_tokens"] == sum(r["completion_tokens"] for r in recs)
+        if cell["arm"] == "redknot":
+            assert all(r["cached_tokens"] > 0 for r in recs)
+        assert s["requests_per_s"] == pytest.approx(s["completed"] / s["window_s"], rel=1e-9)
+        assert s["output_tokens_per_s"] == pytest.approx(s["output_tokens"] / s["window_s"], rel=1e-9)
+        for key in ("requests_per_s", "output_tokens_per_s"):
+            lo, hi = s[key + "_ci95"]
+            assert lo <= s[key] * (1 + 1e-9) and s[key] <= hi * (1 + 1e-9), (key, lo, s[key], hi)
+        assert cell["warmup_records"] and len(cell["warmup_records"]) == 2
+    # both arms see the same request stream at a level: same citations in the same order
+    by = {(c["arm"], c["concurrency"]): c["records"] for c in data["cells"]}
+    for level in (1, 2):
+        a = {(r["client"], r["seq"]): r["docs"] for r in by["redknot", level]}
+        b = {(r["client"], r["seq"]): r["docs"] for r in by["recompute", level]}
+        assert all(a[k] == b[k] for k in a.keys() & b.keys())
