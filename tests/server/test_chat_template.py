@@ -7,7 +7,6 @@ import json
 
 import pytest
 
-from redknot_jax.quality import SHIPPED_MODEL
 from redknot_jax.server.state import PROFILE_FILE, ServeConfig, model_source
 from redknot_jax.server.tokenizer import chat_prompt, load_chat_template
 
@@ -38,10 +37,33 @@ def test_bad_templates(tmp_path):
         chat_prompt(MSGS, "{{ messages.__class__.__mro__ }}")
 
 
-def test_model_source():
+def test_model_source(tmp_path, monkeypatch):
+    import redknot_jax.server.state as state
+
     assert model_source(ServeConfig(checkpoint="/x")) == ("/x", None)
     assert model_source(ServeConfig(preset="tiny")) == (None, "tiny")
-    assert model_source(ServeConfig()) == (str(SHIPPED_MODEL), None)
-    assert (SHIPPED_MODEL / PROFILE_FILE).is_file() and (SHIPPED_MODEL / "chat_template.jinja").is_file()
+    monkeypatch.setattr(state, "SHIPPED_MODEL", tmp_path)  # a package without the trained model
+    assert model_source(ServeConfig()) == (None, "tiny")
+    (tmp_path / "config.json").write_text("{}")  # ... and with it: the default
+    assert model_source(ServeConfig()) == (str(tmp_path), None)
     with pytest.raises(ValueError, match="give one of them"):
         ServeConfig(checkpoint="/x", preset="tiny")
+
+
+def test_checkpoint_profile_and_template(tmp_path):
+    """A checkpoint directory written by the QA trainer: `--profile auto` takes its
+    redknot_profile.json, chat requests its chat template."""
+    from redknot_jax.init import random_model
+    from redknot_jax.quality.model_config import qa_profile, qa_test_config
+    from redknot_jax.quality.train import save_checkpoint, write_serving_files
+    from redknot_jax.server.state import make_profile
+
+    cfg = qa_test_config()
+    save_checkpoint(random_model(cfg, seed=0), tmp_path)
+    write_serving_files(tmp_path)
+    assert (tmp_path / PROFILE_FILE).is_file()
+    assert make_profile("auto", cfg, str(tmp_path)) == qa_profile(cfg.num_layers, cfg.sliding_window)
+    assert make_profile("tiny", cfg, str(tmp_path)).name.startswith("tiny")
+    prompt = chat_prompt([{"role": "user", "content": "question : where does ka lo live ?"}],
+                         load_chat_template(str(tmp_path)))
+    assert prompt == "question : where does ka lo live ? answer :"
