@@ -33,8 +33,8 @@ import jax.numpy as jnp
 from redknot_jax.init import random_model
 from redknot_jax.quality import data as D
 from redknot_jax.quality.model_config import qa_config, qa_cpu_config, qa_test_config
-from redknot_jax.quality.train import (TrainConfig, Trainer, lr_at, save_checkpoint, teacher_forced_scores,
-                                       write_serving_files)
+from redknot_jax.quality.train import (TrainConfig, Trainer, load_model, lr_at, save_checkpoint,
+                                       teacher_forced_scores, write_serving_files)
 
 
 def curriculum(frac: float, row: int, args) -> D.Curriculum:
@@ -59,18 +59,34 @@ def main(argv=None):
     ap.add_argument("--eval-docs", type=int, default=9, help="documents per evaluation world")
     ap.add_argument("--eval-episodes", type=int, default=64)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--init-from", help="a checkpoint directory written by this script: train on from its weights "
+                                        "(bf16 as shipped; the optimizer state and the schedule start afresh)")
+    ap.add_argument("--curriculum-from", type=float, default=0.0,
+                    help="curriculum stage at the start, as a budget fraction (e.g. 0.6 with --init-from: full-size "
+                         "episodes from the first step)")
     ap.add_argument("--lr", type=float, default=2e-3)
     ap.add_argument("--block", type=int, default=512, help="attention query block (Attention.__call__)")
     ap.add_argument("--log-every", type=int, default=10)
     args = ap.parse_args(argv)
+    if not 0.0 <= args.curriculum_from < 1.0:
+        ap.error(f"--curriculum-from: expected a fraction in [0, 1), got {args.curriculum_from}")
+    if args.init_from and not (pathlib.Path(args.init_from) / "config.json").is_file():
+        ap.error(f"--init-from: {args.init_from} has no config.json (not a checkpoint written by this script)")
     t_start = time.perf_counter()
     deadline = t_start + args.time_budget_s
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
 
-    cfg = {"qa": qa_config, "qa-cpu": qa_cpu_config, "qa-test": qa_test_config}[args.config]()
+    if args.init_from:  # continue a previous run: its shipped (bf16) weights, fresh optimizer state
+        model = load_model(args.init_from)
+        cfg = model.cfg
+        prior = pathlib.Path(args.init_from) / "train_log.json"
+        prior = json.loads(prior.read_text()) if prior.is_file() else {}
+    else:
+        cfg = {"qa": qa_config, "qa-cpu": qa_cpu_config, "qa-test": qa_test_config}[args.config]()
+        model = random_model(cfg, seed=args.seed, dtype=jnp.float32)
+        prior = {}
     tc = TrainConfig(lr=args.lr, block=min(args.block, args.seq_len))
-    model = random_model(cfg, seed=args.seed, dtype=jnp.float32)
     trainer = Trainer(model, tc)
     print(f"model initialised at {time.perf_counter() - t_start:.1f}s", flush=True)
     names = D.split_names()["train"]
@@ -79,7 +95,9 @@ def main(argv=None):
            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
            "device": str(jax.devices()[0].device_kind), "platform": platform.node(), "jax": jax.__version__,
            "model_config": cfg.to_hf_dict(), "train_config": dataclasses.asdict(tc), "args": vars(args),
-           "n_params": int(sum(np.prod(x.shape) for x in jax.tree.leaves(trainer.params))), "history": []}
+           "n_params": int(sum(np.prod(x.shape) for x in jax.tree.leaves(trainer.params))), "history": [],
+           "init_from": args.init_from, "prior_runs": prior.get("prior_runs", []) + (
+               [{k: prior.get(k) for k in ("command", "date", "steps", "tokens", "train_s")}] if prior else [])}
 
     def write_log():
         (out / "train_log.json").write_text(json.dumps(log, indent=1))
@@ -121,7 +139,8 @@ def main(argv=None):
             break
         if now > deadline - args.reserve_s:
             break
-        rows = [D.training_sequence(rng, names, args.seq_len, curriculum(frac, r, args)) for r in range(args.batch)]
+        stage = args.curriculum_from + (1 - args.curriculum_from) * frac
+        rows = [D.training_sequence(rng, names, args.seq_len, curriculum(stage, r, args)) for r in range(args.batch)]
         toks, w = np.stack([r[0] for r in rows]), np.stack([r[1] for r in rows])
         lr = lr_at(tc, frac)
         stats = trainer.step(toks, w, lr)
