@@ -23,13 +23,14 @@ HIGHEST = jax.lax.Precision.HIGHEST
 NEG = -jnp.inf
 
 
-def sink_softmax_attend(q, key_sets, sink, scale):
+def sink_softmax_attend(q, key_sets, sink, scale, masses: bool = False):
     """Softmax attention with a per-head sink logit over several key sets sharing K=V.
 
     q [b, t, h, k]; key_sets: list of (keys, mask, eq) where `eq` contracts q with keys to
     [b, t, h, s] and mask broadcasts to it; sink [h]. Returns (o [b, t, h, k] fp32,
-    lse [b, t, h] fp32 including the sink). Rows with no visible key fall back to the sink
-    alone (o = 0).
+    lse [b, t, h] fp32 including the sink), and with `masses` also the attention probability
+    each key set received ([b, t, h] per set; with the sink's share they sum to 1). Rows with
+    no visible key fall back to the sink alone (o = 0).
     """
     logits = []
     for keys, mask, eq in key_sets:
@@ -45,6 +46,8 @@ def sink_softmax_attend(q, key_sets, sink, scale):
         out_eq = f"{eq.split('->')[1]},{rhs}->{lhs}"  # probs [b,t,h,s] x keys -> [b,t,h,k]
         o = o + jnp.einsum(out_eq, p.astype(keys.dtype), keys, preferred_element_type=jnp.float32,
                            precision=HIGHEST)
+    if masses:
+        return o / denom[..., None], mx + jnp.log(denom), [jnp.sum(p, -1) / denom for p in probs]
     return o / denom[..., None], mx + jnp.log(denom)
 
 
@@ -114,7 +117,9 @@ class Attention(nnx.Module):
 
         Returns (y [b, t, d], new cache), plus with `trace` a dict of intermediates the artifact
         producer keeps: `o` (head outputs after inverse RoPE [b, t, h, k]), `kv` (the rows'
-        K=V latents [b, t, k]) and for CSA `topk` (selected entry ids [b, t, K], -1 if none).
+        K=V latents [b, t, k]), `far` (each head's attention share on compressed entries, i.e.
+        beyond the sliding window [b, t, h]; 0 in sliding layers) and for CSA `topk` (selected
+        entry ids [b, t, K], -1 if none).
         Queries run in blocks of `block` rows (t % block == 0).
         """
         b, t, _ = x.shape
@@ -162,18 +167,22 @@ class Attention(nnx.Module):
                 ents = jax.vmap(lambda e, s: e[s])(new["entries"], sel)  # [b, tb, kk, k]
                 sets.append((ents, ok[:, :, None, :], "bthk,btwk->bthw"))
                 picked = jnp.where(ok, sel, -1)
-            o, _ = sink_softmax_attend(qb, sets, sink, scale)
-            return o.astype(x.dtype), picked
+            if not trace:
+                o, _ = sink_softmax_attend(qb, sets, sink, scale)
+                return o.astype(x.dtype), picked
+            o, _, mass = sink_softmax_attend(qb, sets, sink, scale, masses=True)
+            far = sum(mass[1:]) if len(mass) > 1 else jnp.zeros_like(mass[0])
+            return o.astype(x.dtype), picked, far
 
         nblk = t // block
         if nblk == 1:
-            o, picked = run_block(0)
+            res = run_block(0)
         else:
-            o, picked = jax.lax.map(run_block, jnp.arange(nblk) * block)  # [nblk, b, tb, ...]
-            o = jnp.moveaxis(o, 0, 1).reshape(b, t, self.h, self.k)
-            picked = jnp.moveaxis(picked, 0, 1).reshape(b, t, -1)
+            res = jax.lax.map(run_block, jnp.arange(nblk) * block)  # [nblk, b, tb, ...]
+            res = tuple(jnp.moveaxis(r, 0, 1).reshape(b, t, *r.shape[3:]) for r in res)
+        o, picked = res[0], res[1]
         o = apply_rope(o, pos, freqs, inverse=True)
         y = self.wo_b_apply(self.wo_a_apply(o))
         if trace:
-            return y, new, {"o": o, "kv": kv, "topk": picked}
+            return y, new, {"o": o, "kv": kv, "topk": picked, "far": res[2]}
         return y, new

@@ -4,8 +4,11 @@ layer, certified.
 Per reusable layer: the packed latent (per-row K=V [L, k], compressed entries, CSA indexer
 keys), the projected Local contribution z_L [L, g, o] (Local heads' outputs after inverse
 output RoPE through the Local columns of each group's wo_a), the document-local CSA top-k ids
-[L, K], and the open-window compressor state at the document end (boundary metadata). Held in
-memory here; persistence is the store's job.
+[L, K], the open-window compressor state at the document end (boundary metadata), and a
+per-row controller statistic `far` [L] (fp32): the Local heads' mean attention share on
+compressed entries, i.e. how much the row's cached Local contribution depends on context
+beyond its sliding window, which is what relocation changes. Held in memory here;
+persistence is the store's job.
 """
 
 from __future__ import annotations
@@ -69,7 +72,9 @@ def _layer(state, x, ids, n_new, *, graphdef, freqs, block, cap, local, keep):
     x, c, tr = blk(x, ids, jnp.zeros((1,), jnp.int32), n_new, cache, freqs, block, trace=True)
     if not keep:
         return x, None
-    d = {"kv": tr["kv"][0], "zl": project_heads(blk.attn, tr["o"][0], np.asarray(local))}
+    heads = np.asarray(local)
+    d = {"kv": tr["kv"][0], "zl": project_heads(blk.attn, tr["o"][0], heads),
+         "far": jnp.mean(tr["far"][0][:, heads], axis=-1).astype(jnp.float32)}
     if blk.attn.compressor is not None:
         d["entries"] = c["entries"][0]
         d["cmp"] = jax.tree.map(lambda a: a[0], c["cmp"])
@@ -103,7 +108,7 @@ def build_artifact(model: Model, profile: RedKnotProfile, tokens, *, checkpoint_
         if d is None:
             continue
         m = blk.attn.compressor.m if blk.attn.compressor is not None else 1
-        cut = {"kv": n, "zl": n, "topk": n, "entries": n // m}
+        cut = {"kv": n, "zl": n, "far": n, "topk": n, "entries": n // m}
         if blk.attn.indexer is not None:
             cut["idx_entries"] = n // blk.attn.indexer.m
         layers[i] = {k: (v[: cut[k]] if k in cut else v) for k, v in d.items()}

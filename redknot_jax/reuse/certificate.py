@@ -25,7 +25,7 @@ from typing import Any, Iterable, Mapping
 import numpy as np
 
 # Bump when the artifact layout changes; a certificate of another version is never trusted.
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: per-row controller statistic `far` in every reusable layer
 
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
 

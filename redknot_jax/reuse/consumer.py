@@ -48,7 +48,7 @@ from redknot_jax.mhc import HyperConnection
 from redknot_jax.norms import rms_norm
 from redknot_jax.reuse.artifact import Artifact, local_head_mask
 from redknot_jax.reuse.fanout import fanout_keep
-from redknot_jax.reuse.planner import Plan, fill_itop
+from redknot_jax.reuse.planner import Plan, fill_itop, row_risk
 from redknot_jax.rope import apply_rope
 
 HIGHEST = jax.lax.Precision.HIGHEST
@@ -496,7 +496,7 @@ class Consumer:
                 conc = float(np.sort(p)[::-1][: cfg.index_topk].sum())
         plan.concentration = conc
         budget = prof.budget_override if prof.budget_override is not None else prof.choose_budget(conc)
-        fill_itop(plan, scores, budget)
+        fill_itop(plan, scores, budget, row_risk(plan, self.reusable))
 
     def redknot(self, plan: Plan, tokens, pool: DocPool, timings: dict | None = None, frozen: bool = False):
         """The RedKnot arm for a planned request whose artifacts are in `pool`; fills Itop

@@ -9,7 +9,8 @@ rows is exactly the native computation. Queries reach a frame's keys rotated by 
 
 Row classes (bool [T] each): Q query rows, N new rows, D dirty rows, B boundary rows (first /
 last `boundary_rows` of every relocated document), T tail rows, I indexer-top rows (set later
-by `fill_itop`, ranked by the native indexer's scores for the query rows, filling the budget).
+by `fill_itop`, ranked by the native indexer's scores for the query rows, ties within a compressed
+window by the artifacts' per-row statistic `far` (`row_risk`), filling the budget).
 Candidate rows are the document rows; protected = union of the classes.
 """
 
@@ -137,15 +138,30 @@ def plan_request(req: Request, profile: RedKnotProfile) -> Plan:
                 classes=cl, query_rows=q)
 
 
-def fill_itop(plan: Plan, row_scores: np.ndarray, budget: float) -> None:
+def row_risk(plan: Plan, layers) -> np.ndarray:
+    """[T] per-row controller statistic: for rows backed by an artifact, the mean over `layers`
+    (the reusable ones) of the artifact's `far` (the Local heads' attention share beyond the
+    sliding window, measured when the document was built alone); 0 for other rows."""
+    risk = np.zeros(plan.n_rows)
+    for f in plan.frames:
+        if f.artifact is not None and f.doc_len:
+            risk[f.start:f.start + f.doc_len] = np.mean(
+                [np.asarray(f.artifact.layers[i]["far"], np.float64) for i in layers], axis=0)
+    return risk
+
+
+def fill_itop(plan: Plan, row_scores: np.ndarray, budget: float, risk: np.ndarray | None = None) -> None:
     """Protect the best-scored candidate rows until the protected candidates reach the budget.
 
     row_scores [T]: the native indexer's score of each row's entry for the query rows (higher
-    first; ties to the earlier row)."""
+    first). Rows of one compressed window share their entry's score; among them the rows with
+    the larger `risk` ([T], `row_risk`: reliance on context beyond the window, which relocation
+    changes) go first, then the earlier row."""
     plan.budget = budget
     want = int(np.ceil(budget * plan.candidates))
     have = plan.protected & plan.doc_row
     free = np.flatnonzero(plan.doc_row & ~have)
     extra = max(0, want - int(have.sum()))
-    order = free[np.lexsort((free, -row_scores[free]))][:extra]
+    r = np.zeros(plan.n_rows) if risk is None else np.asarray(risk, np.float64)
+    order = free[np.lexsort((free, -r[free], -row_scores[free]))][:extra]
     plan.classes["I"][order] = True

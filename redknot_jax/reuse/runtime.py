@@ -35,7 +35,7 @@ from redknot_jax.reuse.consumer import Consumer, DocPool
 from redknot_jax.reuse.certificate import (CertCounters, FallbackReason, TPGeometry, explain, payload_digest,
                                            token_digest)
 from redknot_jax.reuse.fanout import fanout_histogram, fanout_keep, mean_kept
-from redknot_jax.reuse.planner import Plan, Request, fill_itop, plan_request
+from redknot_jax.reuse.planner import Plan, Request, fill_itop, plan_request, row_risk
 from redknot_jax.reuse.profile import RedKnotProfile
 from redknot_jax.reuse.relocation import merge_partials, partial_attention, rotate
 from redknot_jax.rope import apply_rope
@@ -249,7 +249,7 @@ class ReuseRuntime:
                     conc = float(np.sort(p)[::-1][: model.cfg.index_topk].sum())
         plan.concentration = conc
         budget = prof.budget_override if prof.budget_override is not None else prof.choose_budget(conc)
-        fill_itop(plan, scores, budget)
+        fill_itop(plan, scores, budget, row_risk(plan, self.reusable))
 
     def _reusable_layer(self, i: int, blk, x, plan: Plan):
         model, cfg = self.model, self.cfg

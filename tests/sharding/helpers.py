@@ -140,7 +140,8 @@ def expectation(min_generation: int = 1):
 
 def whole_artifact(tokens, generation: int = 1, seed: int = 0):
     """A whole (tp = 1) artifact laid out as `reuse.artifact.build_artifact` lays one out
-    (per reusable layer: K=V rows, z_L [L, g, o], compressed entries, top-k ids), with random
+    (per reusable layer: K=V rows, z_L [L, g, o], the `far` row statistic, compressed entries,
+    top-k ids), with random
     contents: certification reads the certificate and the bytes, not their meaning."""
     from redknot_jax.reuse.artifact import Artifact
     from redknot_jax.reuse.certificate import FORMAT_VERSION, Certificate, payload_digest, token_digest
@@ -151,6 +152,7 @@ def whole_artifact(tokens, generation: int = 1, seed: int = 0):
     n = tokens.size
     layers = {i: {"kv": rng.normal(size=(n, CFG.head_dim)).astype(np.float32),
                   "zl": rng.normal(size=(n, CFG.o_groups, CFG.o_lora_rank)).astype(np.float32),
+                  "far": rng.uniform(size=n).astype(np.float32),
                   "entries": rng.normal(size=(n // CFG.csa_rate, CFG.head_dim)).astype(np.float32),
                   "topk": rng.integers(-1, n // CFG.csa_rate, (n, CFG.index_topk)).astype(np.int32)}
               for i in REQUIRED_LAYERS}

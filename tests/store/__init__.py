@@ -33,7 +33,7 @@ def synthetic_layers(rng, n: int, zl_dtype=np.float32) -> dict[int, dict]:
         csa = layer in (1, 3)
         m = 4 if csa else 16
         c = 2 * m if csa else m
-        d = {"kv": f(n, 32), "zl": f(n, 2, 16).astype(zl_dtype), "entries": f(n // m, 32),
+        d = {"kv": f(n, 32), "zl": f(n, 2, 16).astype(zl_dtype), "far": f(n), "entries": f(n // m, 32),
              "cmp": {"gate": f(c, 64 if csa else 32), "kv": f(c, 64 if csa else 32)}}
         if csa:
             d["idx_entries"] = f(n // 4, 16)

@@ -1,0 +1,157 @@
+"""Plots of the committed benchmark results (issue #9): PNGs under docs/plots/.
+
+    python launch/plot_benchmarks.py                                   # docs/results/ttft_*_h200.json
+    python launch/plot_benchmarks.py --ttft a.json b.json --qps qps.json --out /tmp/plots
+
+From `launch/bench_ttft.py` results (one or more files, each with rows per length):
+* `ttft_vs_length.png`: TTFT of both arms per length (median, every repeat as a dot);
+* `speedup_vs_length.png`: the measured RedKnot / Recomputed ratio per length beside the
+  operator ledger's bound for that request (1 / (1 - FLOP saving)), with 1x marked;
+* `ledgers_per_length.png`: the four savings per length (head-row, token-row, operator FLOPs,
+  wall-clock), side by side, never summed.
+From a `launch/bench_qps.py` result: `qps_vs_concurrency.png` (requests/s of both arms per
+concurrency level with the bootstrap 95 % interval). Every figure names its source files,
+device and date in the title block.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import pathlib
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+COLORS = {"recompute": "#444444", "redknot": "#d62728"}
+
+
+def load_ttft(paths) -> tuple[list[dict], list[str]]:
+    """Rows (one per length, the last file wins on a repeated length) and provenance lines."""
+    rows, prov = {}, []
+    for p in paths:
+        d = json.loads(pathlib.Path(p).read_text())
+        if "lengths" not in d:
+            raise SystemExit(f"--ttft {p}: not a bench_ttft.py result (no 'lengths')")
+        prov.append(f"{pathlib.Path(p).name}: {d.get('device', '?')}, {d.get('date', '?')}")
+        for r in d["lengths"]:
+            if "recompute_s" in r and "redknot_s" in r:  # complete rows only
+                rows[int(r["length"])] = r
+    if not rows:
+        raise SystemExit(f"--ttft: no complete length rows in {list(paths)}")
+    return [rows[k] for k in sorted(rows)], prov
+
+
+def _kfmt(n: int) -> str:
+    return f"{n // 1024}K" if n % 1024 == 0 else str(n)
+
+
+def plot_ttft(rows, prov, out: pathlib.Path, plt) -> list[pathlib.Path]:
+    lengths = [r["length"] for r in rows]
+    xs = range(len(rows))
+    files = []
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    for arm in ("recompute", "redknot"):
+        med = [r[f"{arm}_median_s"] for r in rows]
+        ax.plot(xs, med, "-o", color=COLORS[arm], label=f"{arm} (median)")
+        for x, r in zip(xs, rows):
+            ax.scatter([x] * len(r[f"{arm}_s"]), r[f"{arm}_s"], s=12, color=COLORS[arm], alpha=0.4)
+    ax.set_xticks(list(xs), [_kfmt(n) for n in lengths])
+    ax.set_xlabel("request length (tokens)")
+    ax.set_ylabel("time to first token (s)")
+    ax.set_ylim(bottom=0)
+    ax.legend()
+    ax.set_title("TTFT, both arms (hot artifacts)\n" + "; ".join(prov), fontsize=8)
+    files.append(_save(fig, out / "ttft_vs_length.png", plt))
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    measured = [r["speedup_median"] for r in rows]
+    bound = [1.0 / max(1e-9, 1.0 - r["ledgers"]["operator"]["total"]["saving"]) for r in rows]
+    w = 0.38
+    ax.bar([x - w / 2 for x in xs], measured, w, color=COLORS["redknot"], label="measured (median ratio)")
+    ax.bar([x + w / 2 for x in xs], bound, w, color="#999999", label="operator-ledger bound")
+    ax.axhline(1.0, color="black", lw=0.8, ls="--")
+    for x, m, b in zip(xs, measured, bound):
+        ax.text(x - w / 2, m, f"{m:.2f}x", ha="center", va="bottom", fontsize=8)
+        ax.text(x + w / 2, b, f"{b:.2f}x", ha="center", va="bottom", fontsize=8)
+    ax.set_xticks(list(xs), [f"{_kfmt(n)}\n{r['protected_fraction']:.0%} protected" for n, r in zip(lengths, rows)])
+    ax.set_ylabel("RedKnot speed-up over Recomputed")
+    ax.legend(loc="upper left")
+    ax.set_title("TTFT speed-up per length\n" + "; ".join(prov), fontsize=8)
+    files.append(_save(fig, out / "speedup_vs_length.png", plt))
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    kinds = [("head_row", "head-row"), ("token_row", "token-row"), ("operator", "operator FLOPs"),
+             ("wallclock", "wall-clock")]
+    w = 0.8 / len(kinds)
+    lowest = 0.0
+    for k, (key, label) in enumerate(kinds):
+        vals = []
+        for r in rows:
+            led = r["ledgers"][key]
+            vals.append(led["total"]["saving"] if key == "operator" else (led or {}).get("saving", float("nan")))
+        ax.bar([x - 0.4 + w * (k + 0.5) for x in xs], [v * 100 for v in vals], w, label=label)
+        lowest = min([lowest] + [v * 100 for v in vals if v == v])
+    ax.axhline(0.0, color="black", lw=0.8)
+    ax.set_xticks(list(xs), [_kfmt(n) for n in lengths])
+    ax.set_ylabel("saving (%; negative: RedKnot slower)")
+    ax.set_ylim(lowest - 5, 100)
+    ax.legend(fontsize=8)
+    ax.set_title("The four ledgers per length (each its own quantity; never summed)\n" + "; ".join(prov),
+                 fontsize=8)
+    files.append(_save(fig, out / "ledgers_per_length.png", plt))
+    return files
+
+
+def plot_qps(path, out: pathlib.Path, plt) -> pathlib.Path:
+    d = json.loads(pathlib.Path(path).read_text())
+    if "results" not in d:
+        raise SystemExit(f"--qps {path}: not a bench_qps.py result (no 'results')")
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    for arm, per in d["results"].items():
+        levels = sorted(per, key=int)
+        y = [per[c]["requests_per_s"] for c in levels]
+        ci = [per[c].get("requests_per_s_ci95") or [v, v] for c, v in zip(levels, y)]
+        err = [[v - lo for v, (lo, _) in zip(y, ci)], [hi - v for v, (_, hi) in zip(y, ci)]]
+        ax.errorbar([int(c) for c in levels], y, yerr=err, fmt="-o", capsize=3, color=COLORS.get(arm), label=arm)
+    ax.set_xlabel("concurrent clients (closed loop)")
+    ax.set_ylabel("completed requests / s (95 % bootstrap interval)")
+    ax.set_ylim(bottom=0)
+    ax.legend()
+    dev = d.get("server", {}).get("device", {})
+    ax.set_title(f"Throughput vs concurrency\n{pathlib.Path(path).name}: {dev.get('backend', '?')}, "
+                 f"{d.get('date', '?')}", fontsize=8)
+    return _save(fig, out / "qps_vs_concurrency.png", plt)
+
+
+def _save(fig, path: pathlib.Path, plt) -> pathlib.Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--ttft", nargs="*", help="bench_ttft.py result files (default: docs/results/ttft_*_h200.json)")
+    ap.add_argument("--qps", help="a bench_qps.py result file")
+    ap.add_argument("--out", default=str(ROOT / "docs" / "plots"))
+    args = ap.parse_args(argv)
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = args.ttft if args.ttft else sorted(glob.glob(str(ROOT / "docs" / "results" / "ttft_*_h200.json")))
+    files = plot_ttft(*load_ttft(paths), out, plt)
+    if args.qps:
+        files.append(plot_qps(args.qps, out, plt))
+    for f in files:
+        print(f)
+    return files
+
+
+if __name__ == "__main__":
+    main()

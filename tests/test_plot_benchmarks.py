@@ -1,0 +1,35 @@
+"""launch/plot_benchmarks.py renders the committed TTFT results and a bench_qps result into
+PNGs, and names a wrong input file."""
+
+import importlib.util
+import json
+import pathlib
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+spec = importlib.util.spec_from_file_location("plot_benchmarks", ROOT / "launch" / "plot_benchmarks.py")
+pb = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(pb)
+
+
+def test_plots_from_committed_results(tmp_path):
+    qps = {"date": "2026-11-30", "server": {"device": {"backend": "cpu"}},
+           "results": {arm: {"1": {"requests_per_s": r, "requests_per_s_ci95": [r * 0.9, r * 1.1]},
+                             "2": {"requests_per_s": 1.5 * r, "requests_per_s_ci95": None}}
+                       for arm, r in (("redknot", 10.0), ("recompute", 20.0))}}
+    (tmp_path / "qps.json").write_text(json.dumps(qps))
+    files = pb.main(["--qps", str(tmp_path / "qps.json"), "--out", str(tmp_path / "plots")])
+    names = sorted(f.name for f in files)
+    assert names == ["ledgers_per_length.png", "qps_vs_concurrency.png", "speedup_vs_length.png",
+                     "ttft_vs_length.png"]
+    for f in files:
+        assert f.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and f.stat().st_size > 5000
+
+
+def test_wrong_inputs_are_named(tmp_path):
+    (tmp_path / "x.json").write_text("{}")
+    with pytest.raises(SystemExit, match="--ttft .*x.json"):
+        pb.main(["--ttft", str(tmp_path / "x.json"), "--out", str(tmp_path)])
+    with pytest.raises(SystemExit, match="--qps .*x.json"):
+        pb.main(["--qps", str(tmp_path / "x.json"), "--out", str(tmp_path)])
