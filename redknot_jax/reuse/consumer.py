@@ -106,8 +106,9 @@ class DocPool:
 
 # ---------------------------------------------------------------------------------- layout
 def _entry_table(plan: Plan, pool: DocPool, m: int, overlap: bool, refresh: np.ndarray, t: int,
-                 frames) -> dict:
-    """The request's entries at rate m: pool entry or online slots, offset, last position."""
+                 frames, min_sizes: tuple[int, int] = (0, 0)) -> dict:
+    """The request's entries at rate m: pool entry or online slots, offset, last position.
+    `min_sizes` (entries, online entries): pad at least this far (a batch's common shapes)."""
     r = (2 if overlap else 1) * m
     src, on_slots, d_off, wcan, endpos = [], [], [], [], []
     ebase = np.zeros(t, np.int32)
@@ -140,9 +141,9 @@ def _entry_table(plan: Plan, pool: DocPool, m: int, overlap: bool, refresh: np.n
     src, slots = cat(src, np.int32), (np.concatenate(on_slots) if on_slots else np.zeros((0, r))).astype(np.int32)
     d_off, wcan, endpos = cat(d_off, np.int32), cat(wcan, np.int32), cat(endpos, np.int32)
     e = src.shape[0]
-    E = _ceil(e, ENTRY_PAD)
+    E = max(_ceil(e, ENTRY_PAD), min_sizes[0])
     online = np.flatnonzero(src < 0)
-    E_on = _ceil(online.size, ENTRY_PAD)
+    E_on = max(_ceil(online.size, ENTRY_PAD), min_sizes[1])
     pad = E - e
     return {
         "src": np.r_[src, np.full(pad, -1)].astype(np.int32),
@@ -164,10 +165,26 @@ class Layout:
     n_real: int
     n_prot: int  # real protected rows
 
+    def sizes(self) -> dict:
+        """The padded shapes that decide the compiled program (equal across a batch)."""
+        return {"t": self.t, "P": int(self.tables["prot_idx"].shape[0]),
+                "rates": {k: (int(v["src"].shape[0]), int(v["on_idx"].shape[0]))
+                          for k, v in self.tables["rates"].items()}}
 
-def build_layout(plan: Plan, pool: DocPool, profile, cfg, block: int) -> Layout:
+
+def common_sizes(layouts) -> dict:
+    """The smallest sizes every layout of a batch pads to."""
+    rates = {k for lay in layouts for k in lay.sizes()["rates"]}
+    return {"t": max(lay.t for lay in layouts), "P": max(lay.sizes()["P"] for lay in layouts),
+            "rates": {k: tuple(max(lay.sizes()["rates"][k][j] for lay in layouts) for j in (0, 1)) for k in rates}}
+
+
+def build_layout(plan: Plan, pool: DocPool, profile, cfg, block: int, pad_to: dict | None = None) -> Layout:
+    """Index tables of a planned request. `pad_to` (`common_sizes` of a batch): pad rows,
+    protected rows and entry tables at least that far, so a batch shares one program; padding
+    rows extend the last frame, padding entries are never visible, padding indices drop."""
     t_real = plan.n_rows
-    t = _ceil(t_real, block)
+    t = max(_ceil(t_real, block), pad_to["t"] if pad_to else 0)
     prot = plan.protected
     collapse = profile.latent_refresh == "protected" and bool((prot | ~plan.doc_row).all())
     if collapse:  # every latent refreshed: one online frame at 0, the native computation
@@ -190,16 +207,17 @@ def build_layout(plan: Plan, pool: DocPool, profile, cfg, block: int) -> Layout:
     art_row = np.where(refresh, -1, pool_row)  # canonical latent read from the pool
     zl_row = np.where(doc_row & ~prot_t, pool_row, -1)  # z_L restored (and top-k read) from the pool
     prot_idx = np.flatnonzero(prot_t)
-    P = _ceil(prot_idx.size, block)
+    P = max(_ceil(prot_idx.size, block), pad_to["P"] if pad_to else 0)
     tab = {"pos": np.arange(t, dtype=np.int32), "d": d_row, "frame": frame,
            "art_row": art_row.astype(np.int32), "zl_row": zl_row.astype(np.int32),
            "prot_idx": np.r_[prot_idx, np.full(P - prot_idx.size, t)].astype(np.int32),
            "n_real": np.int32(t_real)}
     rates = {}
+    mins = (pad_to or {}).get("rates", {})
     if CSA in cfg.layer_types:
-        rates["csa"] = _entry_table(plan, pool, cfg.csa_rate, True, refresh, t, frames)
+        rates["csa"] = _entry_table(plan, pool, cfg.csa_rate, True, refresh, t, frames, mins.get("csa", (0, 0)))
     if HCA in cfg.layer_types:
-        rates["hca"] = _entry_table(plan, pool, cfg.hca_rate, False, refresh, t, frames)
+        rates["hca"] = _entry_table(plan, pool, cfg.hca_rate, False, refresh, t, frames, mins.get("hca", (0, 0)))
     tab["rates"] = rates
     return Layout(tables=jax.tree.map(jnp.asarray, tab), t=t, n_real=t_real, n_prot=int(prot_idx.size))
 
@@ -298,6 +316,26 @@ def reusable_layer(blk, x, ids, tab, pool_layer, *, freqs, glob, block, fan, red
     Under tensor parallelism (`redknot_jax.sharding.consumer_tp`) the block holds a rank's
     heads / groups / experts, `reduce` sums the row-parallel `wo_b` output over ranks and
     `ffn(x, ids, keep_fn) -> (x, keep)` is the rank's MoE half; by default both are local."""
+    x = reusable_attention(blk, x, tab, pool_layer, freqs=freqs, glob=glob, block=block, reduce=reduce)
+    return reusable_ffn(blk, x, ids, tab["pos"] < tab["n_real"], fan, ffn)
+
+
+def reusable_ffn(blk, x, ids, real, fan, ffn=None):
+    """The MoE half of a reusable layer with the fan-out rule: (x, histogram of kept experts
+    over the `real` rows [.., t])."""
+    keep_fn = lambda sel, wts, scores: fanout_keep(wts, fan[0], fan[1], fan[2])
+    if ffn is None:
+        x, keep = blk.ffn_residual(x, ids, keep_fn, with_keep=True)
+    else:
+        x, keep = ffn(x, ids, keep_fn)
+    kept = jnp.sum(keep, -1)
+    hist = jnp.zeros((keep.shape[-1] + 1,), jnp.int32).at[kept.reshape(-1)].add(real.reshape(-1).astype(jnp.int32))
+    return x, hist
+
+
+def reusable_attention(blk, x, tab, pool_layer, *, freqs, glob, block, reduce=None):
+    """The attention half of a reusable layer (passes A and B, z_L restore, `wo_b` once, mHC
+    post) over one request's rows x [1, t, n, d]."""
     attn = blk.attn
     t = x.shape[1]
     h, k, g, w = attn.h, attn.k, attn.g, attn.window
@@ -369,25 +407,36 @@ def reusable_layer(blk, x, ids, tab, pool_layer, *, freqs, glob, block, fan, red
     y = attn.wo_b_apply(z[None])
     if reduce is not None:
         y = reduce(y)
-    x = HyperConnection.post(x, y.astype(x.dtype), post, comb)
-    keep_fn = lambda sel, wts, scores: fanout_keep(wts, fan[0], fan[1], fan[2])
-    if ffn is None:
-        x, keep = blk.ffn_residual(x, ids, keep_fn, with_keep=True)
-    else:
-        x, keep = ffn(x, ids, keep_fn)
-    real = pos < tab["n_real"]
-    kept = jnp.sum(keep[0], -1)
-    hist = jnp.zeros((keep.shape[-1] + 1,), jnp.int32).at[kept].add(real.astype(jnp.int32))
-    return x, hist
+    return HyperConnection.post(x, y.astype(x.dtype), post, comb)
 
 
 # ---------------------------------------------------------------------------------- jitted layers
 @functools.partial(jax.jit, static_argnames=("graphdef", "freqs", "block", "cap"))
 def _native_jit(state, x, ids, n_real, *, graphdef, freqs, block, cap):
+    """One native layer over a batch of b padded requests (n_real [b] real rows each)."""
     blk = nnx.merge(graphdef, state)
-    cache = blk.attn.init_cache(1, cap, x.dtype)
-    x, _ = blk(x, ids, jnp.zeros((1,), jnp.int32), n_real[None], cache, freqs, block)
+    b = x.shape[0]
+    cache = blk.attn.init_cache(b, cap, x.dtype)
+    x, _ = blk(x, ids, jnp.zeros((b,), jnp.int32), n_real, cache, freqs, block)
     return x
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "freqs", "glob", "block", "fan"))
+def _reusable_batch_jit(state, x, ids, tab, pool_layer, *, graphdef, freqs, glob, block, fan):
+    """A reusable layer over a batch x [b, t, n, d]: the attention half vmapped over the
+    requests (tables stacked on a leading axis, one shared pool), the MoE half once over all
+    rows of the batch (tokens are independent there). Returns (x, histogram per request)."""
+    blk = nnx.merge(graphdef, state)
+    one = lambda xx, tt: reusable_attention(blk, xx[None], tt, pool_layer, freqs=freqs, glob=np.asarray(glob),
+                                            block=block)[0]
+    x = jax.vmap(one)(x, tab)
+    keep_fn = lambda sel, wts, scores: fanout_keep(wts, fan[0], fan[1], fan[2])
+    x, keep = blk.ffn_residual(x, ids, keep_fn, with_keep=True)  # keep [b, t, k]
+    real = tab["pos"] < tab["n_real"][:, None]
+    kept = jnp.sum(keep, -1)
+    hist = jax.vmap(lambda kk, rr: jnp.zeros((keep.shape[-1] + 1,), jnp.int32).at[kk].add(rr.astype(jnp.int32)))(
+        kept, real)
+    return x, hist
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "freqs", "glob", "block", "fan"))
@@ -445,9 +494,11 @@ class Consumer:
         return ids, t, t_real
 
     def _native(self, i, x, ids, t_real, t):
+        """t_real: an int, or one per request of the batch."""
         gd, st = self.defs[i]
         cap = _ceil(t, self.cfg.hca_rate)
-        return _native_jit(st, x, ids, jnp.int32(t_real), graphdef=gd, freqs=self.model.freqs(i),
+        return _native_jit(st, x, ids, jnp.asarray(np.reshape(t_real, -1), jnp.int32), graphdef=gd,
+                           freqs=self.model.freqs(i),
                            block=min(self.block, t), cap=cap)
 
     def _embed(self, ids):
@@ -522,3 +573,55 @@ class Consumer:
                                  freqs=self.model.freqs(i), glob=self.glob, block=self.block, fan=self.fan)
             hist = h if hist is None else hist + h
         return self._logits(x, plan.query_rows), hist
+
+    # -------------------------------------------------------------- batches
+    def _pad_batch(self, token_lists, t_min: int = 0):
+        """ids [b, t] (each request padded to the batch's common row count), t, real lengths."""
+        t_real = [len(x) for x in token_lists]
+        t = max(_ceil(max(t_real), self.block), t_min)
+        ids = np.stack([np.pad(np.asarray(x, np.int32), (0, t - n)) for x, n in zip(token_lists, t_real)])
+        return jnp.asarray(ids), t, t_real
+
+    def _logits_batch(self, x, rows_list):
+        r = max(len(q) for q in rows_list)
+        rows = np.stack([np.r_[q, np.full(r - len(q), q[-1])] for q in map(np.asarray, rows_list)])
+        out = _logits_jit(self.top_state, x, jnp.asarray(rows, jnp.int32), graphdef=self.top_def)
+        return [out[b, :len(q)] for b, q in enumerate(rows_list)]
+
+    def recompute_batch(self, token_lists, query_rows_list) -> list[jax.Array]:
+        """The Recomputed arm for several requests in one jitted call per layer (padded to a
+        common row count; each request's real length masks its padding)."""
+        ids, t, t_real = self._pad_batch(token_lists)
+        x = self._embed(ids)
+        for i in range(self.cfg.num_layers):
+            x = self._native(i, x, ids, t_real, t)
+        return self._logits_batch(x, query_rows_list)
+
+    def redknot_batch(self, plans: list[Plan], token_lists, pool: DocPool):
+        """The RedKnot arm for several planned requests whose artifacts are all in `pool`, in
+        one jitted call per layer: fences natively over the batch, the controller per request
+        (its query rows only), layouts padded to the batch's common sizes, reusable layers
+        vmapped. Returns [(logits [q, vocab], fan-out histogram)] per request, equal to
+        `redknot` request by request."""
+        cfg, prof = self.cfg, self.profile
+        ids, t, t_real = self._pad_batch(token_lists)
+        x = self._embed(ids)
+        hist, tabs = None, None
+        for i in range(cfg.num_layers):
+            if prof.is_fence(i, cfg.num_layers):
+                x = self._native(i, x, ids, t_real, t)
+                continue
+            if tabs is None:
+                for b, plan in enumerate(plans):
+                    self.controller(plan, x[b:b + 1], pool)
+                first = [build_layout(plan, pool, prof, cfg, self.block, {"t": t, "P": 0, "rates": {}})
+                         for plan in plans]
+                sizes = common_sizes(first)
+                tabs = jax.tree.map(lambda *a: jnp.stack(a), *[
+                    build_layout(plan, pool, prof, cfg, self.block, sizes).tables for plan in plans])
+            gd, st = self.defs[i]
+            x, hb = _reusable_batch_jit(st, x, ids, tabs, pool.layers[i], graphdef=gd,
+                                        freqs=self.model.freqs(i), glob=self.glob, block=self.block, fan=self.fan)
+            hist = hb if hist is None else hist + hb
+        logits = self._logits_batch(x, [p.query_rows for p in plans])
+        return [(lg, None if hist is None else hist[b]) for b, lg in enumerate(logits)]

@@ -136,6 +136,55 @@ class ReuseRuntime:
         reason, detail = (bad if arm == "redknot" else (None, ""))
         return PrefillResult(logits, "recompute", reason, detail, None, plan, time.perf_counter() - t0)
 
+    def prefill_batch(self, reqs: list[Request], arm: str = "redknot", require_reuse: bool = False,
+                      pool: DocPool | None = None) -> list[PrefillResult]:
+        """`prefill` for several requests, each arm's requests in one jitted call per layer
+        (the consumer's `recompute_batch` / `redknot_batch`; requests padded to common shapes).
+        Certification, fallback and counting are per request exactly as in `prefill`: a request
+        that fails joins the Recomputed batch, counted by reason (or, with `require_reuse`,
+        raises before anything runs). `pool` must hold every cited artifact (default: packed
+        from the batch's own). `seconds` of every result is the whole batch's wall time."""
+        if arm not in ("recompute", "redknot"):
+            raise ValueError(f"arm: expected 'recompute' or 'redknot', got {arm!r}")
+        if not reqs:
+            raise ValueError("prefill_batch: no requests")
+        t0 = time.perf_counter()
+        verdicts = [self.certify(r) if arm == "redknot" else None for r in reqs]
+        if require_reuse and arm == "redknot":
+            bad = [(k, v) for k, v in enumerate(verdicts) if v is not None]
+            if bad:
+                k, v = bad[0]
+                raise ReuseFallback(f"RedKnot arm would fall back for request {k}: {v[0].value}: {v[1]}")
+        plans = [plan_request(r, self.profile) for r in reqs]
+        red = [k for k, v in enumerate(verdicts) if arm == "redknot" and v is None]
+        rec = [k for k in range(len(reqs)) if k not in red]
+        out: list[PrefillResult | None] = [None] * len(reqs)
+        for k in red:
+            self.counters.record_ok()
+        for k in rec:
+            if arm == "redknot":
+                self.counters.record_fallback(verdicts[k][0])
+        if red:
+            if pool is None:
+                arts = {id(s.artifact): s.artifact for k in red for s in reqs[k].segments if s.artifact is not None}
+                pool = self.consumer.pool(list(arts.values()))
+            res = self.consumer.redknot_batch([plans[k] for k in red], [reqs[k].tokens for k in red], pool)
+            for k, (logits, hist) in zip(red, res):
+                hist = np.asarray(hist) if hist is not None else None
+                if hist is not None:
+                    hist = np.pad(hist, (0, max(0, 7 - hist.size)))
+                out[k] = PrefillResult(np.asarray(logits), "redknot", None, "", self._ledgers(plans[k], hist),
+                                       plans[k], 0.0, hist)
+        if rec:
+            res = self.consumer.recompute_batch([reqs[k].tokens for k in rec], [plans[k].query_rows for k in rec])
+            for k, logits in zip(rec, res):
+                reason, detail = verdicts[k] if verdicts[k] is not None else (None, "")
+                out[k] = PrefillResult(np.asarray(logits), "recompute", reason, detail, None, plans[k], 0.0)
+        dt = time.perf_counter() - t0
+        for r in out:
+            r.seconds = dt
+        return out
+
     def generate(self, req: Request, max_new_tokens: int, arm: str = "redknot", require_reuse: bool = False):
         """Greedy tokens after the request. The first token comes from `prefill`; decoding then
         continues natively over the same relocated frames: each generated token is a new,

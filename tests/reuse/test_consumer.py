@@ -95,3 +95,43 @@ def test_layout_tables_name_pool_rows_and_online_entries():
     first = csa["on_slots"][0]
     np.testing.assert_array_equal(first[:5], lay.t + np.mod(np.arange(16, 21), 8))
     np.testing.assert_array_equal(first[5:], 18 + np.arange(21, 24))
+
+
+def test_batched_prefill_equals_one_request_at_a_time():
+    """`prefill_batch`: three requests of different lengths and documents (one citing an
+    artifact of another model state, so it falls back) in one jitted call per layer per arm give
+    each request's own `prefill` result: same arm, plan, logits (fp32), fan-out histogram and
+    counters."""
+    cfg = config.tiny("mixed")
+    model = random_model(cfg, seed=7, dtype=jnp.float32)
+    prof = dataclasses.replace(tiny_profile(cfg.num_layers), budget_override=0.2, tail_rows=8,
+                               fanout_mode="tau", tau=0.8, fanout_min=2)
+    req_a, arts_a = _request(cfg, prof, model, 3)
+    rng = np.random.default_rng(11)
+    d = rng.integers(2, cfg.vocab_size, 52)
+    art_b = build_artifact(model, prof, d, checkpoint_fingerprint="fp")
+    req_b = Request([Segment(d, art_b), Segment(rng.integers(2, cfg.vocab_size, 9))])  # prefix only
+    stale = build_artifact(model, prof, d, checkpoint_fingerprint="other-weights")
+    req_c = Request([Segment(rng.integers(2, cfg.vocab_size, 20)), Segment(d, stale),
+                     Segment(rng.integers(2, cfg.vocab_size, 4))])
+    reqs = [req_a, req_b, req_c]
+
+    rt_one, rt_batch = ReuseRuntime(model, prof, "fp"), ReuseRuntime(model, prof, "fp")
+    ones = [rt_one.prefill(r, "redknot") for r in reqs]
+    batch = rt_batch.prefill_batch(reqs, "redknot")
+    assert [b.arm for b in batch] == [o.arm for o in ones] == ["redknot", "redknot", "recompute"]
+    assert batch[2].fallback == ones[2].fallback is not None
+    for o, b in zip(ones, batch):
+        assert (o.plan.protected == b.plan.protected).all() and o.plan.budget == b.plan.budget
+        assert b.logits.shape == o.logits.shape
+        assert rel_err(b.logits, o.logits) < TOL["consumer_vs_reference"][0]
+        if o.arm == "redknot":
+            np.testing.assert_array_equal(b.fanout_hist, o.fanout_hist)
+    assert rt_batch.counters.snapshot() == rt_one.counters.snapshot()
+
+    rec_one = [rt_one.prefill(r, "recompute") for r in reqs]
+    rec_batch = rt_batch.prefill_batch(reqs, "recompute")
+    for o, b in zip(rec_one, rec_batch):
+        assert b.arm == "recompute" and rel_err(b.logits, o.logits) < TOL["chunked_vs_oneshot"][0]
+    with pytest.raises(Exception, match="request 2"):
+        rt_batch.prefill_batch(reqs, "redknot", require_reuse=True)
