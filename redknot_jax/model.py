@@ -53,6 +53,14 @@ class Block(nnx.Module):
         return (x, keep) if with_keep else x
 
 
+def lm_head(hc_head, norm, table, x, rows):
+    """mHC head and final norm of rows [b, r] of the streams x, then the LM head `table`
+    [vocab, d] (or a rank's vocabulary slice of it): logits [b, r, vocab] fp32."""
+    xr = jnp.take_along_axis(x, rows[:, :, None, None], axis=1)  # [b, r, n, d]
+    return jnp.einsum("brd,vd->brv", norm(hc_head(xr)), table, preferred_element_type=jnp.float32,
+                      precision=HIGHEST)
+
+
 class Model(nnx.Module):
     """DeepSeek-V4 for causal LM (embedding, blocks, mHC head, norm, LM head)."""
 
@@ -84,10 +92,7 @@ class Model(nnx.Module):
 
     def logits(self, x, rows):
         """mHC head, final norm and LM head (fp32) for rows [b, r] of the chunk's streams x."""
-        xr = jnp.take_along_axis(x, rows[:, :, None, None], axis=1)  # [b, r, n, d]
-        h = self.norm(self.hc_head(xr))
-        return jnp.einsum("brd,vd->brv", h, self.head[...], preferred_element_type=jnp.float32,
-                          precision=HIGHEST)
+        return lm_head(self.hc_head, self.norm, self.head[...], x, rows)
 
     def forward(self, ids, pos0, n_new, cache, rows, block: int = 256):
         """Run a chunk. ids [b, t] int32, pos0/n_new [b] int32, rows [b, r] chunk indices whose

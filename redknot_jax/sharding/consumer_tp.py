@@ -18,9 +18,11 @@ Per rank:
   the fan-out keep mask is computed from the replicated router, so every rank keeps the same
   experts).
 
-Embedding, the controller (query rows only) and the LM head run as ordinary jitted programs on
-the unsharded top-level parameters. Certification across ranks is `sharding.agree` (one
-all-gather of (verdict, digest) before any of this runs).
+Embedding and LM head are vocabulary-parallel as in `TPForward` (each rank its slice of the
+table; COLLECTIVE: psum of the looked-up rows, t*d; all-gather of the logits along vocab,
+r*vocab fp32). The controller (the query rows' indexer scores over the documents' keys, a few
+rows) runs on one device with the unsharded parameters. Certification across ranks is
+`sharding.agree` (one all-gather of (verdict, digest) before any of this runs).
 """
 
 from __future__ import annotations
@@ -75,6 +77,22 @@ class TPConsumer:
                                           for (p, v), s in zip(flat, specs)])
             spec_tree = nnx.from_flat_state([(p, s) for (p, _), s in zip(flat, specs)])
             self.layers.append((gd, params, spec_tree))
+        vocab = NamedSharding(mesh, P(AXIS, None))
+        self.embed_table = jax.device_put(model.embed[...], vocab)
+        self.head_table = jax.device_put(model.head[...], vocab)
+        (self.hc_def, hc_state), (self.norm_def, norm_state) = nnx.split(model.hc_head), nnx.split(model.norm)
+        self.hc_state, self.norm_state = jax.device_put(hc_state, self.rep), jax.device_put(norm_state, self.rep)
+        tp, hc_mult = self.tp, self.cfg.hc_mult
+        self._embed_prog = jax.jit(jax.shard_map(
+            lambda table, ids: tpmod.vocab_embed(table, ids, hc_mult, tp), mesh=mesh, check_vma=False,
+            in_specs=(P(AXIS, None), P()), out_specs=P()))
+
+        def head(hc_state, norm_state, table, x, rows):
+            hc, norm = nnx.merge(self.hc_def, hc_state), nnx.merge(self.norm_def, norm_state)
+            return tpmod.vocab_logits(hc, norm, table, x, rows, tp)
+
+        self._head_prog = jax.jit(jax.shard_map(head, mesh=mesh, check_vma=False,
+                                                in_specs=(P(), P(), P(AXIS, None), P(), P()), out_specs=P()))
         self._programs = {}
 
     # -------------------------------------------------------------- pools
@@ -126,11 +144,12 @@ class TPConsumer:
     # -------------------------------------------------------------- arms
     def _embed(self, tokens):
         ids, t, t_real = self.base._pad(tokens)
-        x = self.base._embed(ids)
-        return jax.device_put(x, self.rep), jax.device_put(ids, self.rep), t, t_real
+        ids = jax.device_put(ids, self.rep)
+        return self._embed_prog(self.embed_table, ids), ids, t, t_real
 
     def _logits(self, x, rows):
-        return self.base._logits(jax.device_put(x, jax.devices()[0]), rows)
+        rows = jax.device_put(jnp.asarray(rows, jnp.int32)[None], self.rep)
+        return self._head_prog(self.hc_state, self.norm_state, self.head_table, x, rows)[0]
 
     def recompute(self, tokens, query_rows):
         x, ids, t, t_real = self._embed(tokens)

@@ -35,7 +35,7 @@ from jax.sharding import NamedSharding
 
 from redknot_jax.config import CSA, ModelConfig
 from redknot_jax.mhc import HyperConnection
-from redknot_jax.model import Model
+from redknot_jax.model import Model, lm_head
 from redknot_jax.sharding.table import AXIS, DP_AXIS, batch_spec, check_tp, param_spec
 
 
@@ -80,7 +80,11 @@ def _rank(tp: int):
 
 def _embed(model: Model, ids, tp: int):
     """Vocab-parallel embedding lookup -> streams [b, t, n, d]."""
-    table = model.embed[...]  # [v/tp, d]
+    return vocab_embed(model.embed[...], ids, model.cfg.hc_mult, tp)
+
+
+def vocab_embed(table, ids, hc_mult: int, tp: int):
+    """Embedding lookup with the rank's vocabulary slice `table` [v/tp, d] -> streams [b, t, n, d]."""
     v_local = table.shape[0]
     local = ids - _rank(tp) * v_local
     mine = (local >= 0) & (local < v_local)
@@ -89,7 +93,7 @@ def _embed(model: Model, ids, tp: int):
         # COLLECTIVE: psum over tp of the rows each rank owns (exactly one rank is non-zero per
         # token, so the sum is exact): b*t*d elements in the embedding dtype.
         e = jax.lax.psum(e, AXIS)
-    return jnp.broadcast_to(e[:, :, None, :], (*e.shape[:2], model.cfg.hc_mult, e.shape[-1]))
+    return jnp.broadcast_to(e[:, :, None, :], (*e.shape[:2], hc_mult, e.shape[-1]))
 
 
 def _moe(moe, x, ids, tp: int, keep_fn=None, chunk: int = 4096):
@@ -143,11 +147,17 @@ def _rank_forward(graphdef, tp: int, block: int, params, ids, pos0, n_new, cache
     for i, blk in enumerate(model.layers):
         x, c = _block(blk, x, ids, pos0, n_new, cache["layers"][i], model.freqs(i), block, tp)
         new_layers.append(c)
-    logits = model.logits(x, rows)  # [b, r, vocab/tp] fp32: the rank's vocabulary slice
+    return vocab_logits(model.hc_head, model.norm, model.head[...], x, rows, tp), \
+        {"length": pos0 + n_new, "layers": new_layers}
+
+
+def vocab_logits(hc_head, norm, table, x, rows, tp: int):
+    """LM head with the rank's vocabulary slice `table` [v/tp, d], gathered: [b, r, vocab] fp32."""
+    logits = lm_head(hc_head, norm, table, x, rows)  # [b, r, vocab/tp]: the rank's slice
     if tp > 1:
         # COLLECTIVE: all-gather over tp of the logits along vocab: b*r*vocab fp32.
         logits = jax.lax.all_gather(logits, AXIS, axis=2, tiled=True, to="invarying")
-    return logits, {"length": pos0 + n_new, "layers": new_layers}
+    return logits
 
 
 def _to_global(value, sharding: NamedSharding):
