@@ -10,6 +10,7 @@ host; the RedKnot arm's boundary includes certification, planning, the controlle
 layout. A RedKnot run that fell back is rejected (require_reuse).
 
     python launch/bench_ttft.py --lengths 65536 --docs 4 --repeats 2 --out ttft.json
+    python launch/bench_ttft.py --lengths 65536 --fanout k3 --tail-rows 4096 --out ttft_k3.json  # variants
 """
 
 from __future__ import annotations
@@ -54,7 +55,12 @@ def main(argv=None):
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="ttft.json")
+    ap.add_argument("--tail-rows", type=int, help="override the profile's tail class (default: the profile's, 32768)")
+    ap.add_argument("--fanout", choices=("native", "tau", "k3"), help="override the profile's MoE fan-out mode")
+    ap.add_argument("--budget", type=float, help="fixed budget instead of the controller (budget_override)")
     args = ap.parse_args(argv)
+    if args.tail_rows is not None and args.tail_rows < 0:
+        ap.error(f"--tail-rows: expected >= 0, got {args.tail_rows}")
 
     cfg = config.PRESETS[args.preset]()
     t0 = time.perf_counter()
@@ -62,6 +68,10 @@ def main(argv=None):
     jax.block_until_ready(jax.tree.leaves(model))
     init_s = time.perf_counter() - t0
     prof = flash_profile() if cfg.num_layers == 43 else tiny_profile(cfg.num_layers)
+    over = {k: v for k, v in (("tail_rows", args.tail_rows), ("fanout_mode", args.fanout),
+                              ("budget_override", args.budget)) if v is not None}
+    if over:  # a named variant of the profile (its digest differs, so artifacts are certified for it)
+        prof = dataclasses.replace(prof, name=prof.name + "".join(f"-{k}={v}" for k, v in over.items()), **over)
     rt = ReuseRuntime(model, prof, checkpoint_fingerprint=f"random-{args.preset}-seed-0")
     out = {"device": str(jax.devices()[0].device_kind), "date": datetime.date.today().isoformat(),
            "jax": jax.__version__, "python": platform.python_version(), "preset": args.preset,
