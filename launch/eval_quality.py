@@ -65,7 +65,7 @@ def recertify(art: Artifact, profile) -> Artifact:
 def greedy(rt: ReuseRuntime, req: Request, arm: str, max_new: int, pool=None):
     """Greedy tokens until <eos> (excluded) or max_new, and the first-token logits. `pool`: the
     documents' packed artifacts (RedKnot arm), shared by the prefill and every decode step."""
-    first = rt.prefill(req, arm, require_reuse=(arm == "redknot"), pool=pool)
+    first = rt.prefill(req, arm, require_reuse=(arm == "redknot"), pool=pool, decode_rows=max_new - 1)
     toks = [int(np.argmax(first.logits[-1]))]
     while toks[-1] != D.EOS and len(toks) < max_new:
         toks.append(int(np.argmax(rt.next_logits(req, first, toks, pool=pool))))

@@ -333,9 +333,43 @@ def reusable_ffn(blk, x, ids, real, fan, ffn=None):
     return x, hist
 
 
-def reusable_attention(blk, x, tab, pool_layer, *, freqs, glob, block, reduce=None):
+def _queries(attn, cq, heads, pos, freqs):
+    """Queries of the chosen heads from the rows' compressed queries cq [t, q], RoPE at pos."""
+    wq = attn.wq_b[...].reshape(attn.h, attn.k, -1)
+    qq = jnp.einsum("tq,hkq->thk", cq, wq[heads], precision=HIGHEST)
+    return apply_rope(rms_norm(qq, None, attn.eps), pos, freqs)
+
+
+def _request_entries(attn, proj, tab, pool_layer, freqs):
+    """The request's compressed entries (and for CSA its indexer keys) from the rows'
+    compressor projections `proj` {"pk", "pg"[, "ik", "ig"]} ([t, .] each), the pool and the
+    entry table: ((entries [E, k], last positions [E]), indexer keys [E, .] or None)."""
+    kind = attn.kind
+    rt = tab["rates"]["csa" if kind == CSA else "hca"]
+    E = rt["src"].shape[0]
+    ents = (_online_entries(attn.compressor, proj["pk"], proj["pg"], pool_layer.get("cmp"), rt, freqs,
+                            pool_layer.get("entries"), E), rt["end"])
+    idx_keys = None
+    if kind == CSA:
+        idx_keys = _online_entries(attn.indexer.compressor, proj["ik"], proj["ig"], pool_layer.get("idx"), rt,
+                                   freqs, pool_layer.get("idx_entries"), E)
+    return ents, idx_keys
+
+
+def _projections(attn, xa, cpos) -> dict:
+    """Compressor (and CSA indexer-compressor) projections of rows xa [t, d] at canonical cpos."""
+    pk, pg = attn.compressor.project(xa[None], cpos[None])
+    out = {"pk": pk[0], "pg": pg[0]}
+    if attn.kind == CSA:
+        ik, ig = attn.indexer.compressor.project(xa[None], cpos[None])
+        out.update(ik=ik[0], ig=ig[0])
+    return out
+
+
+def reusable_attention(blk, x, tab, pool_layer, *, freqs, glob, block, reduce=None, keep_keys=False):
     """The attention half of a reusable layer (passes A and B, z_L restore, `wo_b` once, mHC
-    post) over one request's rows x [1, t, n, d]."""
+    post) over one request's rows x [1, t, n, d]. With `keep_keys` also what decoding reads
+    later: every row's K=V in absolute coordinates and compressor projections."""
     attn = blk.attn
     t = x.shape[1]
     h, k, g, w = attn.h, attn.k, attn.g, attn.window
@@ -344,11 +378,7 @@ def reusable_attention(blk, x, tab, pool_layer, *, freqs, glob, block, reduce=No
     pos, d_row = tab["pos"], tab["d"]
     cpos = pos - d_row
     cq = attn.q_norm(jnp.einsum("td,qd->tq", xa, attn.wq_a[...], precision=HIGHEST))
-    wq = attn.wq_b[...].reshape(h, k, -1)
-
-    def queries(c, heads, p):
-        qq = jnp.einsum("tq,hkq->thk", c, wq[heads], precision=HIGHEST)
-        return apply_rope(rms_norm(qq, None, attn.eps), p, freqs)
+    queries = lambda c, heads, p: _queries(attn, c, heads, p, freqs)
 
     # keys: canonical pool latent or online latent at the canonical position, turned by R(D)
     kv_on = attn.latent(xa[None], cpos[None], freqs)[0]
@@ -357,19 +387,10 @@ def reusable_attention(blk, x, tab, pool_layer, *, freqs, glob, block, reduce=No
     kv_abs = apply_rope(kv, d_row, freqs)
 
     kind = attn.kind
-    ents = idx_keys = None
+    ents = idx_keys = proj = None
     if kind in (CSA, HCA):
-        comp = attn.compressor
-        rt = tab["rates"]["csa" if kind == CSA else "hca"]
-        E = rt["src"].shape[0]
-        pk, pg = comp.project(xa[None], cpos[None])
-        ents = (_online_entries(comp, pk[0], pg[0], pool_layer.get("cmp"), rt, freqs, pool_layer.get("entries"), E),
-                rt["end"])
-        if kind == CSA:
-            ic = attn.indexer.compressor
-            ik, ig = ic.project(xa[None], cpos[None])
-            idx_keys = _online_entries(ic, ik[0], ig[0], pool_layer.get("idx"), rt, freqs,
-                                       pool_layer.get("idx_entries"), E)
+        proj = _projections(attn, xa, cpos)
+        ents, idx_keys = _request_entries(attn, proj, tab, pool_layer, freqs)
     scale, sink = k ** -0.5, attn.attn_sink[...]
 
     # pass A: Global heads of every row
@@ -407,7 +428,47 @@ def reusable_attention(blk, x, tab, pool_layer, *, freqs, glob, block, reduce=No
     y = attn.wo_b_apply(z[None])
     if reduce is not None:
         y = reduce(y)
-    return HyperConnection.post(x, y.astype(x.dtype), post, comb)
+    out = HyperConnection.post(x, y.astype(x.dtype), post, comb)
+    if keep_keys:
+        return out, {"kv_abs": kv_abs, **(proj or {})}
+    return out
+
+
+def _put_rows(a, rows, t0, n: int):
+    """`a` [>= ?, ...] padded or cut to n rows, with `rows` written at row t0 (t0 traced)."""
+    a = a[:n] if a.shape[0] >= n else jnp.pad(a, [(0, n - a.shape[0])] + [(0, 0)] * (a.ndim - 1))
+    return jax.lax.dynamic_update_slice_in_dim(a, rows.astype(a.dtype), t0, axis=0)
+
+
+def decode_attention(blk, x, tab, pool_layer, keys, t0, *, freqs):
+    """The attention half of a reusable layer for g new rows x [1, g, n, d] at request rows
+    t0 .. t0+g-1 of a frozen plan (protected new rows of the last frame: every head, native
+    key sets), reading the earlier rows' cached `keys` instead of recomputing them. `tab`: the
+    layout of the extended plan. Returns (x, keys with the new rows written in)."""
+    attn = blk.attn
+    g, T = x.shape[1], tab["pos"].shape[0]
+    u, post, comb = blk.hc_attn.pre(x)
+    xa = blk.attn_norm(u)[0]  # [g, d]
+    rows = t0 + jnp.arange(g)
+    pos, d_row = tab["pos"][rows], tab["d"][rows]
+    cpos = pos - d_row
+    cq = attn.q_norm(jnp.einsum("td,qd->tq", xa, attn.wq_a[...], precision=HIGHEST))
+    kv_new = apply_rope(attn.latent(xa[None], cpos[None], freqs)[0], d_row, freqs)
+    new = {"kv_abs": _put_rows(keys["kv_abs"], kv_new, t0, T)}
+    ents = idx = None
+    if attn.kind in (CSA, HCA):
+        proj = _projections(attn, xa, cpos)
+        new.update({n: _put_rows(keys[n], v, t0, T) for n, v in proj.items()})
+        ents, idx_keys = _request_entries(attn, new, tab, pool_layer, freqs)
+        if attn.kind == CSA:
+            iq, iw = attn.indexer.queries(xa[None], cq[None], pos[None], freqs)
+            idx = (iq[0], iw[0], idx_keys)
+    q = _queries(attn, cq, np.arange(attn.h), pos, freqs)
+    o = _pass_b(q, pos, new["kv_abs"], ents, idx, attn.attn_sink[...], attn.k ** -0.5, attn.kind, g, attn.window,
+                attn.indexer.topk if attn.kind == CSA else 0)
+    o = apply_rope(o, pos, freqs, inverse=True)
+    y = attn.wo_b_apply(attn.wo_a_apply(o[None]))
+    return HyperConnection.post(x, y.astype(x.dtype), post, comb), new
 
 
 # ---------------------------------------------------------------------------------- jitted layers
@@ -419,6 +480,40 @@ def _native_jit(state, x, ids, n_real, *, graphdef, freqs, block, cap):
     cache = blk.attn.init_cache(b, cap, x.dtype)
     x, _ = blk(x, ids, jnp.zeros((b,), jnp.int32), n_real, cache, freqs, block)
     return x
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "freqs", "block", "cap"))
+def _native_cache_jit(state, x, ids, n_real, *, graphdef, freqs, block, cap):
+    """A native layer over one request, keeping its cache (capacity `cap` rows) for decoding."""
+    blk = nnx.merge(graphdef, state)
+    return blk(x, ids, jnp.zeros((1,), jnp.int32), n_real, blk.attn.init_cache(1, cap, x.dtype), freqs, block)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "freqs"))
+def _native_step_jit(state, x, ids, pos0, cache, *, graphdef, freqs):
+    """New rows x [1, g, ...] at pos0 through a native layer with its cache."""
+    blk = nnx.merge(graphdef, state)
+    g = x.shape[1]
+    return blk(x, ids, pos0[None], jnp.full((1,), g, jnp.int32), cache, freqs, g)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "freqs", "glob", "block", "fan"))
+def _reusable_keys_jit(state, x, ids, tab, pool_layer, *, graphdef, freqs, glob, block, fan):
+    """`_reusable_jit` that also returns the keys decoding reads (see `reusable_attention`)."""
+    blk = nnx.merge(graphdef, state)
+    x, keys = reusable_attention(blk, x, tab, pool_layer, freqs=freqs, glob=np.asarray(glob), block=block,
+                                 keep_keys=True)
+    x, hist = reusable_ffn(blk, x, ids, tab["pos"] < tab["n_real"], fan)
+    return x, hist, keys
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "freqs", "fan"))
+def _reusable_step_jit(state, x, ids, tab, pool_layer, keys, t0, *, graphdef, freqs, fan):
+    """A reusable layer for new rows over the cached keys (`decode_attention`), then the MoE."""
+    blk = nnx.merge(graphdef, state)
+    x, keys = decode_attention(blk, x, tab, pool_layer, keys, t0, freqs=freqs)
+    x, _ = reusable_ffn(blk, x, ids, jnp.ones(x.shape[1], bool), fan)
+    return x, keys
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "freqs", "glob", "block", "fan"))
@@ -467,6 +562,17 @@ def _controller_jit(pre_state, csa_state, xq, qr, ikeys, d_e, end_e, *, pre_def,
     s = index_scores(iq, iw, keys[None])[0]  # [q, E]
     s = jnp.where(end_e[None] <= qr[:, None], s, -jnp.inf)
     return jnp.max(s, axis=0)
+
+
+@dataclasses.dataclass
+class DecodeState:
+    """What decoding after a RedKnot prefill reads: per fence layer its native cache (capacity
+    `cap` rows), per reusable layer every row's K=V in absolute coordinates and compressor
+    projections; `rows` request rows so far."""
+
+    rows: int
+    cap: int
+    layers: dict = dataclasses.field(default_factory=dict)
 
 
 class Consumer:
@@ -549,17 +655,26 @@ class Consumer:
         budget = prof.budget_override if prof.budget_override is not None else prof.choose_budget(conc)
         fill_itop(plan, scores, budget, row_risk(plan, self.reusable))
 
-    def redknot(self, plan: Plan, tokens, pool: DocPool, timings: dict | None = None, frozen: bool = False):
+    def redknot(self, plan: Plan, tokens, pool: DocPool, timings: dict | None = None, frozen: bool = False,
+                decode_rows: int = 0):
         """The RedKnot arm for a planned request whose artifacts are in `pool`; fills Itop
         (unless the plan is `frozen`: decode continuation keeps the prompt's protected set).
-        Returns (logits [q, vocab], fan-out histogram [k+1] over reusable layers and rows)."""
+        Returns (logits [q, vocab], fan-out histogram [k+1] over reusable layers and rows), and
+        with `decode_rows` > 0 a `DecodeState` for that many generated rows (`redknot_step`)."""
         cfg, prof = self.cfg, self.profile
         ids, t, t_real = self._pad(tokens)
         x = self._embed(ids)
         hist, layout = None, None
+        state = DecodeState(t_real, _ceil(t_real + decode_rows, cfg.hca_rate)) if decode_rows else None
         for i in range(cfg.num_layers):
             if prof.is_fence(i, cfg.num_layers):
-                x = self._native(i, x, ids, t_real, t)
+                if state is None:
+                    x = self._native(i, x, ids, t_real, t)
+                else:
+                    gd, st = self.defs[i]
+                    x, state.layers[i] = _native_cache_jit(
+                        st, x, ids, jnp.full((1,), t_real, jnp.int32), graphdef=gd, freqs=self.model.freqs(i),
+                        block=min(self.block, t), cap=max(state.cap, _ceil(t, cfg.hca_rate)))
                 continue
             if layout is None:  # the controller reads the first reusable layer's input
                 t0 = time.perf_counter()
@@ -569,10 +684,45 @@ class Consumer:
                 if timings is not None:
                     timings["plan_s"] = time.perf_counter() - t0
             gd, st = self.defs[i]
-            x, h = _reusable_jit(st, x, ids, layout.tables, pool.layers[i], graphdef=gd,
-                                 freqs=self.model.freqs(i), glob=self.glob, block=self.block, fan=self.fan)
+            kw = dict(graphdef=gd, freqs=self.model.freqs(i), glob=self.glob, block=self.block, fan=self.fan)
+            if state is None:
+                x, h = _reusable_jit(st, x, ids, layout.tables, pool.layers[i], **kw)
+            else:
+                x, h, state.layers[i] = _reusable_keys_jit(st, x, ids, layout.tables, pool.layers[i], **kw)
             hist = h if hist is None else hist + h
-        return self._logits(x, plan.query_rows), hist
+        logits = self._logits(x, plan.query_rows)
+        return (logits, hist, state) if decode_rows else (logits, hist)
+
+    def redknot_step(self, plan: Plan, token: int, pool: DocPool, state: "DecodeState") -> jax.Array:
+        """Logits [vocab] after one generated `token` appended to a RedKnot request, reading the
+        earlier rows' keys and caches from `state` (from `redknot(..., decode_rows=)`; updated in
+        place) instead of re-running the request: fences decode natively with their caches,
+        reusable layers run the new row (protected: every head over the native key sets) over
+        the cached keys and the entries the new row completes. `plan`: the prompt's plan
+        extended by the generated rows so far (`state.rows + 1` rows). Equals `redknot` over
+        the whole extended request with the plan frozen."""
+        cfg, prof = self.cfg, self.profile
+        t0 = state.rows
+        if plan.n_rows != t0 + 1:
+            raise ValueError(f"redknot_step: the plan has {plan.n_rows} rows, expected {t0 + 1}")
+        if t0 + 1 > state.cap:
+            raise ValueError(f"redknot_step: the decode state holds {state.cap} rows; row {t0} does not fit")
+        ids = jnp.asarray([[token]], jnp.int32)
+        x = self._embed(ids)
+        tab = None
+        for i in range(cfg.num_layers):
+            gd, st = self.defs[i]
+            if prof.is_fence(i, cfg.num_layers):
+                x, state.layers[i] = _native_step_jit(st, x, ids, jnp.int32(t0), state.layers[i], graphdef=gd,
+                                                      freqs=self.model.freqs(i))
+                continue
+            if tab is None:
+                tab = build_layout(plan, pool, prof, cfg, self.block).tables
+            x, state.layers[i] = _reusable_step_jit(st, x, ids, tab, pool.layers[i], state.layers[i],
+                                                    jnp.int32(t0), graphdef=gd, freqs=self.model.freqs(i),
+                                                    fan=self.fan)
+        state.rows += 1
+        return self._logits(x, [0])[0]
 
     # -------------------------------------------------------------- batches
     def _pad_batch(self, token_lists, t_min: int = 0):

@@ -31,7 +31,7 @@ from redknot_jax.mhc import HyperConnection
 from redknot_jax.model import Model
 from redknot_jax.reuse import ledger as ledgers
 from redknot_jax.reuse.artifact import local_head_mask, project_heads, single_rank
-from redknot_jax.reuse.consumer import Consumer, DocPool
+from redknot_jax.reuse.consumer import Consumer, DecodeState, DocPool
 from redknot_jax.reuse.certificate import (CertCounters, FallbackReason, TPGeometry, explain, payload_digest,
                                            token_digest)
 from redknot_jax.reuse.fanout import fanout_histogram, fanout_keep, mean_kept
@@ -55,6 +55,7 @@ class PrefillResult:
     plan: Plan | None
     seconds: float
     fanout_hist: np.ndarray | None = None
+    decode: DecodeState | None = None  # RedKnot arm with decode_rows: what next_logits reads
 
 
 class ReuseRuntime:
@@ -101,12 +102,14 @@ class ReuseRuntime:
 
     # ------------------------------------------------------------------ arms
     def prefill(self, req: Request, arm: str = "redknot", require_reuse: bool = False, path: str = "jit",
-                pool: DocPool | None = None) -> PrefillResult:
+                pool: DocPool | None = None, decode_rows: int = 0) -> PrefillResult:
         """Logits of the request's query rows with either arm, plus ledgers and counters.
 
         `path="jit"` runs the consumer (per-layer jitted, query-blocked; `pool` holds the hot
         artifacts, packed from the request's own when None); `path="reference"` the eager
-        reference below, which the consumer is tested against."""
+        reference below, which the consumer is tested against. `decode_rows` > 0 (RedKnot arm,
+        jit path): keep a decode state for that many generated rows, so `next_logits` runs one
+        new row per step over cached keys instead of the whole request."""
         if arm not in ("recompute", "redknot"):
             raise ValueError(f"arm: expected 'recompute' or 'redknot', got {arm!r}")
         if path not in ("jit", "reference"):
@@ -122,11 +125,12 @@ class ReuseRuntime:
                     plan = plan_request(req, self.profile)
                     if pool is None:
                         pool = self.consumer.pool([s.artifact for s in req.segments if s.artifact is not None])
-                    logits, hist = self.consumer.redknot(plan, req.tokens, pool)
-                    logits, hist = np.asarray(logits), np.asarray(hist)
+                    out = self.consumer.redknot(plan, req.tokens, pool, decode_rows=decode_rows)
+                    logits, hist = np.asarray(out[0]), np.asarray(out[1])
                     hist = np.pad(hist, (0, max(0, 7 - hist.size)))
+                    state = out[2] if decode_rows else None
                 return PrefillResult(logits, "redknot", None, "", self._ledgers(plan, hist), plan,
-                                     time.perf_counter() - t0, hist)
+                                     time.perf_counter() - t0, hist, state if path == "jit" else None)
             self.counters.record_fallback(bad[0])  # before any reuse-specific work
             if require_reuse:
                 raise ReuseFallback(f"RedKnot arm fell back to recomputation: {bad[0].value}: {bad[1]}")
@@ -189,9 +193,9 @@ class ReuseRuntime:
         """Greedy tokens after the request. The first token comes from `prefill`; decoding then
         continues natively over the same relocated frames: each generated token is a new,
         protected query row appended to the last frame, and the plan of the prompt rows stays
-        frozen (so earlier rows never change). Each step re-runs the jitted layers over all
-        rows (no incremental RedKnot cache yet: O(rows) per token). Returns (tokens, first PrefillResult)."""
-        first = self.prefill(req, arm, require_reuse)
+        frozen (so earlier rows never change). Each step runs the new row alone over the prompt's
+        cached keys (`decode_rows`; `Consumer.redknot_step`). Returns (tokens, first PrefillResult)."""
+        first = self.prefill(req, arm, require_reuse, decode_rows=max(0, max_new_tokens - 1))
         toks = [int(np.argmax(first.logits[-1]))]
         for _ in range(max_new_tokens - 1):
             toks.append(int(np.argmax(self.next_logits(req, first, toks))))
@@ -208,7 +212,10 @@ class ReuseRuntime:
         plan = _extend_plan(first.plan, gen.size)
         if pool is None:
             pool = self.consumer.pool([s.artifact for s in req.segments if s.artifact is not None])
-        logits, _ = self.consumer.redknot(plan, full, pool, frozen=True)
+        st = first.decode
+        if st is not None and st.rows == first.plan.n_rows + gen.size - 1 and st.rows < st.cap:
+            return np.asarray(self.consumer.redknot_step(plan, int(gen[-1]), pool, st))  # one row
+        logits, _ = self.consumer.redknot(plan, full, pool, frozen=True)  # the whole request again
         return np.asarray(logits)[-1]
 
     def _recompute(self, req, rows) -> np.ndarray:

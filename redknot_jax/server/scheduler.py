@@ -347,7 +347,7 @@ class Scheduler:
         """A request citing documents, RedKnot arm (falls back to recomputation, counted, when
         an artifact fails certification). Decoding after the first token follows
         `ReuseRuntime.generate` (plan frozen, generated tokens appended as protected new rows;
-        one jitted pass over all rows per token) with this request's sampling; the documents'
+        each runs alone over the prompt's cached keys) with this request's sampling; the documents'
         device pool is reused across requests citing the same documents."""
         if job.cancelled.is_set():
             self._count_cancel(job)
@@ -355,7 +355,7 @@ class Scheduler:
         pool = self._hot_pool(job.docs)
         segs = [Segment(np.asarray(d.tokens, np.int32), d.artifact) for d in job.docs]
         req = Request(segs + [Segment(np.asarray(job.tokens, np.int32))])
-        first = self.rt.prefill(req, "redknot", pool=pool)
+        first = self.rt.prefill(req, "redknot", pool=pool, decode_rows=max(0, job.sampling.max_tokens - 1))
         arm = first.arm
         info = {"arm": arm, "fallback": first.fallback.value if first.fallback else None,
                 "fallback_detail": first.fallback_detail, "cached_tokens": 0}

@@ -135,3 +135,33 @@ def test_batched_prefill_equals_one_request_at_a_time():
         assert b.arm == "recompute" and rel_err(b.logits, o.logits) < TOL["chunked_vs_oneshot"][0]
     with pytest.raises(Exception, match="request 2"):
         rt_batch.prefill_batch(reqs, "redknot", require_reuse=True)
+
+
+@pytest.mark.parametrize("kind,refresh,fan", CASES)
+def test_incremental_decode_equals_rerunning_the_request(kind, refresh, fan):
+    """`prefill(..., decode_rows=)` + `next_logits`: each generated row runs alone over the
+    cached keys (fences: native caches; reusable layers: K=V, compressor projections, the
+    entries the new rows complete) and gives the logits of re-running the whole extended
+    request with the plan frozen, across compression-window boundaries of both rates."""
+    cfg = config.tiny(kind)
+    model = random_model(cfg, seed=7, dtype=jnp.float32)
+    prof = dataclasses.replace(tiny_profile(cfg.num_layers), budget_override=0.2, tail_rows=8,
+                               latent_refresh=refresh, fanout_mode=fan, tau=0.8, fanout_min=2)
+    req, arts = _request(cfg, prof, model, 3)
+    req = Request(req.segments)  # the last row is the query
+    rt = ReuseRuntime(model, prof, "fp")
+    pool = rt.consumer.pool(arts)
+    steps = cfg.hca_rate + 3  # the new rows close CSA and HCA windows
+    inc = rt.prefill(req, "redknot", require_reuse=True, pool=pool, decode_rows=steps)
+    full = rt.prefill(req, "redknot", require_reuse=True, pool=pool)
+    assert inc.decode is not None and full.decode is None
+    rng = np.random.default_rng(5)
+    gen = []
+    for s in range(steps):
+        gen.append(int(rng.integers(2, cfg.vocab_size)))
+        a = rt.next_logits(req, inc, gen, pool=pool)
+        assert inc.decode.rows == req.tokens.size + s + 1  # the incremental path ran
+        b = rt.next_logits(req, full, gen, pool=pool)
+        assert rel_err(a, b) < TOL["consumer_vs_reference"][0], s
+    with pytest.raises(ValueError, match="does not fit|expected"):
+        rt.consumer.redknot_step(inc.plan, 3, pool, inc.decode)  # a plan that is not one row ahead

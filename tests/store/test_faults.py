@@ -23,7 +23,7 @@ import jax.numpy as jnp
 
 from redknot_jax.reuse.certificate import CertCounters, FallbackReason
 from redknot_jax.store import ArtifactStore, StoreFullError, StoreIntegrityError, document_id, prefill_from_store
-from tests.store import CFG, FP, PROFILE, spawn_builder, synthetic, write_plain
+from tests.store import CFG, FP, PROFILE, payload_of, spawn_builder, synthetic, write_plain
 
 N_KILLS = 14
 
@@ -199,13 +199,15 @@ def test_disk_full_on_a_small_tmpfs(small_tmpfs, codec):
     assert store.gc().removed_generations == []
 
 
-# Writes of a publish of `synthetic` (4 layers in 2 groups, 28 tiles): tokens.bin, the tiles,
-# manifest.json, generation.json, generation.sha256. Fail at each kind.
-@pytest.mark.parametrize("fail_at,kind", [(0, "tokens.bin"), (5, ".bin"), (29, "manifest.json"),
-                                          (30, "generation.json"), (31, "generation.sha256")])
-def test_disk_full_simulated(tmp_path, fail_at, kind):
+# Writes of a publish of `synthetic` (4 layers in 2 groups): tokens.bin, the n tiles,
+# manifest.json, generation.json, generation.sha256. Fail at each kind (write index from n).
+@pytest.mark.parametrize("after_tiles,kind", [(-1, "tokens.bin"), (-0.5, ".bin"), (0, "manifest.json"),
+                                              (1, "generation.json"), (2, "generation.sha256")])
+def test_disk_full_simulated(tmp_path, after_tiles, kind):
     store = ArtifactStore(tmp_path / "s", layer_group_size=2)
     art = synthetic(62)
+    n_tiles = len(payload_of(art.layers))
+    fail_at = {-1: 0, -0.5: 5}.get(after_tiles, 1 + n_tiles + after_tiles)
     calls, failed = [0], []
     real = store._write
 
