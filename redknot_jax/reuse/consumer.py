@@ -568,10 +568,11 @@ def _controller_jit(pre_state, csa_state, xq, qr, ikeys, d_e, end_e, *, pre_def,
 class DecodeState:
     """What decoding after a RedKnot prefill reads: per fence layer its native cache (capacity
     `cap` rows), per reusable layer every row's K=V in absolute coordinates and compressor
-    projections; `rows` request rows so far."""
+    projections; `rows` request rows so far; `pool` the documents' pool the prefill read."""
 
     rows: int
     cap: int
+    pool: "DocPool"
     layers: dict = dataclasses.field(default_factory=dict)
 
 
@@ -665,7 +666,7 @@ class Consumer:
         ids, t, t_real = self._pad(tokens)
         x = self._embed(ids)
         hist, layout = None, None
-        state = DecodeState(t_real, _ceil(t_real + decode_rows, cfg.hca_rate)) if decode_rows else None
+        state = DecodeState(t_real, _ceil(t_real + decode_rows, cfg.hca_rate), pool) if decode_rows else None
         for i in range(cfg.num_layers):
             if prof.is_fence(i, cfg.num_layers):
                 if state is None:

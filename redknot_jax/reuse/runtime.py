@@ -210,9 +210,10 @@ class ReuseRuntime:
         if first.arm == "recompute":
             return np.asarray(self.consumer.recompute(full, [full.size - 1]))[-1]
         plan = _extend_plan(first.plan, gen.size)
-        if pool is None:
-            pool = self.consumer.pool([s.artifact for s in req.segments if s.artifact is not None])
         st = first.decode
+        if pool is None:  # the prefill's pool when it kept one; packing is per call otherwise
+            pool = st.pool if st is not None else self.consumer.pool(
+                [s.artifact for s in req.segments if s.artifact is not None])
         if st is not None and st.rows == first.plan.n_rows + gen.size - 1 and st.rows < st.cap:
             return np.asarray(self.consumer.redknot_step(plan, int(gen[-1]), pool, st))  # one row
         logits, _ = self.consumer.redknot(plan, full, pool, frozen=True)  # the whole request again

@@ -159,7 +159,7 @@ def test_incremental_decode_equals_rerunning_the_request(kind, refresh, fan):
     gen = []
     for s in range(steps):
         gen.append(int(rng.integers(2, cfg.vocab_size)))
-        a = rt.next_logits(req, inc, gen, pool=pool)
+        a = rt.next_logits(req, inc, gen)  # the pool kept by the decode state
         assert inc.decode.rows == req.tokens.size + s + 1  # the incremental path ran
         b = rt.next_logits(req, full, gen, pool=pool)
         assert rel_err(a, b) < TOL["consumer_vs_reference"][0], s
