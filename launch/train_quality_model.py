@@ -7,8 +7,9 @@ tokenizer.json) and a training log.
         --max-steps 6 --eval-docs 2 --per-doc 2 --out /tmp/qa                        # CPU smoke
 
 Schedule by the fraction of the training budget used (time, or --max-steps): learning rate
-warm-up + cosine; curriculum: short packed episodes (2-3 documents) first, then 2-6, then half
-the rows full-size episodes (as many documents as the evaluation requests). The end of the
+warm-up + cosine; curriculum (`curriculum`): short packed episodes inside the sliding window
+first, then half-size documents, then 2-6, then half the rows full-size episodes (as many
+documents as the evaluation requests). The end of the
 budget is reserved for rounding to the shipped bf16 weights, saving, and the teacher-forced
 validation / held-out test scores (greedy-equivalent EM per question type) in train_log.json.
 """
@@ -38,10 +39,16 @@ from redknot_jax.quality.train import (TrainConfig, Trainer, load_model, lr_at, 
 
 
 def curriculum(frac: float, row: int, args) -> D.Curriculum:
+    """Episode sizes by budget fraction: first one or two documents of two people each (the
+    facts sit inside the sliding window: retrieval is learnt there), then one or two documents
+    of four people (facts partly beyond the window), then 2-6 full documents, then half the
+    rows full-size evaluation worlds. No question repeats within an episode."""
     full = max(2, args.eval_docs)
-    if frac < 0.3:
-        return D.Curriculum(2, min(3, full), args.per_doc, 16, two_hop=0.3)
-    if frac < 0.6 or row % 2:
+    if frac < 0.35:
+        return D.Curriculum(1, 2, 2, 6, two_hop=0.3)
+    if frac < 0.6:
+        return D.Curriculum(1, 2, max(2, args.per_doc // 2), 8, two_hop=0.4)
+    if frac < 0.8 or row % 2:
         return D.Curriculum(2, min(6, full), args.per_doc, 16, two_hop=0.5)
     return D.Curriculum(max(2, full - 1), full, args.per_doc, 24, two_hop=0.5)
 

@@ -231,7 +231,7 @@ def training_sequence(rng: np.random.Generator, names: Sequence[tuple[str, str]]
         left = total - len(toks)
         doc_len = 2 + 23 * cur.per_doc // 4  # ~ tokens per document (4 facts of 5-7 words)
         max_fit = (left - 4 * 14) // doc_len  # leave room for a few questions
-        if max_fit < 2 or used + 2 * cur.per_doc > len(pool):
+        if max_fit < max(1, cur.min_docs) or used + 2 * cur.per_doc > len(pool):
             break
         hi = min(cur.max_docs, max_fit, (len(pool) - used) // cur.per_doc)
         n_docs = int(rng.integers(min(cur.min_docs, hi), hi + 1))
@@ -242,11 +242,19 @@ def training_sequence(rng: np.random.Generator, names: Sequence[tuple[str, str]]
         ew = [other_weight] * len(ep)
         if len(ep) > left:
             break
+        asked = set()
         for _ in range(cur.questions):  # whole question/answer pairs only, while they fit
             qt = "two_hop" if rng.random() < cur.two_hop else "lookup"
             if qt == "two_hop" and all(world.people[p.boss].doc == p.doc for p in world.people):
                 qt = "lookup"  # (small worlds) no relation crosses documents
-            qt_toks, qt_w = qa_tokens(make_question(rng, world, qt))
+            for _ in range(8):  # a repeated question could be answered by copying the earlier answer
+                qa = make_question(rng, world, qt)
+                if tuple(qa.question) not in asked:
+                    break
+            else:
+                break
+            asked.add(tuple(qa.question))
+            qt_toks, qt_w = qa_tokens(qa)
             if len(ep) + len(qt_toks) > left:
                 break
             ep += qt_toks

@@ -84,12 +84,12 @@ class ReuseRuntime:
             bad = explain(art.certificate, expected_tokens_digest=token_digest(seg.tokens),
                           profile_digest=self.profile.digest(), model_digest=self.cfg.fingerprint(),
                           checkpoint_fingerprint=self.fingerprint, tp=self.tp, min_generation=self.min_generation,
-                          required_layers=self.reusable, actual_payload_digest=self._payload_digest(art))
+                          required_layers=self.reusable, actual_payload_digest=self.hot_payload_digest(art))
             if bad is not None:
                 return bad[0], f"segment {i}: {bad[1]}"
         return None
 
-    def _payload_digest(self, art) -> str:
+    def hot_payload_digest(self, art) -> str:
         """The artifact's payload digest, hashed once per in-memory artifact: its arrays are
         immutable device arrays once built or loaded (the store verifies tile checksums on every
         read from disk), so a hot artifact is not re-hashed on every request."""

@@ -128,10 +128,13 @@ class RankVerdict:
         return self.reason is None
 
 
-def rank_verdict(segments: Iterable, expect: Expectation, geometry: TPGeometry) -> RankVerdict:
+def rank_verdict(segments: Iterable, expect: Expectation, geometry: TPGeometry,
+                 digest=None) -> RankVerdict:
     """Validate one rank's artifact slices. `segments`: objects with `.tokens` and `.artifact`
     (a rank's slice, or None for new rows), e.g. `planner.Segment`. The same checks as
-    `ReuseRuntime.certify`, against this rank's geometry."""
+    `ReuseRuntime.certify`, against this rank's geometry. `digest(artifact)`, if given, hashes
+    a slice's payload (default: on every call; `ReuseRuntime.hot_payload_digest` hashes each
+    in-memory slice once, as the single-device runtime does for hot artifacts)."""
     idents = []
     for i, seg in enumerate(segments):
         art = seg.artifact
@@ -147,7 +150,7 @@ def rank_verdict(segments: Iterable, expect: Expectation, geometry: TPGeometry) 
         bad = explain(cert, expected_tokens_digest=token_digest(seg.tokens), profile_digest=expect.profile_digest,
                       model_digest=expect.model_digest, checkpoint_fingerprint=expect.checkpoint_fingerprint,
                       tp=geometry, min_generation=expect.min_generation, required_layers=expect.required_layers,
-                      actual_payload_digest=payload_digest(art.payload()))
+                      actual_payload_digest=digest(art) if digest else payload_digest(art.payload()))
         if bad is not None:
             return RankVerdict(bad[0], f"segment {i}: {bad[1]}", NO_DIGEST)
     return RankVerdict(None, "", json_digest({"format": FORMAT_VERSION, "segments": idents}))

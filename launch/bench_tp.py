@@ -1,0 +1,231 @@
+"""Both arms tensor-parallel on several GPUs of one host (issue #6 item 6): TTFT at tp = 1 and
+tp > 1 on exactly the same requests, logits agreement with tp = 1, scaling efficiency.
+
+Per length, the frozen request records of `bench_ttft.py` (same seed, same digest). The
+documents' artifacts are built once at tp = 1; tp = 1 runs the single-device consumer
+(`ReuseRuntime`, as `bench_ttft.py`), tp > 1 runs `sharding.TPConsumer` over the first tp
+devices with the artifacts cut into rank slices (`store.split_tp`). The tp > 1 RedKnot arm's
+timed path is the serving path: every rank validates its own slices (`agree.rank_verdict`;
+payload digests hashed once per slice at admission, as the single-device runtime does), one
+collective agrees on the verdict (`agree.agree`), then the layers run. A run whose agreement
+says fall back is rejected. Per arm and tp: warm-up (compilation) then --repeats timed runs,
+TTFT = model-forward entry to the first token on the host.
+
+Agreement with tp = 1 over the query rows' logits: max |difference| relative to max |logit|,
+the relative L2 error, and greedy-token agreement (bf16: per-rank partial sums are rounded
+before the psum; `--dtype float32` leaves only summation order; `--fp32-floor` measures how
+far bf16 itself is from fp32 on the same request, the yardstick). Scaling efficiency:
+t(tp=1) / (tp * t(tp)).
+
+    python launch/bench_tp.py --lengths 32768 --tp 1,2 --out tp_32k.json          # 2 x H200
+
+On CPU, tests/sharding/test_bench_tp.py runs it at tp = 1, 2 on a tiny config whose counts
+divide 2 (`--dtype float32`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import pathlib
+import platform
+import statistics
+import sys
+import time
+
+import numpy as np
+import jax
+import jax.numpy as jnp
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+
+from launch.bench_ttft import records  # noqa: E402  (the same frozen request records)
+from redknot_jax import config  # noqa: E402
+from redknot_jax.init import random_model  # noqa: E402
+from redknot_jax.reuse.artifact import build_artifact  # noqa: E402
+from redknot_jax.reuse.consumer import Consumer  # noqa: E402
+from redknot_jax.reuse.planner import Request, Segment, plan_request  # noqa: E402
+from redknot_jax.reuse.profile import flash_profile, tiny_profile  # noqa: E402
+from redknot_jax.reuse.runtime import ReuseFallback, ReuseRuntime  # noqa: E402
+from redknot_jax.sharding.agree import Expectation, agree, rank_verdict, tp_geometry  # noqa: E402
+from redknot_jax.sharding.consumer_tp import TPConsumer  # noqa: E402
+from redknot_jax.sharding.table import check_tp, make_mesh  # noqa: E402
+from redknot_jax.store import split_tp  # noqa: E402
+
+
+def agreement(logits, ref) -> dict:
+    a, b = np.asarray(logits, np.float32), np.asarray(ref, np.float32)
+    return {"max_abs_diff": float(np.abs(a - b).max()), "ref_max_abs": float(np.abs(b).max()),
+            "rel_max_diff": float(np.abs(a - b).max() / max(1e-30, np.abs(b).max())),
+            "rel_l2": float(np.linalg.norm(a - b) / max(1e-30, np.linalg.norm(b))),
+            "first_token_agree": bool(np.argmax(a[-1]) == np.argmax(b[-1])),
+            "argmax_agree_rows": float(np.mean(np.argmax(a, -1) == np.argmax(b, -1)))}
+
+
+def timed(fn, repeats: int) -> dict:
+    t0 = time.perf_counter()
+    fn()
+    warm = time.perf_counter() - t0
+    runs, out = [], None
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        out = fn()
+        runs.append(time.perf_counter() - t0)
+    return {"warmup_s": warm, "runs_s": runs, "median_s": statistics.median(runs)}, out
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--preset", default="flash-shaped")
+    ap.add_argument("--lengths", default="32768")
+    ap.add_argument("--docs", type=int, default=4)
+    ap.add_argument("--question", type=int, default=512)
+    ap.add_argument("--tp", default="1,2", help="degrees to run; tp = 1 is the single-device consumer")
+    ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16", help="weights and activations")
+    ap.add_argument("--fp32-floor", action="store_true",
+                    help="also run the Recomputed arm at tp = 1 with fp32 weights: bf16's own distance from fp32, the "
+                         "yardstick for the bf16 tp > 1 vs tp = 1 differences")
+    ap.add_argument("--out", default="tp.json")
+    args = ap.parse_args(argv)
+    try:
+        tps = sorted({int(x) for x in args.tp.split(",")})
+    except ValueError:
+        ap.error(f"--tp: expected comma-separated integers, got {args.tp!r}")
+    if args.repeats < 1:
+        ap.error(f"--repeats: expected >= 1, got {args.repeats}")
+    if tps[0] < 1 or tps[-1] > len(jax.devices()):
+        ap.error(f"--tp {args.tp}: this host has {len(jax.devices())} devices")
+    if config.PRESETS.get(args.preset) is None:
+        ap.error(f"--preset: expected one of {sorted(config.PRESETS)}, got {args.preset!r}")
+    cfg = config.PRESETS[args.preset]()
+    for tp in tps:
+        try:
+            check_tp(cfg, tp)
+        except ValueError as e:
+            ap.error(f"--tp {tp}: {e}")
+
+    t0 = time.perf_counter()
+    model = random_model(cfg, seed=0, dtype=jnp.dtype(args.dtype))
+    jax.block_until_ready(jax.tree.leaves(model))
+    prof = flash_profile() if cfg.num_layers == 43 else tiny_profile(cfg.num_layers)
+    rt = ReuseRuntime(model, prof, checkpoint_fingerprint=f"random-{args.preset}-seed-0")
+    expect = Expectation.of_runtime(rt)
+    out = {"device": str(jax.devices()[0].device_kind), "n_devices": len(jax.devices()),
+           "date": datetime.date.today().isoformat(), "jax": jax.__version__, "python": platform.python_version(),
+           "preset": args.preset, "dtype": args.dtype, "profile": prof.to_dict(),
+           "model_init_s": time.perf_counter() - t0,
+           "command": "python launch/bench_tp.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+           "lengths": []}
+
+    def save():
+        pathlib.Path(args.out).write_text(json.dumps(out, indent=1))
+
+    for length in [int(x) for x in args.lengths.split(",")]:
+        docs, q, digest = records(length, args.docs, args.question, cfg.vocab_size, args.seed)
+        row = {"length": length, "records_sha256": digest, "doc_len": int(docs[0].size), "question": int(q.size),
+               "tp": {}}
+        out["lengths"].append(row)
+        t0 = time.perf_counter()
+        arts = []
+        for d in docs:
+            a = build_artifact(model, prof, d, checkpoint_fingerprint=rt.fingerprint)
+            a.layers = jax.tree.map(np.asarray, a.layers)
+            arts.append(a)
+        row["build_s"] = time.perf_counter() - t0
+        req = Request([Segment(d, a) for d, a in zip(docs, arts)] + [Segment(q)])
+        ref = {}
+        if args.fp32_floor:  # the same request through an fp32 copy of the weights (no artifacts needed)
+            m32 = random_model(cfg, seed=0, dtype=jnp.float32)
+            plan = plan_request(req, prof)
+            t0 = time.perf_counter()
+            ref["fp32"] = np.asarray(Consumer(m32, prof).recompute(req.tokens, plan.query_rows))
+            row["fp32_floor_s"] = time.perf_counter() - t0
+            del m32
+        for tp in tps:
+            res = {}
+            row["tp"][str(tp)] = res
+            t0 = time.perf_counter()
+            if tp == 1:
+                pool = rt.consumer.pool(arts)
+                jax.block_until_ready(jax.tree.leaves(pool.layers))
+                if rt.certify(req) is not None:
+                    raise SystemExit(f"rejected: tp=1 certification failed: {rt.certify(req)}")
+
+                def recompute():
+                    plan = plan_request(req, prof)
+                    logits = np.asarray(rt.consumer.recompute(req.tokens, plan.query_rows))
+                    return logits, int(np.argmax(logits[-1]))
+
+                def redknot():
+                    r = rt.prefill(req, "redknot", require_reuse=True, pool=pool)
+                    return r.logits, int(np.argmax(r.logits[-1])), r.plan
+            else:
+                mesh = make_mesh(tp)
+                con = TPConsumer(model, prof, mesh)
+                slices = [split_tp(a, tp) for a in arts]  # per document, rank order
+                rank_reqs = [[Segment(d, s[r]) for d, s in zip(docs, slices)] + [Segment(q)] for r in range(tp)]
+                geoms = [tp_geometry(cfg, tp, r) for r in range(tp)]
+                for r in range(tp):  # admission: each slice's payload hashed once
+                    for s in slices:
+                        rt.hot_payload_digest(s[r])
+                pool = con.pool(arts)
+                jax.block_until_ready(jax.tree.leaves(pool.layers))
+
+                def verdicts():
+                    return [rank_verdict(rank_reqs[r], expect, geoms[r], digest=rt.hot_payload_digest)
+                            for r in range(tp)]
+
+                def recompute(con=con):
+                    plan = plan_request(req, prof)
+                    logits = np.asarray(con.recompute(req.tokens, plan.query_rows))
+                    return logits, int(np.argmax(logits[-1]))
+
+                def redknot(con=con, mesh=mesh, pool=pool, verdicts=verdicts):
+                    decision = agree(mesh, verdicts(), rt.counters)
+                    if not decision.reuse:
+                        raise ReuseFallback(f"tp={tp}: ranks agreed to fall back: {decision.reason}: "
+                                            f"{decision.detail}")
+                    plan = plan_request(req, prof)
+                    logits, hist = con.redknot(plan, req.tokens, pool)
+                    logits = np.asarray(logits)
+                    return logits, int(np.argmax(logits[-1])), plan
+            res["admit_s"] = time.perf_counter() - t0
+            res["pool_gb_total"] = pool.nbytes() / 1e9
+            save()
+            res["recompute"], (rec_logits, rec_tok) = timed(recompute, args.repeats)
+            save()
+            res["redknot"], (red_logits, red_tok, plan) = timed(redknot, args.repeats)
+            res["speedup_median"] = res["recompute"]["median_s"] / res["redknot"]["median_s"]
+            res["protected_fraction"] = plan.fraction_protected()
+            res["first_token_agree_arms"] = rec_tok == red_tok
+            if "fp32" in ref:
+                res["recompute_vs_fp32_tp1"] = agreement(rec_logits, ref["fp32"])
+            if tp == 1:
+                ref.update(recompute=rec_logits, redknot=red_logits)
+            elif "recompute" in ref:
+                base = row["tp"]["1"]
+                res["agree_with_tp1"] = {"recompute": agreement(rec_logits, ref["recompute"]),
+                                         "redknot": agreement(red_logits, ref["redknot"])}
+                res["scaling_efficiency"] = {
+                    arm: base[arm]["median_s"] / (tp * res[arm]["median_s"]) for arm in ("recompute", "redknot")}
+                res["speedup_vs_tp1"] = {arm: base[arm]["median_s"] / res[arm]["median_s"]
+                                         for arm in ("recompute", "redknot")}
+            del pool
+            save()
+            print(json.dumps({"length": length, "tp": tp, "recompute_s": res["recompute"]["median_s"],
+                              "redknot_s": res["redknot"]["median_s"], "speedup": res["speedup_median"],
+                              **({"agree": res["agree_with_tp1"], "eff": res["scaling_efficiency"]}
+                                 if "agree_with_tp1" in res else {})}), flush=True)
+        row["cert"] = rt.counters.snapshot()
+        save()
+    return out
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except ReuseFallback as e:  # a silent recomputation would be a lie: reject the run
+        raise SystemExit(f"rejected: {e}")
