@@ -48,6 +48,8 @@ def variants(names: list[str]) -> list[tuple[str, dict]]:
     for b in (0.10, 0.20, 0.25, 1.00):
         for mode, lab in (("native", "fan-out off"), ("tau", "fan-out on"), ("k3", "K3")):
             grid.append((f"b{int(round(b * 100))}-{mode}", {"budget_override": b, "fanout_mode": mode, "_label": lab}))
+    grid.append(("default-refresh", {"latent_refresh": "protected", "_label": "controller, fan-out on, protected "
+                                                                           "rows' latents recomputed"}))
     if names == ["all"]:
         return grid
     known = {g[0]: g for g in grid}
@@ -236,8 +238,8 @@ def main(argv=None):
                   f"redknot {[r['redknot'] for r in records[-len(vs):]]} ({time.perf_counter() - t0:.1f}s)",
                   flush=True)
     summary = summarize(records, args.bootstrap, args.seed)
-    labels = {name: (f"budget {ov['budget_override']:.0%}, {ov['_label']}" if ov else "default (controller, fan-out on)")
-              for name, ov in vs}
+    labels = {name: (f"budget {ov['budget_override']:.0%}, {ov['_label']}" if "budget_override" in ov
+                     else ov.get("_label", "default (controller, fan-out on)")) for name, ov in vs}
     table = markdown(summary, labels)
     print(table)
     certs = {name: rt.counters.snapshot() for name, rt in runtimes.items()}

@@ -1,0 +1,112 @@
+"""`python launch/serve.py` with no model flags serves the shipped QA model (issue #10 item 5)
+and answers a held-out question over registered documents, over a real socket.
+
+The world, its documents and its questions come from the test split (names never seen in
+training). The documents are registered as text, cited in a shuffled order, and the question
+is asked through the completions endpoint (RedKnot arm and `arm: recompute`) and through chat
+(the checkpoint's chat template appends `answer :`). Expected: the server's Recomputed answer
+equals the in-process greedy answer of the same weights (serving changes nothing), and the
+model answers some of them right. The world is small (2 documents of 4 people): the shipped
+model is an interim checkpoint that retrieves well inside its 128-row sliding window and
+poorly beyond it (its model card has the scores by world size).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from redknot_jax.quality import SHIPPED_MODEL
+from redknot_jax.quality import data as D
+from redknot_jax.quality.model_config import qa_profile
+from redknot_jax.quality.train import load_model
+from redknot_jax.reuse.planner import Request, Segment
+from redknot_jax.reuse.runtime import ReuseRuntime
+from tests.server.test_server import ROOT, Server, _free_port
+
+SEED = 3  # the test world (test split)
+
+
+@pytest.fixture(scope="module")
+def default_server(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("serve-default")
+    port = _free_port()
+    env = dict(os.environ)
+    env.pop("XLA_FLAGS", None)
+    env["JAX_PLATFORMS"] = "cpu"
+    env.pop("REDKNOT_API_KEYS", None)
+    log = open(tmp / "server.log", "w+")
+    proc = subprocess.Popen([sys.executable, str(ROOT / "launch" / "serve.py"), "--port", str(port),
+                             "--log-level", "warning", "--compilation-cache", ""],
+                            cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+    srv = Server(proc, port, log)
+    deadline = time.time() + 400
+    while True:
+        if proc.poll() is not None:
+            log.seek(0)
+            pytest.fail(f"server exited with {proc.returncode}:\n{log.read()[-4000:]}")
+        try:
+            if srv.request("GET", "/healthz", key=None, timeout=2)[0] == 200:
+                break
+        except OSError:
+            pass
+        if time.time() > deadline:
+            proc.kill()
+            pytest.fail("server did not answer /healthz within 400 s")
+        time.sleep(0.5)
+    yield srv
+    proc.kill()
+    proc.wait(10)
+
+
+def _greedy_recompute(rt, docs, question, max_new=4):
+    req = Request([Segment(np.asarray(d, np.int32)) for d in docs] + [Segment(np.asarray(question, np.int32))])
+    first = rt.prefill(req, "recompute")
+    toks = [int(np.argmax(first.logits[-1]))]
+    while toks[-1] != D.EOS and len(toks) < max_new:
+        toks.append(int(np.argmax(rt.next_logits(req, first, toks))))
+    return D.decode([t for t in toks if t != D.EOS])
+
+
+def test_default_server_answers_held_out_questions(default_server):
+    srv = default_server
+    status, models = srv.request("GET", "/v1/models", key=None)
+    assert status == 200 and models["data"][0]["id"] == SHIPPED_MODEL.name
+    (ep,) = D.eval_episodes("test", 1, seed=SEED, n_docs=2, per_doc=4, questions_per_type=4)
+    order = np.random.default_rng(SEED).permutation(len(ep.docs))
+    ids = []
+    for j in order:
+        status, doc = srv.request("POST", "/v1/documents", {"text": D.decode(ep.docs[j])}, key=None)
+        assert status == 201, doc
+        assert doc["tokens"] == len(ep.docs[j])  # the shipped tokenizer gives the task's ids
+        ids.append(doc["id"])
+
+    model = load_model(SHIPPED_MODEL)
+    rt = ReuseRuntime(model, qa_profile(model.cfg.num_layers, model.cfg.sliding_window), "in-process")
+    right = 0
+    for qa in ep.qas:
+        gold = D.decode(qa.answer)
+        expected = _greedy_recompute(rt, [ep.docs[j] for j in order], qa.question)
+        body = {"model": SHIPPED_MODEL.name, "prompt": D.decode(qa.question), "max_tokens": 4,
+                "temperature": 0, "documents": ids}
+        status, rec = srv.request("POST", "/v1/completions", {**body, "arm": "recompute"}, key=None)
+        assert status == 200, rec
+        assert rec["choices"][0]["text"].strip() == expected, (qa.qtype, gold)
+        status, red = srv.request("POST", "/v1/completions", body, key=None)
+        assert status == 200, red
+        assert red["redknot"]["arm"] == "redknot" and red["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+        chat_q = D.decode(qa.question[:-2])  # without "answer :": the chat template adds it
+        status, chat = srv.request("POST", "/v1/chat/completions",
+                                   {"model": SHIPPED_MODEL.name, "max_tokens": 4, "temperature": 0,
+                                    "documents": ids, "arm": "recompute",
+                                    "messages": [{"role": "user", "content": chat_q}]}, key=None)
+        assert status == 200, chat
+        assert chat["choices"][0]["message"]["content"].strip() == expected
+        right += expected == gold
+    print(f"shipped model: {right} of {len(ep.qas)} right")
+    assert right >= 2, f"the shipped model answered {right} of {len(ep.qas)} held-out questions"
