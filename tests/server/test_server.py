@@ -83,42 +83,51 @@ class Server:
         raise AssertionError("no VmRSS")
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("serve")
-    keys = tmp / "keys.txt"
-    keys.write_text(f"# test keys\n{KEY_A} tenant-a\n{KEY_B} tenant-b\n")
+def start_server(tmp, args, wait_s: float = 240) -> Server:
+    """`launch/serve.py --port P ARGS` as a subprocess on one CPU device (log under tmp), once
+    it answers /healthz."""
     port = _free_port()
     env = dict(os.environ)
     env.pop("XLA_FLAGS", None)  # the server needs one CPU device, not the test session's 8
     env["JAX_PLATFORMS"] = "cpu"
     env.pop("REDKNOT_API_KEYS", None)
     log = open(tmp / "server.log", "w+")
-    proc = subprocess.Popen([sys.executable, str(ROOT / "launch" / "serve.py"), "--port", str(port),
-                             "--preset", "tiny", "--profile", "tiny-exact", "--api-keys-file", str(keys), "--artifact-store",
-                             str(tmp / "store"), "--max-model-len", "512", "--max-tokens-limit", "256",
-                             "--max-body-bytes", "65536", "--log-level", "warning"],
+    proc = subprocess.Popen([sys.executable, str(ROOT / "launch" / "serve.py"), "--port", str(port), *args],
                             cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
     srv = Server(proc, port, log)
-    deadline = time.time() + 240
+    deadline = time.time() + wait_s
     while True:
         if proc.poll() is not None:
             log.seek(0)
             pytest.fail(f"server exited with {proc.returncode}:\n{log.read()[-4000:]}")
         try:
             if srv.request("GET", "/healthz", key=None, timeout=2)[0] == 200:
-                break
+                return srv
         except OSError:
             pass
         if time.time() > deadline:
             proc.kill()
-            pytest.fail("server did not answer /healthz within 240 s")
+            pytest.fail(f"server did not answer /healthz within {wait_s:.0f} s")
         time.sleep(0.5)
+
+
+def stop_server(srv: Server) -> None:
+    if srv.proc.poll() is None:
+        srv.proc.kill()
+        srv.proc.wait(10)
+    srv.log.close()
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("serve")
+    keys = tmp / "keys.txt"
+    keys.write_text(f"# test keys\n{KEY_A} tenant-a\n{KEY_B} tenant-b\n")
+    srv = start_server(tmp, ["--preset", "tiny", "--profile", "tiny-exact", "--api-keys-file", str(keys),
+                             "--artifact-store", str(tmp / "store"), "--max-model-len", "512", "--max-tokens-limit",
+                             "256", "--max-body-bytes", "65536", "--log-level", "warning"])
     yield srv
-    if proc.poll() is None:
-        proc.kill()
-        proc.wait(10)
-    log.close()
+    stop_server(srv)
 
 
 def test_health_models_and_auth(server):

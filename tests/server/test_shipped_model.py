@@ -13,11 +13,6 @@ poorly beyond it (its model card has the scores by world size).
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-import time
-
 import numpy as np
 import pytest
 
@@ -27,41 +22,17 @@ from redknot_jax.quality.model_config import qa_profile
 from redknot_jax.quality.train import load_model
 from redknot_jax.reuse.planner import Request, Segment
 from redknot_jax.reuse.runtime import ReuseRuntime
-from tests.server.test_server import ROOT, Server, _free_port
+from tests.server.test_server import start_server, stop_server
 
 SEED = 3  # the test world (test split)
 
 
 @pytest.fixture(scope="module")
 def default_server(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("serve-default")
-    port = _free_port()
-    env = dict(os.environ)
-    env.pop("XLA_FLAGS", None)
-    env["JAX_PLATFORMS"] = "cpu"
-    env.pop("REDKNOT_API_KEYS", None)
-    log = open(tmp / "server.log", "w+")
-    proc = subprocess.Popen([sys.executable, str(ROOT / "launch" / "serve.py"), "--port", str(port),
-                             "--log-level", "warning", "--compilation-cache", ""],
-                            cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
-    srv = Server(proc, port, log)
-    deadline = time.time() + 400
-    while True:
-        if proc.poll() is not None:
-            log.seek(0)
-            pytest.fail(f"server exited with {proc.returncode}:\n{log.read()[-4000:]}")
-        try:
-            if srv.request("GET", "/healthz", key=None, timeout=2)[0] == 200:
-                break
-        except OSError:
-            pass
-        if time.time() > deadline:
-            proc.kill()
-            pytest.fail("server did not answer /healthz within 400 s")
-        time.sleep(0.5)
+    srv = start_server(tmp_path_factory.mktemp("serve-default"), ["--log-level", "warning", "--compilation-cache", ""],
+                       wait_s=400)
     yield srv
-    proc.kill()
-    proc.wait(10)
+    stop_server(srv)
 
 
 def _greedy_recompute(rt, docs, question, max_new=4):
