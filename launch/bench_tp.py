@@ -19,8 +19,8 @@ t(tp=1) / (tp * t(tp)).
 
     python launch/bench_tp.py --lengths 32768 --tp 1,2 --out tp_32k.json          # 2 x H200
 
-On CPU, tests/sharding/test_bench_tp.py runs it at tp = 1, 2 on a tiny config whose counts
-divide 2 (`--dtype float32`).
+    XLA_FLAGS=--xla_force_host_platform_device_count=2 python launch/bench_tp.py --preset tiny-tp2 \
+        --lengths 600 --docs 2 --question 40 --repeats 1 --fp32-floor --out tp_cpu.json  # CPU
 """
 
 from __future__ import annotations
@@ -151,15 +151,16 @@ def main(argv=None):
             if tp == 1:
                 pool = rt.consumer.pool(arts)
                 jax.block_until_ready(jax.tree.leaves(pool.layers))
-                if rt.certify(req) is not None:
-                    raise SystemExit(f"rejected: tp=1 certification failed: {rt.certify(req)}")
+                bad = rt.certify(req)  # admission: payload digests hashed once
+                if bad is not None:
+                    raise SystemExit(f"rejected: tp=1 certification failed: {bad}")
 
                 def recompute():
                     plan = plan_request(req, prof)
                     logits = np.asarray(rt.consumer.recompute(req.tokens, plan.query_rows))
                     return logits, int(np.argmax(logits[-1]))
 
-                def redknot():
+                def redknot(pool=pool):
                     r = rt.prefill(req, "redknot", require_reuse=True, pool=pool)
                     return r.logits, int(np.argmax(r.logits[-1])), r.plan
             else:
@@ -213,7 +214,7 @@ def main(argv=None):
                     arm: base[arm]["median_s"] / (tp * res[arm]["median_s"]) for arm in ("recompute", "redknot")}
                 res["speedup_vs_tp1"] = {arm: base[arm]["median_s"] / res[arm]["median_s"]
                                          for arm in ("recompute", "redknot")}
-            del pool
+            del pool, redknot  # this degree's device-resident pool goes before the next one is packed
             save()
             print(json.dumps({"length": length, "tp": tp, "recompute_s": res["recompute"]["median_s"],
                               "redknot_s": res["redknot"]["median_s"], "speedup": res["speedup_median"],

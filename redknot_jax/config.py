@@ -416,7 +416,9 @@ def tiny(kind: str = "mixed", **overrides) -> ModelConfig:
 
 
 PRESETS = {"flash": flash, "pro": pro, "flash-shaped": flash_shaped,
-           "tiny": tiny, "tiny-hca2": lambda: tiny("hca2"), "tiny-csa": lambda: tiny("csa")}
+           "tiny": tiny, "tiny-hca2": lambda: tiny("hca2"), "tiny-csa": lambda: tiny("csa"),
+           # tiny with a vocabulary that splits over 2 ranks (heads, groups and experts already do)
+           "tiny-tp2": lambda: tiny("mixed", vocab_size=96)}
 
 
 def preset(name: str) -> ModelConfig:

@@ -79,5 +79,4 @@ def test_default_server_answers_held_out_questions(default_server):
         assert status == 200, chat
         assert chat["choices"][0]["message"]["content"].strip() == expected
         right += expected == gold
-    print(f"shipped model: {right} of {len(ep.qas)} right")
     assert right >= 2, f"the shipped model answered {right} of {len(ep.qas)} held-out questions"

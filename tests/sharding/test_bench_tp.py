@@ -8,25 +8,21 @@ import json
 import pytest
 
 from launch import bench_tp
-from redknot_jax import config
 from redknot_jax.reuse.profile import tiny_profile
 from tests.tolerances import TOL
 
 
 @pytest.fixture
 def tp_preset(monkeypatch):
-    cfg = config.tiny("mixed", num_heads=4, o_groups=2, index_n_heads=4, n_routed_experts=4, experts_per_tok=2,
-                      vocab_size=96)
-    monkeypatch.setitem(config.PRESETS, "tiny-tp", lambda: cfg)
     # a small tail so that rows are restored (the tiny profile's default protects most of 96 rows)
     monkeypatch.setattr(bench_tp, "tiny_profile",
                         lambda n: dataclasses.replace(tiny_profile(n), tail_rows=4, budget_override=0.25))
-    return cfg
+    return "tiny-tp2"
 
 
 def test_bench_tp_cpu(tp_preset, tmp_path):
     out = tmp_path / "tp.json"
-    res = bench_tp.main(["--preset", "tiny-tp", "--lengths", "96", "--docs", "2", "--question", "8", "--tp", "1,2",
+    res = bench_tp.main(["--preset", tp_preset, "--lengths", "96", "--docs", "2", "--question", "8", "--tp", "1,2",
                          "--dtype", "float32", "--fp32-floor", "--out", str(out)])
     assert json.loads(out.read_text()) == json.loads(json.dumps(res))
     row = res["lengths"][0]
@@ -43,4 +39,4 @@ def test_bench_tp_cpu(tp_preset, tmp_path):
 
 def test_bench_tp_rejects_bad_tp(tp_preset, tmp_path):
     with pytest.raises(SystemExit):
-        bench_tp.main(["--preset", "tiny-tp", "--tp", "3", "--out", str(tmp_path / "x.json")])
+        bench_tp.main(["--preset", tp_preset, "--tp", "3", "--out", str(tmp_path / "x.json")])
