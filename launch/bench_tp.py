@@ -18,6 +18,8 @@ far bf16 itself is from fp32 on the same request, the yardstick). Scaling effici
 t(tp=1) / (tp * t(tp)).
 
     python launch/bench_tp.py --lengths 32768 --tp 1,2 --out tp_32k.json          # 2 x H200
+    python launch/bench_tp.py --lengths 65536 --tp 1 --save-ref tp1_64k.npz       # when one call
+    python launch/bench_tp.py --lengths 65536 --tp 2 --ref tp1_64k.npz            # cannot hold both
 
     XLA_FLAGS=--xla_force_host_platform_device_count=2 python launch/bench_tp.py --preset tiny-tp2 \
         --lengths 600 --docs 2 --question 40 --repeats 1 --fp32-floor --out tp_cpu.json  # CPU
@@ -63,6 +65,28 @@ def agreement(logits, ref) -> dict:
             "argmax_agree_rows": float(np.mean(np.argmax(a, -1) == np.argmax(b, -1)))}
 
 
+def save_ref(path, refs: dict, setup: dict):
+    """tp = 1's query-row logits of both arms and its timings per length, with the records digest
+    and the setup (preset, dtype, profile) they were run under."""
+    meta = {"setup": setup, "lengths": {str(n): {k: r[k] for k in ("records_sha256", "doc_len", "question", "result")}
+                                        for n, r in refs.items()}}
+    arrays = {f"{arm}_{n}": r[arm] for n, r in refs.items() for arm in ("recompute", "redknot")}
+    with open(path, "wb") as f:
+        np.savez(f, meta=np.frombuffer(json.dumps(meta).encode(), np.uint8), **arrays)
+
+
+def load_ref(path, setup: dict) -> dict:
+    try:
+        z = np.load(path)
+        meta = json.loads(z["meta"].tobytes())
+    except (OSError, ValueError, KeyError) as e:
+        raise SystemExit(f"--ref {path}: not a file written by --save-ref ({e})")
+    for key, want in json.loads(json.dumps(setup)).items():
+        if meta["setup"].get(key) != want:
+            raise SystemExit(f"--ref {path}: written for {key} {meta['setup'].get(key)!r}, this run has {want!r}")
+    return {n: {**m, "recompute": z[f"recompute_{n}"], "redknot": z[f"redknot_{n}"]} for n, m in meta["lengths"].items()}
+
+
 def timed(fn, repeats: int) -> dict:
     t0 = time.perf_counter()
     fn()
@@ -88,6 +112,9 @@ def main(argv=None):
     ap.add_argument("--fp32-floor", action="store_true",
                     help="also run the Recomputed arm at tp = 1 with fp32 weights: bf16's own distance from fp32, the "
                          "yardstick for the bf16 tp > 1 vs tp = 1 differences")
+    ap.add_argument("--save-ref", help="write tp = 1's logits and timings here (.npz), for a later --ref run")
+    ap.add_argument("--ref", help="tp = 1's logits and timings from an earlier --save-ref run of the same records "
+                                  "(lets tp > 1 run alone, e.g. when one call cannot hold both)")
     ap.add_argument("--out", default="tp.json")
     args = ap.parse_args(argv)
     try:
@@ -101,6 +128,8 @@ def main(argv=None):
     if config.PRESETS.get(args.preset) is None:
         ap.error(f"--preset: expected one of {sorted(config.PRESETS)}, got {args.preset!r}")
     cfg = config.PRESETS[args.preset]()
+    if args.ref and 1 in tps:
+        ap.error("--ref replaces the tp = 1 run: leave 1 out of --tp")
     for tp in tps:
         try:
             check_tp(cfg, tp)
@@ -113,6 +142,8 @@ def main(argv=None):
     prof = flash_profile() if cfg.num_layers == 43 else tiny_profile(cfg.num_layers)
     rt = ReuseRuntime(model, prof, checkpoint_fingerprint=f"random-{args.preset}-seed-0")
     expect = Expectation.of_runtime(rt)
+    setup = {"preset": args.preset, "dtype": args.dtype, "profile": prof.to_dict()}
+    saved, refs_out = (load_ref(args.ref, setup) if args.ref else {}), {}
     out = {"device": str(jax.devices()[0].device_kind), "n_devices": len(jax.devices()),
            "date": datetime.date.today().isoformat(), "jax": jax.__version__, "python": platform.python_version(),
            "preset": args.preset, "dtype": args.dtype, "profile": prof.to_dict(),
@@ -128,6 +159,18 @@ def main(argv=None):
         row = {"length": length, "records_sha256": digest, "doc_len": int(docs[0].size), "question": int(q.size),
                "tp": {}}
         out["lengths"].append(row)
+        ref = {}
+        if saved:
+            if str(length) not in saved:
+                raise SystemExit(f"--ref {args.ref}: no tp = 1 result for length {length} (has {sorted(saved)})")
+            was = saved[str(length)]
+            if (was["records_sha256"], was["doc_len"], was["question"]) != (digest, row["doc_len"], row["question"]):
+                raise SystemExit(f"--ref {args.ref}: length {length} was run on other request records "
+                                 f"({was['records_sha256'][:12]}: {args.docs} x {was['doc_len']} + {was['question']}"
+                                 f" rows; here {digest[:12]}: {args.docs} x {row['doc_len']} + {row['question']})")
+            row["tp"]["1"] = saved[str(length)]["result"]
+            row["tp1_from"] = args.ref
+            ref.update(recompute=saved[str(length)]["recompute"], redknot=saved[str(length)]["redknot"])
         t0 = time.perf_counter()
         arts = []
         for d in docs:
@@ -136,7 +179,6 @@ def main(argv=None):
             arts.append(a)
         row["build_s"] = time.perf_counter() - t0
         req = Request([Segment(d, a) for d, a in zip(docs, arts)] + [Segment(q)])
-        ref = {}
         if args.fp32_floor:  # the same request through an fp32 copy of the weights (no artifacts needed)
             m32 = random_model(cfg, seed=0, dtype=jnp.float32)
             plan = plan_request(req, prof)
@@ -206,6 +248,10 @@ def main(argv=None):
                 res["recompute_vs_fp32_tp1"] = agreement(rec_logits, ref["fp32"])
             if tp == 1:
                 ref.update(recompute=rec_logits, redknot=red_logits)
+                if args.save_ref:
+                    refs_out[length] = {**{k: row[k] for k in ("records_sha256", "doc_len", "question")},
+                                        "result": res, **ref}
+                    save_ref(args.save_ref, refs_out, setup)
             elif "recompute" in ref:
                 base = row["tp"]["1"]
                 res["agree_with_tp1"] = {"recompute": agreement(rec_logits, ref["recompute"]),

@@ -21,9 +21,13 @@ def tp_preset(monkeypatch):
 
 
 def test_bench_tp_cpu(tp_preset, tmp_path):
-    out = tmp_path / "tp.json"
-    res = bench_tp.main(["--preset", tp_preset, "--lengths", "96", "--docs", "2", "--question", "8", "--tp", "1,2",
-                         "--dtype", "float32", "--fp32-floor", "--out", str(out)])
+    """tp = 1 and tp = 2 in two runs joined by --save-ref / --ref (the form a GPU call too short for
+    both uses); the second run's JSON holds both degrees as one run's would."""
+    out, ref = tmp_path / "tp.json", tmp_path / "tp1.npz"
+    common = ["--preset", tp_preset, "--lengths", "96", "--docs", "2", "--question", "8", "--dtype", "float32",
+              "--fp32-floor"]
+    bench_tp.main(common + ["--tp", "1", "--save-ref", str(ref), "--out", str(tmp_path / "tp1.json")])
+    res = bench_tp.main(common + ["--tp", "2", "--ref", str(ref), "--out", str(out)])
     assert json.loads(out.read_text()) == json.loads(json.dumps(res))
     row = res["lengths"][0]
     one, two = row["tp"]["1"], row["tp"]["2"]
@@ -34,7 +38,11 @@ def test_bench_tp_cpu(tp_preset, tmp_path):
         assert two["scaling_efficiency"][arm] > 0
     for res in (one, two):  # fp32 run vs the fp32 floor: the same weights, so summation order only
         assert res["recompute_vs_fp32_tp1"]["rel_l2"] < TOL["resharded_fp32"][0]
-    assert row["cert"]["validated"] == 2 * 2 and not any(row["cert"]["fallback"].values())  # warm-up + 1 repeat per tp
+    assert row["cert"]["validated"] == 2 and not any(row["cert"]["fallback"].values())  # warm-up + 1 repeat at tp = 2
+    with pytest.raises(SystemExit, match="other request records"):  # a reference of other requests is refused
+        bench_tp.main(common[:7] + ["9"] + common[8:] + ["--tp", "2", "--ref", str(ref), "--out", str(out)])
+    with pytest.raises(SystemExit, match="written for dtype"):
+        bench_tp.main(common[:9] + ["bfloat16"] + common[10:] + ["--tp", "2", "--ref", str(ref), "--out", str(out)])
 
 
 def test_bench_tp_rejects_bad_tp(tp_preset, tmp_path):
