@@ -14,10 +14,11 @@ KL(recompute || redknot) of the first-token distribution. Writes JSON and a mark
     python launch/eval_quality.py --n 2 --variants default --out /tmp/q     # CPU smoke
     python launch/eval_quality.py --n 16 --out docs/results/quality         # full grid
 
-Artifacts: built once per document with the base profile; a variant that changes only the
-budget or the fan-out rule (not the fences or the Global head, the only profile fields that
-change an artifact's content) gets the same payload under a certificate re-issued for its
-profile digest, so certification still runs (and counts) for every request.
+Artifacts: built once per document and per (fences, Global head), the only profile fields that
+change an artifact's content; a variant that changes only the budget or the fan-out rule gets
+the same payload under a certificate re-issued for its profile digest, so certification still
+runs (and counts) for every request. The `reuse-a-b` variants reuse only layers a..b (the rest
+fenced, i.e. native), which says which layers carry the arms' difference.
 """
 
 from __future__ import annotations
@@ -42,14 +43,20 @@ from redknot_jax.reuse.runtime import ReuseRuntime
 DEFAULT_CKPT = pathlib.Path(__file__).resolve().parents[1] / "redknot_jax" / "assets" / "qa_model"
 
 
-def variants(names: list[str]) -> list[tuple[str, dict]]:
-    """(label, profile overrides). 'default' = the profile as shipped (controller + tau)."""
+def variants(names: list[str], reusable: range, n_layers: int) -> list[tuple[str, dict]]:
+    """(label, profile overrides). 'default' = the profile as shipped (controller + tau);
+    `reusable`: the shipped profile's reusable layers, cut into bands of two for `reuse-a-b`
+    (only that band reused, every other layer fenced, i.e. native)."""
     grid = [("default", {})]
     for b in (0.10, 0.20, 0.25, 1.00):
         for mode, lab in (("native", "fan-out off"), ("tau", "fan-out on"), ("k3", "K3")):
             grid.append((f"b{int(round(b * 100))}-{mode}", {"budget_override": b, "fanout_mode": mode, "_label": lab}))
     grid.append(("default-refresh", {"latent_refresh": "protected", "_label": "controller, fan-out on, protected "
                                                                            "rows' latents recomputed"}))
+    for lo in reusable[::2]:
+        hi = min(lo + 1, reusable[-1])
+        grid.append((f"reuse-{lo}-{hi}", {"fence_first": lo, "fence_last": n_layers - 1 - hi,
+                                          "_label": f"controller, fan-out on, only layers {lo}-{hi} reused"}))
     if names == ["all"]:
         return grid
     known = {g[0]: g for g in grid}
@@ -194,7 +201,7 @@ def main(argv=None):
     cfg = model.cfg
     fingerprint = f"qa_model:{pathlib.Path(args.checkpoint).name}"
     base = qa_profile(cfg.num_layers, cfg.sliding_window)
-    vs = variants(args.variants.split(","))
+    vs = variants(args.variants.split(","), base.reusable_layers(cfg.num_layers), cfg.num_layers)
     runtimes = {}
     for name, ov in vs:
         ov = {k: v for k, v in ov.items() if not k.startswith("_")}
@@ -202,13 +209,19 @@ def main(argv=None):
         runtimes[name] = ReuseRuntime(model, prof, fingerprint)
     eps = D.eval_episodes(args.split, args.n, seed=args.seed, n_docs=args.docs, per_doc=args.per_doc)
     rng = np.random.default_rng([args.seed, 7])
-    records, t_start = [], time.perf_counter()
+    records, t_start, artifact_layers = [], time.perf_counter(), {}
     rec_rt = next(iter(runtimes.values()))
     for e, ep in enumerate(eps):
-        arts = [build_artifact(model, base, np.asarray(d), checkpoint_fingerprint=fingerprint) for d in ep.docs]
+        built = {}  # per artifact content key: the world's artifacts, built once
         per_variant = {}  # the world's artifacts certified for each variant, packed once
         for name, _ in vs:
-            va = [recertify(a, runtimes[name].profile) for a in arts]
+            prof = runtimes[name].profile
+            key = (prof.fence_first, prof.fence_last, prof.global_head)
+            if key not in built:
+                built[key] = [build_artifact(model, prof, np.asarray(d), checkpoint_fingerprint=fingerprint)
+                              for d in ep.docs]
+            va = [recertify(a, prof) for a in built[key]]
+            artifact_layers[name] = sorted(int(i) for i in va[0].layers)
             per_variant[name] = (va, runtimes[name].consumer.pool(va))
         for qa in ep.qas:
             order = rng.permutation(len(ep.docs))
@@ -247,6 +260,7 @@ def main(argv=None):
               "date": datetime.date.today().isoformat(), "device": str(jax.devices()[0].device_kind),
               "jax": jax.__version__, "checkpoint": args.checkpoint, "split": args.split, "n_worlds": args.n,
               "docs_per_request": args.docs, "profile": base.to_dict(), "variants": dict(vs),
+              "artifact_layers": artifact_layers,
               "seconds": round(time.perf_counter() - t_start, 1), "summary": summary, "certification": certs,
               "records": records}
     if args.out:
