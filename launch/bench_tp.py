@@ -14,7 +14,8 @@ TTFT = model-forward entry to the first token on the host.
 Agreement with tp = 1 over the query rows' logits: max |difference| relative to max |logit|,
 the relative L2 error, and greedy-token agreement (bf16: per-rank partial sums are rounded
 before the psum; `--dtype float32` leaves only summation order; `--fp32-floor` measures how
-far bf16 itself is from fp32 on the same request, the yardstick). Scaling efficiency:
+far each arm in bf16 is from the same arm in fp32 at tp = 1 on the same request, the
+yardstick). Scaling efficiency:
 t(tp=1) / (tp * t(tp)).
 
     python launch/bench_tp.py --lengths 32768 --tp 1,2 --out tp_32k.json          # 2 x H200
@@ -42,11 +43,10 @@ import jax.numpy as jnp
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
-from launch.bench_ttft import records  # noqa: E402  (the same frozen request records)
+from launch.bench_ttft import profile_variant, records  # noqa: E402  (the same frozen request records)
 from redknot_jax import config  # noqa: E402
 from redknot_jax.init import random_model  # noqa: E402
 from redknot_jax.reuse.artifact import build_artifact  # noqa: E402
-from redknot_jax.reuse.consumer import Consumer  # noqa: E402
 from redknot_jax.reuse.planner import Request, Segment, plan_request  # noqa: E402
 from redknot_jax.reuse.profile import flash_profile, tiny_profile  # noqa: E402
 from redknot_jax.reuse.runtime import ReuseFallback, ReuseRuntime  # noqa: E402
@@ -61,7 +61,7 @@ def agreement(logits, ref) -> dict:
     return {"max_abs_diff": float(np.abs(a - b).max()), "ref_max_abs": float(np.abs(b).max()),
             "rel_max_diff": float(np.abs(a - b).max() / max(1e-30, np.abs(b).max())),
             "rel_l2": float(np.linalg.norm(a - b) / max(1e-30, np.linalg.norm(b))),
-            "first_token_agree": bool(np.argmax(a[-1]) == np.argmax(b[-1])),
+            "rows": int(a.shape[0]), "first_token_agree": bool(np.argmax(a[-1]) == np.argmax(b[-1])),
             "argmax_agree_rows": float(np.mean(np.argmax(a, -1) == np.argmax(b, -1)))}
 
 
@@ -70,7 +70,7 @@ def save_ref(path, refs: dict, setup: dict):
     and the setup (preset, dtype, profile) they were run under."""
     meta = {"setup": setup, "lengths": {str(n): {k: r[k] for k in ("records_sha256", "doc_len", "question", "result")}
                                         for n, r in refs.items()}}
-    arrays = {f"{arm}_{n}": r[arm] for n, r in refs.items() for arm in ("recompute", "redknot")}
+    arrays = {f"{arm}_{n}": r[arm] for n, r in refs.items() for arm in ("recompute", "redknot", "protected")}
     with open(path, "wb") as f:
         np.savez(f, meta=np.frombuffer(json.dumps(meta).encode(), np.uint8), **arrays)
 
@@ -84,7 +84,21 @@ def load_ref(path, setup: dict) -> dict:
     for key, want in json.loads(json.dumps(setup)).items():
         if meta["setup"].get(key) != want:
             raise SystemExit(f"--ref {path}: written for {key} {meta['setup'].get(key)!r}, this run has {want!r}")
-    return {n: {**m, "recompute": z[f"recompute_{n}"], "redknot": z[f"redknot_{n}"]} for n, m in meta["lengths"].items()}
+    return {n: {**m, **{k: z[f"{k}_{n}"] for k in ("recompute", "redknot", "protected")}}
+            for n, m in meta["lengths"].items()}
+
+
+def fp32_floor(ref: dict, row: dict, cfg, prof, fingerprint: str, docs, q, req, rows) -> None:
+    """Both arms of the request at tp = 1 with fp32 weights and fp32 artifacts, into ref["fp32"]
+    and ref["fp32_redknot"] (query-row logits)."""
+    m32 = random_model(cfg, seed=0, dtype=jnp.float32)
+    rt32 = ReuseRuntime(m32, prof, checkpoint_fingerprint=fingerprint)
+    t0 = time.perf_counter()
+    ref["fp32"] = np.asarray(rt32.prefill(req, "recompute").logits)
+    arts32 = [build_artifact(m32, prof, d, checkpoint_fingerprint=fingerprint) for d in docs]
+    req32 = Request([Segment(d, a) for d, a in zip(docs, arts32)] + [Segment(q)], query_rows=rows)
+    ref["fp32_redknot"] = np.asarray(rt32.prefill(req32, "redknot", require_reuse=True).logits)
+    row["fp32_floor_s"] = time.perf_counter() - t0
 
 
 def timed(fn, repeats: int) -> dict:
@@ -110,8 +124,13 @@ def main(argv=None):
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16", help="weights and activations")
     ap.add_argument("--fp32-floor", action="store_true",
-                    help="also run the Recomputed arm at tp = 1 with fp32 weights: bf16's own distance from fp32, the "
-                         "yardstick for the bf16 tp > 1 vs tp = 1 differences")
+                    help="also run both arms at tp = 1 with fp32 weights (and fp32 artifacts): each bf16 run's distance from "
+                         "fp32, the yardstick for the bf16 tp > 1 vs tp = 1 differences")
+    ap.add_argument("--agree-rows", type=int, default=1,
+                    help="logits compared over the request's last N rows (default 1: the first token only; one "
+                         "row's top-k flip then decides the figure, several rows average it)")
+    ap.add_argument("--budget", type=float, help="fixed budget instead of the controller (budget_override); 1.0 "
+                                                 "protects every row, which takes the controller's choice out")
     ap.add_argument("--save-ref", help="write tp = 1's logits and timings here (.npz), for a later --ref run")
     ap.add_argument("--ref", help="tp = 1's logits and timings from an earlier --save-ref run of the same records "
                                   "(lets tp > 1 run alone, e.g. when one call cannot hold both)")
@@ -121,6 +140,8 @@ def main(argv=None):
         tps = sorted({int(x) for x in args.tp.split(",")})
     except ValueError:
         ap.error(f"--tp: expected comma-separated integers, got {args.tp!r}")
+    if not 1 <= args.agree_rows <= args.question:
+        ap.error(f"--agree-rows: expected 1 .. --question ({args.question}), got {args.agree_rows}")
     if args.repeats < 1:
         ap.error(f"--repeats: expected >= 1, got {args.repeats}")
     if tps[0] < 1 or tps[-1] > len(jax.devices()):
@@ -139,10 +160,11 @@ def main(argv=None):
     t0 = time.perf_counter()
     model = random_model(cfg, seed=0, dtype=jnp.dtype(args.dtype))
     jax.block_until_ready(jax.tree.leaves(model))
-    prof = flash_profile() if cfg.num_layers == 43 else tiny_profile(cfg.num_layers)
+    prof = profile_variant(flash_profile() if cfg.num_layers == 43 else tiny_profile(cfg.num_layers),
+                           budget_override=args.budget)
     rt = ReuseRuntime(model, prof, checkpoint_fingerprint=f"random-{args.preset}-seed-0")
     expect = Expectation.of_runtime(rt)
-    setup = {"preset": args.preset, "dtype": args.dtype, "profile": prof.to_dict()}
+    setup = {"preset": args.preset, "dtype": args.dtype, "profile": prof.to_dict(), "agree_rows": args.agree_rows}
     saved, refs_out = (load_ref(args.ref, setup) if args.ref else {}), {}
     out = {"device": str(jax.devices()[0].device_kind), "n_devices": len(jax.devices()),
            "date": datetime.date.today().isoformat(), "jax": jax.__version__, "python": platform.python_version(),
@@ -170,7 +192,7 @@ def main(argv=None):
                                  f" rows; here {digest[:12]}: {args.docs} x {row['doc_len']} + {row['question']})")
             row["tp"]["1"] = saved[str(length)]["result"]
             row["tp1_from"] = args.ref
-            ref.update(recompute=saved[str(length)]["recompute"], redknot=saved[str(length)]["redknot"])
+            ref.update({k: saved[str(length)][k] for k in ("recompute", "redknot", "protected")})
         t0 = time.perf_counter()
         arts = []
         for d in docs:
@@ -178,14 +200,13 @@ def main(argv=None):
             a.layers = jax.tree.map(np.asarray, a.layers)
             arts.append(a)
         row["build_s"] = time.perf_counter() - t0
-        req = Request([Segment(d, a) for d, a in zip(docs, arts)] + [Segment(q)])
-        if args.fp32_floor:  # the same request through an fp32 copy of the weights (no artifacts needed)
-            m32 = random_model(cfg, seed=0, dtype=jnp.float32)
-            plan = plan_request(req, prof)
-            t0 = time.perf_counter()
-            ref["fp32"] = np.asarray(Consumer(m32, prof).recompute(req.tokens, plan.query_rows))
-            row["fp32_floor_s"] = time.perf_counter() - t0
-            del m32
+        rows = tuple(range(length - args.agree_rows, length))
+        req = Request([Segment(d, a) for d, a in zip(docs, arts)] + [Segment(q)], query_rows=rows)
+        if args.fp32_floor:  # the same request, both arms, through an fp32 copy of the weights at tp = 1,
+            # on the last device (a second GPU's memory holds fp32 weights next to the bf16 copy)
+            with jax.default_device(jax.devices()[-1]):
+                row["fp32_floor_device"] = str(jax.devices()[-1])
+                fp32_floor(ref, row, cfg, prof, rt.fingerprint, docs, q, req, rows)
         for tp in tps:
             res = {}
             row["tp"][str(tp)] = res
@@ -246,8 +267,9 @@ def main(argv=None):
             res["first_token_agree_arms"] = rec_tok == red_tok
             if "fp32" in ref:
                 res["recompute_vs_fp32_tp1"] = agreement(rec_logits, ref["fp32"])
+                res["redknot_vs_fp32_tp1"] = agreement(red_logits, ref["fp32_redknot"])
             if tp == 1:
-                ref.update(recompute=rec_logits, redknot=red_logits)
+                ref.update(recompute=rec_logits, redknot=red_logits, protected=plan.protected)
                 if args.save_ref:
                     refs_out[length] = {**{k: row[k] for k in ("records_sha256", "doc_len", "question")},
                                         "result": res, **ref}
@@ -256,6 +278,9 @@ def main(argv=None):
                 base = row["tp"]["1"]
                 res["agree_with_tp1"] = {"recompute": agreement(rec_logits, ref["recompute"]),
                                          "redknot": agreement(red_logits, ref["redknot"])}
+                # the RedKnot arm's discrete choice: rows whose protection differs from tp = 1's
+                # (the controller ranks rows by indexer scores computed in this degree's rounding)
+                res["agree_with_tp1"]["redknot"]["protected_rows_differ"] = int((plan.protected != ref["protected"]).sum())
                 res["scaling_efficiency"] = {
                     arm: base[arm]["median_s"] / (tp * res[arm]["median_s"]) for arm in ("recompute", "redknot")}
                 res["speedup_vs_tp1"] = {arm: base[arm]["median_s"] / res[arm]["median_s"]

@@ -3,14 +3,19 @@
 A release suite of frozen request records per length (documents drawn from a seed, the first
 as prefix at offset 0, the rest relocated, then a question of new rows); the records' token
 digests are saved with the results so a rerun can check it measured the same requests. Per
-length: build the artifacts (timed: the cold construction cost), admit them to the hot tier
-(device-resident `DocPool`; payload digests verified once), warm up both arms (compilation),
-then alternate the arms for --repeats. TTFT = model-forward entry to the first token on the
+length: build the artifacts (timed: the cold construction cost), admit them (--resident device:
+the hot tier, a device-resident `DocPool`; host: a `HostPool`, payloads in host memory, each
+layer copied to the device one layer ahead of the consumer, the copy the compute does not hide
+counted in TTFT; payload digests verified once), warm up both arms (compilation), then
+alternate the arms for --repeats. --cold adds, after them, RedKnot runs whose TTFT includes
+building every artifact from the documents' tokens (construction, packing, certification). TTFT = model-forward entry to the first token on the
 host; the RedKnot arm's boundary includes certification, planning, the controller and the
 layout. A RedKnot run that fell back is rejected (require_reuse).
 
     python launch/bench_ttft.py --lengths 65536 --docs 4 --repeats 2 --out ttft.json
     python launch/bench_ttft.py --lengths 65536 --fanout k3 --tail-rows 4096 --out ttft_k3.json  # variants
+    python launch/bench_ttft.py --lengths 131072 --resident host --repeats 1 --out ttft_128k_host.json
+    python launch/bench_ttft.py --lengths 32768 --cold --out ttft_32k_cold.json
 """
 
 from __future__ import annotations
@@ -46,6 +51,15 @@ def records(length: int, n_docs: int, question: int, vocab: int, seed: int):
     return docs, q, digest
 
 
+def profile_variant(prof, **over):
+    """The profile with the given fields overridden (None: kept), renamed after them: a named
+    variant whose digest differs, so artifacts are certified for it."""
+    over = {k: v for k, v in over.items() if v is not None}
+    if not over:
+        return prof
+    return dataclasses.replace(prof, name=prof.name + "".join(f"-{k}={v}" for k, v in over.items()), **over)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", default="flash-shaped")
@@ -58,6 +72,9 @@ def main(argv=None):
     ap.add_argument("--tail-rows", type=int, help="override the profile's tail class (default: the profile's, 32768)")
     ap.add_argument("--fanout", choices=("native", "tau", "k3"), help="override the profile's MoE fan-out mode")
     ap.add_argument("--budget", type=float, help="fixed budget instead of the controller (budget_override)")
+    ap.add_argument("--resident", choices=("device", "host"), default="device",
+                    help="where the admitted artifacts live: device (hot) or host (prefetched, streamed per layer)")
+    ap.add_argument("--cold", action="store_true", help="also time RedKnot with artifact construction included")
     args = ap.parse_args(argv)
     if args.tail_rows is not None and args.tail_rows < 0:
         ap.error(f"--tail-rows: expected >= 0, got {args.tail_rows}")
@@ -68,14 +85,11 @@ def main(argv=None):
     jax.block_until_ready(jax.tree.leaves(model))
     init_s = time.perf_counter() - t0
     prof = flash_profile() if cfg.num_layers == 43 else tiny_profile(cfg.num_layers)
-    over = {k: v for k, v in (("tail_rows", args.tail_rows), ("fanout_mode", args.fanout),
-                              ("budget_override", args.budget)) if v is not None}
-    if over:  # a named variant of the profile (its digest differs, so artifacts are certified for it)
-        prof = dataclasses.replace(prof, name=prof.name + "".join(f"-{k}={v}" for k, v in over.items()), **over)
+    prof = profile_variant(prof, tail_rows=args.tail_rows, fanout_mode=args.fanout, budget_override=args.budget)
     rt = ReuseRuntime(model, prof, checkpoint_fingerprint=f"random-{args.preset}-seed-0")
     out = {"device": str(jax.devices()[0].device_kind), "date": datetime.date.today().isoformat(),
            "jax": jax.__version__, "python": platform.python_version(), "preset": args.preset,
-           "profile": prof.to_dict(), "model_init_s": init_s, "command": "python launch/bench_ttft.py " +
+           "profile": prof.to_dict(), "resident": args.resident, "model_init_s": init_s, "command": "python launch/bench_ttft.py " +
            " ".join(argv if argv is not None else __import__("sys").argv[1:]), "lengths": []}
 
     def save():
@@ -86,18 +100,30 @@ def main(argv=None):
         docs, q, digest = records(length, args.docs, args.question, cfg.vocab_size, args.seed)
         row = {"length": length, "records_sha256": digest, "doc_len": int(docs[0].size), "question": int(q.size)}
         out["lengths"].append(row)
+
+        def build():  # each document alone at 0; kept in host memory (the pool is the device copy)
+            arts = []
+            for d in docs:
+                a = build_artifact(model, prof, d, checkpoint_fingerprint=rt.fingerprint)
+                a.layers = jax.tree.map(np.asarray, a.layers)
+                arts.append(a)
+            return arts
+
+        def admit(arts):
+            pool = rt.consumer.pool(arts, resident=args.resident)
+            if args.resident == "device":
+                jax.block_until_ready(jax.tree.leaves(pool.layers))
+            req = Request([Segment(d, a) for d, a in zip(docs, arts)] + [Segment(q)])
+            bad = rt.certify(req)  # admission: payload digests verified once
+            if bad is not None:
+                raise ReuseFallback(f"admission: the freshly built artifacts failed certification: {bad}")
+            return pool, req
+
         t0 = time.perf_counter()
-        arts = []
-        for d in docs:  # built alone at 0; kept in host memory, the pool is the device copy
-            a = build_artifact(model, prof, d, checkpoint_fingerprint=rt.fingerprint)
-            a.layers = jax.tree.map(np.asarray, a.layers)
-            arts.append(a)
+        arts = build()
         row["build_s"] = time.perf_counter() - t0
         t0 = time.perf_counter()
-        pool = rt.consumer.pool(arts)
-        jax.block_until_ready(jax.tree.leaves(pool.layers))
-        req = Request([Segment(d, a) for d, a in zip(docs, arts)] + [Segment(q)])
-        assert rt.certify(req) is None  # admission: payload digests verified once
+        pool, req = admit(arts)
         row["admit_s"], row["pool_gb"] = time.perf_counter() - t0, pool.nbytes() / 1e9
         save()
 
@@ -127,6 +153,17 @@ def main(argv=None):
             rec_t.append(a)
             red_t.append(b)
             ratios.append(a / b)
+        if args.cold:  # after the hot runs, with their pool gone: construction + admission + prefill
+            del pool
+            cold_t = []
+            for _ in range(args.repeats):
+                t0 = time.perf_counter()
+                cold_pool, cold_req = admit(build())
+                rt.prefill(cold_req, "redknot", require_reuse=True, pool=cold_pool)
+                cold_t.append(time.perf_counter() - t0)
+                del cold_pool, cold_req
+            row.update({"cold_redknot_s": cold_t, "cold_redknot_median_s": statistics.median(cold_t),
+                        "cold_vs_recompute": statistics.median(rec_t) / statistics.median(cold_t)})
         led = dataclasses.replace(res.ledgers, wallclock=ledgers.wallclock_ledger(
             statistics.median(rec_t), statistics.median(red_t)))
         row.update({

@@ -66,6 +66,19 @@ def _pad_rows(a: jax.Array, m: int) -> jax.Array:
     return jnp.pad(a, [(0, _ceil(a.shape[0], m) - a.shape[0])] + [(0, 0)] * (a.ndim - 1))
 
 
+def _pack(per: list[dict], dtype) -> dict:
+    """One reusable layer of several documents' artifacts, packed into device arrays."""
+    d = {"kv": _pad_rows(jnp.concatenate([jnp.asarray(p["kv"], dtype) for p in per]), POOL_ROW_PAD),
+         "zl": _pad_rows(jnp.concatenate([jnp.asarray(p["zl"], dtype) for p in per]), POOL_ROW_PAD)}
+    for name, state in (("entries", "cmp"), ("idx_entries", "idx")):
+        if name in per[0]:
+            d[name] = _pad_rows(jnp.concatenate([jnp.asarray(p[name], dtype) for p in per]), ENTRY_PAD)
+            d[state] = {s: jnp.concatenate([jnp.asarray(p[state][s], jnp.float32) for p in per]) for s in ("kv", "gate")}
+    if "topk" in per[0]:
+        d["topk"] = _pad_rows(jnp.concatenate([jnp.asarray(p["topk"], jnp.int32) for p in per]), POOL_ROW_PAD)
+    return d
+
+
 class DocPool:
     """Device-resident artifacts of a set of documents, packed per reusable layer. Row arrays
     are padded to a multiple of POOL_ROW_PAD rows (entries to ENTRY_PAD), so pools of similar
@@ -77,19 +90,10 @@ class DocPool:
         lens = [a.length for a in artifacts]
         self.row_base = np.r_[0, np.cumsum(lens)][:-1].astype(np.int64)
         self.rows = int(sum(lens))
-        self.layers = {}
-        for i in layers:
-            per = [a.layers[i] for a in artifacts]
-            d = {"kv": _pad_rows(jnp.concatenate([jnp.asarray(p["kv"], dtype) for p in per]), POOL_ROW_PAD),
-                 "zl": _pad_rows(jnp.concatenate([jnp.asarray(p["zl"], dtype) for p in per]), POOL_ROW_PAD)}
-            for name, state in (("entries", "cmp"), ("idx_entries", "idx")):
-                if name in per[0]:
-                    d[name] = _pad_rows(jnp.concatenate([jnp.asarray(p[name], dtype) for p in per]), ENTRY_PAD)
-                    d[state] = {s: jnp.concatenate([jnp.asarray(p[state][s], jnp.float32) for p in per])
-                                for s in ("kv", "gate")}
-            if "topk" in per[0]:
-                d["topk"] = _pad_rows(jnp.concatenate([jnp.asarray(p["topk"], jnp.int32) for p in per]), POOL_ROW_PAD)
-            self.layers[i] = d
+        self.layers = self._place(list(layers), dtype)
+
+    def _place(self, layers: list[int], dtype):
+        return {i: _pack([a.layers[i] for a in self.artifacts], dtype) for i in layers}
 
     def doc(self, art: Artifact) -> int:
         if id(art) not in self.index:
@@ -102,6 +106,43 @@ class DocPool:
 
     def nbytes(self) -> int:
         return int(sum(x.nbytes for x in jax.tree.leaves(self.layers)))
+
+
+class HostPool(DocPool):
+    """Host-resident (prefetched) artifacts: the documents' payloads stay in host memory and
+    each reusable layer is packed onto the device when the consumer asks for the layer before
+    it, so its host-to-device copy overlaps that layer's compute (JAX dispatch is asynchronous:
+    the device runs layer i while the host copies layer i + 1). At most two layers of the pool
+    are on the device at a time; what a request pays is the copy the compute did not hide."""
+
+    def _place(self, layers: list[int], dtype):
+        return _Streamed(lambda i: _pack([a.layers[i] for a in self.artifacts], dtype), layers)
+
+    def nbytes(self) -> int:  # host bytes of the layers it streams (unpadded)
+        return int(sum(np.asarray(x).nbytes for a in self.artifacts for i in self.layers
+                       for x in jax.tree.leaves(a.layers[i])))
+
+
+class _Streamed:
+    """layer -> packed device arrays, packed on demand one layer ahead of the reader (`order`)."""
+
+    def __init__(self, pack, order: list[int]):
+        self.pack, self.order, self.ahead = pack, order, {}
+
+    def __getitem__(self, i: int) -> dict:
+        if i not in self.order:
+            raise KeyError(f"HostPool: layer {i} is not a reusable layer of this pool ({self.order})")
+        d = self.ahead.pop(i, None) or self.pack(i)
+        k = self.order.index(i) + 1
+        if k < len(self.order) and self.order[k] not in self.ahead:
+            self.ahead[self.order[k]] = self.pack(self.order[k])  # issued now, read by the next layer
+        return d
+
+    def __iter__(self):
+        return iter(self.order)
+
+    def __len__(self) -> int:
+        return len(self.order)
 
 
 # ---------------------------------------------------------------------------------- layout
@@ -590,8 +631,13 @@ class Consumer:
         self.reusable = list(profile.reusable_layers(self.cfg.num_layers))
         self.fan = (profile.fanout_mode, float(profile.tau), int(profile.fanout_min))
 
-    def pool(self, artifacts) -> DocPool:
-        return DocPool(artifacts, self.reusable, self.model.dtype)
+    def pool(self, artifacts, resident: str = "device") -> DocPool:
+        """The documents' artifacts packed for the RedKnot arm: "device" (hot: every layer on the
+        device now) or "host" (prefetched: payloads stay in host memory, streamed per layer)."""
+        kinds = {"device": DocPool, "host": HostPool}
+        if resident not in kinds:
+            raise ValueError(f"pool: resident must be one of {sorted(kinds)}, got {resident!r}")
+        return kinds[resident](artifacts, self.reusable, self.model.dtype)
 
     # -------------------------------------------------------------- pieces
     def _pad(self, tokens):

@@ -53,6 +53,14 @@ def test_consumer_equals_reference(kind, refresh, fan):
     assert 0 < fast.plan.fraction_protected() < 1  # rows really were restored
     assert rel_err(fast.logits, ref.logits) < TOL["consumer_vs_reference"][0]
     np.testing.assert_array_equal(fast.fanout_hist, ref.fanout_hist)
+    # host-resident artifacts streamed per layer, one ahead: the same programs on the same values
+    host = rt.consumer.pool(arts, resident="host")
+    assert not host.layers.ahead and host.nbytes() > 0  # nothing packed on the device before the request
+    streamed = rt.prefill(req, "redknot", require_reuse=True, pool=host)
+    np.testing.assert_array_equal(streamed.logits, fast.logits)
+    assert not host.layers.ahead  # the last layer read nothing ahead
+    with pytest.raises(ValueError, match="resident"):
+        rt.consumer.pool(arts, resident="disk")
     if fan == "tau":
         assert fast.fanout_hist[2] > 0 and fast.fanout_hist[3] > 0  # the rule really trimmed some rows
     rec = rt.prefill(req, "recompute")

@@ -1,0 +1,30 @@
+"""launch/bench_ttft.py end to end on CPU (tiny preset): both arms on the frozen records, with
+host-resident artifacts streamed per layer and the cold (construction included) RedKnot run;
+every RedKnot run certified, none fell back."""
+
+import dataclasses
+import json
+
+import pytest
+
+from launch import bench_ttft
+from redknot_jax.reuse.profile import tiny_profile
+
+
+def test_bench_ttft_host_resident_and_cold(monkeypatch, tmp_path):
+    # a small tail so that rows are restored (the tiny profile's default protects most of 96 rows)
+    monkeypatch.setattr(bench_ttft, "tiny_profile", lambda n: dataclasses.replace(tiny_profile(n), tail_rows=4))
+    out = tmp_path / "ttft.json"
+    res = bench_ttft.main(["--preset", "tiny", "--lengths", "96", "--docs", "2", "--question", "8", "--repeats", "1",
+                           "--resident", "host", "--cold", "--budget", "0.25", "--out", str(out)])
+    assert json.loads(out.read_text()) == json.loads(json.dumps(res)) and res["resident"] == "host"
+    row = res["lengths"][0]
+    assert 0 < row["protected_fraction"] < 1 and row["pool_gb"] > 0
+    assert len(row["cold_redknot_s"]) == 1 and row["cold_redknot_median_s"] > 0
+    # warm-up + 1 hot repeat + 1 cold run, each certified (the cold one on freshly built artifacts)
+    assert row["cert"]["validated"] == 3 and not any(row["cert"]["fallback"].values())
+
+
+def test_bench_ttft_rejects_unknown_residency(tmp_path):
+    with pytest.raises(SystemExit):
+        bench_ttft.main(["--preset", "tiny", "--resident", "disk", "--out", str(tmp_path / "x.json")])
