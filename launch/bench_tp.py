@@ -79,13 +79,14 @@ def load_ref(path, setup: dict) -> dict:
     try:
         z = np.load(path)
         meta = json.loads(z["meta"].tobytes())
+        saved = {n: {**m, **{k: z[f"{k}_{n}"] for k in ("recompute", "redknot", "protected")}}
+                 for n, m in meta["lengths"].items()}
     except (OSError, ValueError, KeyError) as e:
         raise SystemExit(f"--ref {path}: not a file written by --save-ref ({e})")
     for key, want in json.loads(json.dumps(setup)).items():
         if meta["setup"].get(key) != want:
             raise SystemExit(f"--ref {path}: written for {key} {meta['setup'].get(key)!r}, this run has {want!r}")
-    return {n: {**m, **{k: z[f"{k}_{n}"] for k in ("recompute", "redknot", "protected")}}
-            for n, m in meta["lengths"].items()}
+    return saved
 
 
 def fp32_floor(ref: dict, row: dict, cfg, prof, fingerprint: str, docs, q, req, rows) -> None:

@@ -8,9 +8,10 @@ the hot tier, a device-resident `DocPool`; host: a `HostPool`, payloads in host 
 layer copied to the device one layer ahead of the consumer, the copy the compute does not hide
 counted in TTFT; payload digests verified once), warm up both arms (compilation), then
 alternate the arms for --repeats. --cold adds, after them, RedKnot runs whose TTFT includes
-building every artifact from the documents' tokens (construction, packing, certification). TTFT = model-forward entry to the first token on the
-host; the RedKnot arm's boundary includes certification, planning, the controller and the
-layout. A RedKnot run that fell back is rejected (require_reuse).
+building every artifact from the documents' tokens (construction, packing, certification).
+TTFT = model-forward entry to the first token on the host; the RedKnot arm's boundary
+includes certification, planning, the controller and the layout. A RedKnot run that fell back
+is rejected (require_reuse).
 
     python launch/bench_ttft.py --lengths 65536 --docs 4 --repeats 2 --out ttft.json
     python launch/bench_ttft.py --lengths 65536 --fanout k3 --tail-rows 4096 --out ttft_k3.json  # variants
@@ -124,7 +125,7 @@ def main(argv=None):
         row["build_s"] = time.perf_counter() - t0
         t0 = time.perf_counter()
         pool, req = admit(arts)
-        row["admit_s"], row["pool_gb"] = time.perf_counter() - t0, pool.nbytes() / 1e9
+        row["admit_s"], row["pool_gb"], row["pool"] = time.perf_counter() - t0, pool.nbytes() / 1e9, type(pool).__name__
         save()
 
         def recompute():

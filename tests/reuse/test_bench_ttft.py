@@ -19,7 +19,7 @@ def test_bench_ttft_host_resident_and_cold(monkeypatch, tmp_path):
                            "--resident", "host", "--cold", "--budget", "0.25", "--out", str(out)])
     assert json.loads(out.read_text()) == json.loads(json.dumps(res)) and res["resident"] == "host"
     row = res["lengths"][0]
-    assert 0 < row["protected_fraction"] < 1 and row["pool_gb"] > 0
+    assert 0 < row["protected_fraction"] < 1 and row["pool_gb"] > 0 and row["pool"] == "HostPool"
     assert len(row["cold_redknot_s"]) == 1 and row["cold_redknot_median_s"] > 0
     # warm-up + 1 hot repeat + 1 cold run, each certified (the cold one on freshly built artifacts)
     assert row["cert"]["validated"] == 3 and not any(row["cert"]["fallback"].values())

@@ -56,8 +56,11 @@ def test_consumer_equals_reference(kind, refresh, fan):
     # host-resident artifacts streamed per layer, one ahead: the same programs on the same values
     host = rt.consumer.pool(arts, resident="host")
     assert not host.layers.ahead and host.nbytes() > 0  # nothing packed on the device before the request
+    packed, pack = [], host.layers.pack
+    host.layers.pack = lambda i: packed.append(i) or pack(i)
     streamed = rt.prefill(req, "redknot", require_reuse=True, pool=host)
     np.testing.assert_array_equal(streamed.logits, fast.logits)
+    assert packed == rt.consumer.reusable  # each layer packed once, in order (the next one while this one runs)
     assert not host.layers.ahead  # the last layer read nothing ahead
     with pytest.raises(ValueError, match="resident"):
         rt.consumer.pool(arts, resident="disk")
