@@ -65,12 +65,17 @@ def agreement(logits, ref) -> dict:
             "argmax_agree_rows": float(np.mean(np.argmax(a, -1) == np.argmax(b, -1)))}
 
 
+FLOOR_ARRAYS = ("fp32", "fp32_redknot")  # only in a reference written by a --fp32-floor run
+REF_ARRAYS = ("recompute", "redknot", "protected") + FLOOR_ARRAYS
+
+
 def save_ref(path, refs: dict, setup: dict):
     """tp = 1's query-row logits of both arms and its timings per length, with the records digest
-    and the setup (preset, dtype, profile) they were run under."""
+    and the setup (preset, dtype, profile) they were run under; the fp32 floor's logits too when
+    that run had --fp32-floor (the later --ref run then compares against them, not rerunning it)."""
     meta = {"setup": setup, "lengths": {str(n): {k: r[k] for k in ("records_sha256", "doc_len", "question", "result")}
                                         for n, r in refs.items()}}
-    arrays = {f"{arm}_{n}": r[arm] for n, r in refs.items() for arm in ("recompute", "redknot", "protected")}
+    arrays = {f"{arm}_{n}": r[arm] for n, r in refs.items() for arm in REF_ARRAYS if arm in r}
     with open(path, "wb") as f:
         np.savez(f, meta=np.frombuffer(json.dumps(meta).encode(), np.uint8), **arrays)
 
@@ -79,7 +84,8 @@ def load_ref(path, setup: dict) -> dict:
     try:
         z = np.load(path)
         meta = json.loads(z["meta"].tobytes())
-        saved = {n: {**m, **{k: z[f"{k}_{n}"] for k in ("recompute", "redknot", "protected")}}
+        saved = {n: {**m, **{k: z[f"{k}_{n}"] for k in REF_ARRAYS
+                         if k not in FLOOR_ARRAYS or f"{k}_{n}" in z.files}}
                  for n, m in meta["lengths"].items()}
     except (OSError, ValueError, KeyError) as e:
         raise SystemExit(f"--ref {path}: not a file written by --save-ref ({e})")
@@ -193,7 +199,9 @@ def main(argv=None):
                                  f" rows; here {digest[:12]}: {args.docs} x {row['doc_len']} + {row['question']})")
             row["tp"]["1"] = saved[str(length)]["result"]
             row["tp1_from"] = args.ref
-            ref.update({k: saved[str(length)][k] for k in ("recompute", "redknot", "protected")})
+            ref.update({k: saved[str(length)][k] for k in REF_ARRAYS if k in saved[str(length)]})
+            if "fp32" in ref:
+                row["fp32_floor_from"] = args.ref
         t0 = time.perf_counter()
         arts = []
         for d in docs:
@@ -203,6 +211,8 @@ def main(argv=None):
         row["build_s"] = time.perf_counter() - t0
         rows = tuple(range(length - args.agree_rows, length))
         req = Request([Segment(d, a) for d, a in zip(docs, arts)] + [Segment(q)], query_rows=rows)
+        if args.fp32_floor and "fp32" in ref:
+            raise SystemExit(f"--fp32-floor: --ref {args.ref} already holds the fp32 floor of length {length}")
         if args.fp32_floor:  # the same request, both arms, through an fp32 copy of the weights at tp = 1,
             # on the last device (a second GPU's memory holds fp32 weights next to the bf16 copy)
             with jax.default_device(jax.devices()[-1]):

@@ -17,6 +17,12 @@ is rejected (require_reuse).
     python launch/bench_ttft.py --lengths 65536 --fanout k3 --tail-rows 4096 --out ttft_k3.json  # variants
     python launch/bench_ttft.py --lengths 131072 --resident host --repeats 1 --out ttft_128k_host.json
     python launch/bench_ttft.py --lengths 32768 --cold --out ttft_32k_cold.json
+    python launch/bench_ttft.py --lengths 65536 --repeats 1 --layer-times --out ttft_64k_layers.json  # profile
+
+--store DIR keeps the built artifacts in an artifact store (raw codec) and reads them back on a
+later run with the same records, profile and model (content ids): a run too long for one call
+(128K: the build alone is minutes) can be split into a build call and a timed call. The row
+then says `artifacts: "store"` and `load_s` replaces `build_s`; the timed runs are unchanged.
 """
 
 from __future__ import annotations
@@ -40,6 +46,7 @@ from redknot_jax.reuse.artifact import build_artifact
 from redknot_jax.reuse.planner import Request, Segment, plan_request
 from redknot_jax.reuse.profile import flash_profile, tiny_profile
 from redknot_jax.reuse.runtime import ReuseFallback, ReuseRuntime
+from redknot_jax.store import ArtifactStore
 
 
 def records(length: int, n_docs: int, question: int, vocab: int, seed: int):
@@ -76,9 +83,18 @@ def main(argv=None):
     ap.add_argument("--resident", choices=("device", "host"), default="device",
                     help="where the admitted artifacts live: device (hot) or host (prefetched, streamed per layer)")
     ap.add_argument("--cold", action="store_true", help="also time RedKnot with artifact construction included")
+    ap.add_argument("--store", help="artifact store directory: read the documents' artifacts from it when there, "
+                                    "else build and publish them")
+    ap.add_argument("--layer-times", action="store_true",
+                    help="after the timed runs, one profile run per arm that waits for every layer: per-layer seconds")
+    ap.add_argument("--build-only", action="store_true", help="with --store: build and publish, time nothing")
     args = ap.parse_args(argv)
     if args.tail_rows is not None and args.tail_rows < 0:
         ap.error(f"--tail-rows: expected >= 0, got {args.tail_rows}")
+    if args.build_only and not args.store:
+        ap.error("--build-only needs --store")
+    if args.build_only and args.cold:
+        ap.error("--build-only times nothing; drop --cold")
 
     cfg = config.PRESETS[args.preset]()
     t0 = time.perf_counter()
@@ -96,6 +112,18 @@ def main(argv=None):
     def save():
         with open(args.out, "w") as f:
             json.dump(out, f, indent=1)
+
+    store = ArtifactStore(args.store, durable=False) if args.store else None
+
+    def stored(store, docs):
+        """Every document's artifact from the store, or None if any is missing (then all are built)."""
+        arts = []
+        for d in docs:
+            found = store.lookup(d, prof, cfg, rt.fingerprint)
+            if found.artifact is None:
+                return None
+            arts.append(found.artifact)
+        return arts
 
     for length in [int(x) for x in args.lengths.split(",")]:
         docs, q, digest = records(length, args.docs, args.question, cfg.vocab_size, args.seed)
@@ -121,8 +149,20 @@ def main(argv=None):
             return pool, req
 
         t0 = time.perf_counter()
-        arts = build()
-        row["build_s"] = time.perf_counter() - t0
+        arts = stored(store, docs) if store is not None else None
+        if arts is not None:
+            row["artifacts"], row["load_s"] = "store", time.perf_counter() - t0
+        else:
+            arts = build()
+            row["artifacts"], row["build_s"] = "built", time.perf_counter() - t0
+            if store is not None:
+                t0 = time.perf_counter()
+                for a in arts:  # one generation per document
+                    store.publish(a)
+                row["publish_s"] = time.perf_counter() - t0
+        if args.build_only:
+            save()
+            continue
         t0 = time.perf_counter()
         pool, req = admit(arts)
         row["admit_s"], row["pool_gb"], row["pool"] = time.perf_counter() - t0, pool.nbytes() / 1e9, type(pool).__name__
@@ -154,6 +194,17 @@ def main(argv=None):
             rec_t.append(a)
             red_t.append(b)
             ratios.append(a / b)
+        if args.layer_times:  # where the time goes: one more run per arm, each layer waited for
+            rec_lt, red_lt = [], []
+            rt.consumer.recompute(req.tokens, plan_request(req, prof).query_rows, layer_times=rec_lt)
+            rt.consumer.redknot(plan_request(req, prof), req.tokens, pool, layer_times=red_lt)
+            n = cfg.num_layers
+            row["layer_times"] = {
+                "kind": [str(k) for k in cfg.layer_types],
+                "role": ["fence" if prof.is_fence(i, n) else "reusable" for i in range(n)],
+                "recompute_s": rec_lt, "redknot_s": red_lt,
+                "note": "one run per arm with a wait after every layer (serialised, so sums exceed the TTFT); "
+                        "the first reusable layer of RedKnot includes the controller and the layout"}
         if args.cold:  # after the hot runs, with their pool gone: construction + admission + prefill
             del pool
             cold_t = []

@@ -475,6 +475,24 @@ def reusable_attention(blk, x, tab, pool_layer, *, freqs, glob, block, reduce=No
     return out
 
 
+class _LayerClock:
+    """Per-layer wall time for a profile run: when given a list, waits for each layer's output
+    (which serialises host and device, so only profile runs pass one) and appends its seconds."""
+
+    def __init__(self, times: list | None, x):
+        self.times = times
+        if times is not None:
+            jax.block_until_ready(x)
+            self.t0 = time.perf_counter()
+
+    def lap(self, x) -> None:
+        if self.times is not None:
+            jax.block_until_ready(x)
+            now = time.perf_counter()
+            self.times.append(now - self.t0)
+            self.t0 = now
+
+
 def _put_rows(a, rows, t0, n: int):
     """`a` [>= ?, ...] padded or cut to n rows, with `rows` written at row t0 (t0 traced)."""
     a = a[:n] if a.shape[0] >= n else jnp.pad(a, [(0, n - a.shape[0])] + [(0, 0)] * (a.ndim - 1))
@@ -661,12 +679,15 @@ class Consumer:
         return _logits_jit(self.top_state, x, jnp.asarray(rows, jnp.int32)[None], graphdef=self.top_def)[0]
 
     # -------------------------------------------------------------- arms
-    def recompute(self, tokens, query_rows) -> jax.Array:
-        """The Recomputed arm: every layer native over the whole request (logits [q, vocab])."""
+    def recompute(self, tokens, query_rows, layer_times: list | None = None) -> jax.Array:
+        """The Recomputed arm: every layer native over the whole request (logits [q, vocab]).
+        `layer_times`: a profile; each layer is waited for and its seconds appended."""
         ids, t, t_real = self._pad(tokens)
         x = self._embed(ids)
+        clock = _LayerClock(layer_times, x)
         for i in range(self.cfg.num_layers):
             x = self._native(i, x, ids, t_real, t)
+            clock.lap(x)
         return self._logits(x, query_rows)
 
     def controller(self, plan: Plan, x, pool: DocPool) -> None:
@@ -703,14 +724,17 @@ class Consumer:
         fill_itop(plan, scores, budget, row_risk(plan, self.reusable))
 
     def redknot(self, plan: Plan, tokens, pool: DocPool, timings: dict | None = None, frozen: bool = False,
-                decode_rows: int = 0):
+                decode_rows: int = 0, layer_times: list | None = None):
         """The RedKnot arm for a planned request whose artifacts are in `pool`; fills Itop
         (unless the plan is `frozen`: decode continuation keeps the prompt's protected set).
         Returns (logits [q, vocab], fan-out histogram [k+1] over reusable layers and rows), and
-        with `decode_rows` > 0 a `DecodeState` for that many generated rows (`redknot_step`)."""
+        with `decode_rows` > 0 a `DecodeState` for that many generated rows (`redknot_step`).
+        `layer_times`: a profile; each layer is waited for and its seconds appended (the first
+        reusable layer's include the controller and the layout)."""
         cfg, prof = self.cfg, self.profile
         ids, t, t_real = self._pad(tokens)
         x = self._embed(ids)
+        clock = _LayerClock(layer_times, x)
         hist, layout = None, None
         state = DecodeState(t_real, _ceil(t_real + decode_rows, cfg.hca_rate), pool) if decode_rows else None
         for i in range(cfg.num_layers):
@@ -722,6 +746,7 @@ class Consumer:
                     x, state.layers[i] = _native_cache_jit(
                         st, x, ids, jnp.full((1,), t_real, jnp.int32), graphdef=gd, freqs=self.model.freqs(i),
                         block=min(self.block, t), cap=max(state.cap, _ceil(t, cfg.hca_rate)))
+                clock.lap(x)
                 continue
             if layout is None:  # the controller reads the first reusable layer's input
                 t0 = time.perf_counter()
@@ -737,6 +762,7 @@ class Consumer:
             else:
                 x, h, state.layers[i] = _reusable_keys_jit(st, x, ids, layout.tables, pool.layers[i], **kw)
             hist = h if hist is None else hist + h
+            clock.lap(x)
         logits = self._logits(x, plan.query_rows)
         return (logits, hist, state) if decode_rows else (logits, hist)
 

@@ -25,8 +25,8 @@ def test_bench_tp_cpu(tp_preset, tmp_path):
     both uses); the second run's JSON holds both degrees as one run's would."""
     out, ref = tmp_path / "tp.json", tmp_path / "tp1.npz"
     common = ["--preset", tp_preset, "--lengths", "96", "--docs", "2", "--question", "8", "--dtype", "float32"]
-    bench_tp.main(common + ["--tp", "1", "--save-ref", str(ref), "--out", str(tmp_path / "tp1.json")])
-    res = bench_tp.main(common + ["--fp32-floor", "--tp", "2", "--ref", str(ref), "--out", str(out)])
+    bench_tp.main(common + ["--fp32-floor", "--tp", "1", "--save-ref", str(ref), "--out", str(tmp_path / "tp1.json")])
+    res = bench_tp.main(common + ["--tp", "2", "--ref", str(ref), "--out", str(out)])  # the floor travels in the ref
     assert json.loads(out.read_text()) == json.loads(json.dumps(res))
     row = res["lengths"][0]
     one, two = row["tp"]["1"], row["tp"]["2"]
@@ -37,12 +37,15 @@ def test_bench_tp_cpu(tp_preset, tmp_path):
         assert two["scaling_efficiency"][arm] > 0
     for arm in ("recompute", "redknot"):  # fp32 run vs the fp32 floor: the same weights, so summation order only
         assert two[f"{arm}_vs_fp32_tp1"]["rel_l2"] < TOL["resharded_fp32"][0], arm
+    assert row["fp32_floor_from"] == str(ref) and "recompute_vs_fp32_tp1" in one
     assert two["agree_with_tp1"]["redknot"]["protected_rows_differ"] == 0
     assert row["cert"]["validated"] == 2 and not any(row["cert"]["fallback"].values())  # warm-up + 1 repeat at tp = 2
     with pytest.raises(SystemExit, match="other request records"):  # a reference of other requests is refused
         bench_tp.main(common[:7] + ["9"] + common[8:] + ["--tp", "2", "--ref", str(ref), "--out", str(out)])
     with pytest.raises(SystemExit, match="written for dtype"):
         bench_tp.main(common[:9] + ["bfloat16"] + common[10:] + ["--tp", "2", "--ref", str(ref), "--out", str(out)])
+    with pytest.raises(SystemExit, match="already holds the fp32 floor"):
+        bench_tp.main(common + ["--fp32-floor", "--tp", "2", "--ref", str(ref), "--out", str(out)])
 
 
 def test_bench_tp_rejects_bad_tp(tp_preset, tmp_path):
