@@ -85,6 +85,8 @@ def main(argv=None):
     ap.add_argument("--cold", action="store_true", help="also time RedKnot with artifact construction included")
     ap.add_argument("--store", help="artifact store directory: read the documents' artifacts from it when there, "
                                     "else build and publish them")
+    ap.add_argument("--kernels", choices=("xla", "mosaic"), default="xla",
+                    help="the RedKnot arm's restoration: XLA reference or the Mosaic GPU kernel (pallas/restore.py)")
     ap.add_argument("--layer-times", action="store_true",
                     help="after the timed runs, one profile run per arm that waits for every layer: per-layer seconds")
     ap.add_argument("--build-only", action="store_true", help="with --store: build and publish, time nothing")
@@ -103,10 +105,10 @@ def main(argv=None):
     init_s = time.perf_counter() - t0
     prof = flash_profile() if cfg.num_layers == 43 else tiny_profile(cfg.num_layers)
     prof = profile_variant(prof, tail_rows=args.tail_rows, fanout_mode=args.fanout, budget_override=args.budget)
-    rt = ReuseRuntime(model, prof, checkpoint_fingerprint=f"random-{args.preset}-seed-0")
+    rt = ReuseRuntime(model, prof, checkpoint_fingerprint=f"random-{args.preset}-seed-0", kernels=args.kernels)
     out = {"device": str(jax.devices()[0].device_kind), "date": datetime.date.today().isoformat(),
            "jax": jax.__version__, "python": platform.python_version(), "preset": args.preset,
-           "profile": prof.to_dict(), "resident": args.resident, "model_init_s": init_s, "command": "python launch/bench_ttft.py " +
+           "profile": prof.to_dict(), "resident": args.resident, "kernels": args.kernels, "model_init_s": init_s, "command": "python launch/bench_ttft.py " +
            " ".join(argv if argv is not None else __import__("sys").argv[1:]), "lengths": []}
 
     def save():

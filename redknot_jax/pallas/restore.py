@@ -66,7 +66,11 @@ class RestoreConfig:
 
 
 SMEM_LIMIT = 227 * 1024
-DEFAULT_CONFIG = RestoreConfig()
+
+
+def default_config(o: int) -> RestoreConfig:
+    """block_n 128 where it divides the output-group rank (Flash / Pro: 1024), else 64."""
+    return RestoreConfig(block_n=128 if o % 128 == 0 else 64)
 
 
 def _check(o_g, wo_a, zl, zl_row, z_p, p_row, global_heads):
@@ -171,6 +175,19 @@ def _interpret_params(interpret: bool | None):
     return InterpretGPUParams()
 
 
+def restore_unsupported(k: int, o: int, n_global: int, dtype, config: RestoreConfig | None = None) -> str | None:
+    """Why the kernel cannot run this shape (None: it can). k head dim, o output-group rank,
+    n_global Global heads per group."""
+    cfg = config or default_config(o)
+    if n_global != 1:
+        return f"one Global head per group supported, got {n_global}"
+    if isinstance(dtype, str) or jnp.dtype(dtype) != jnp.bfloat16:
+        return f"bf16 operands expected, got {dtype}"
+    if k % cfg.block_k or o % cfg.block_n:
+        return f"k={k} must divide by block_k={cfg.block_k} and o={o} by block_n={cfg.block_n}"
+    return None
+
+
 def restore(o_g, wo_a, zl, zl_row, z_p, p_row, *, global_heads, config: RestoreConfig | None = None,
             interpret: bool | None = None):
     """Mosaic GPU fused restoration; same signature and result as `restore_reference`.
@@ -180,15 +197,11 @@ def restore(o_g, wo_a, zl, zl_row, z_p, p_row, *, global_heads, config: RestoreC
     a multiple of 64 here when needed (a copy; the consumer's row counts are multiples of 64).
     interpret: Mosaic GPU interpret mode; None = on when the default backend is not a GPU."""
     t, g, ng, k, o, hpg, heads = _check(o_g, wo_a, zl, zl_row, z_p, p_row, global_heads)
-    cfg = config or DEFAULT_CONFIG
-    if ng != 1:
-        raise ValueError(f"restore kernel: one Global head per group supported, got {ng}")
+    cfg = config or default_config(o)
     dts = {a.dtype for a in (o_g, wo_a, zl, z_p)}
-    if dts != {jnp.dtype(jnp.bfloat16)}:
-        raise ValueError(f"restore kernel: bf16 o_g, wo_a, zl, z_p expected, got {sorted(map(str, dts))}")
-    if k % cfg.block_k or o % cfg.block_n:
-        raise ValueError(f"restore kernel: k={k} must divide by block_k={cfg.block_k} and o={o} by "
-                         f"block_n={cfg.block_n}")
+    why = restore_unsupported(k, o, ng, dts.pop() if len(dts) == 1 else "mixed dtypes", cfg)
+    if why:
+        raise ValueError(f"restore kernel: {why}")
     kind = jnp.where(p_row >= 0, 2, jnp.where(zl_row >= 0, 1, 0)).astype(jnp.int32)
     row = jnp.where(kind == 2, p_row, jnp.where(kind == 1, zl_row, 0)).astype(jnp.int32)
     a = o_g.reshape(t, g * k)

@@ -46,6 +46,8 @@ from redknot_jax.config import CSA, HCA
 from redknot_jax.indexer import index_scores, select_topk
 from redknot_jax.mhc import HyperConnection
 from redknot_jax.norms import rms_norm
+from redknot_jax.pallas.restore import protected_rows, restore_reference, restore_unsupported
+from redknot_jax.pallas.restore import restore as restore_kernel
 from redknot_jax.reuse.artifact import Artifact, local_head_mask
 from redknot_jax.reuse.fanout import fanout_keep
 from redknot_jax.reuse.planner import Plan, fill_itop, row_risk
@@ -351,13 +353,15 @@ def _pass_b(q, pos, kv_abs, ents, idx, sink, scale, kind, block, window, topk):
     return run(0) if n == 1 else jax.lax.map(run, jnp.arange(n) * block).reshape(P, *q.shape[1:])
 
 
-def reusable_layer(blk, x, ids, tab, pool_layer, *, freqs, glob, block, fan, reduce=None, ffn=None):
+def reusable_layer(blk, x, ids, tab, pool_layer, *, freqs, glob, block, fan, reduce=None, ffn=None,
+                   kernels: str = "xla"):
     """One reusable layer of the RedKnot arm over the request rows (see the module doc).
 
     Under tensor parallelism (`redknot_jax.sharding.consumer_tp`) the block holds a rank's
     heads / groups / experts, `reduce` sums the row-parallel `wo_b` output over ranks and
     `ffn(x, ids, keep_fn) -> (x, keep)` is the rank's MoE half; by default both are local."""
-    x = reusable_attention(blk, x, tab, pool_layer, freqs=freqs, glob=glob, block=block, reduce=reduce)
+    x = reusable_attention(blk, x, tab, pool_layer, freqs=freqs, glob=glob, block=block, reduce=reduce,
+                           kernels=kernels)
     return reusable_ffn(blk, x, ids, tab["pos"] < tab["n_real"], fan, ffn)
 
 
@@ -407,10 +411,12 @@ def _projections(attn, xa, cpos) -> dict:
     return out
 
 
-def reusable_attention(blk, x, tab, pool_layer, *, freqs, glob, block, reduce=None, keep_keys=False):
+def reusable_attention(blk, x, tab, pool_layer, *, freqs, glob, block, reduce=None, keep_keys=False,
+                       kernels: str = "xla"):
     """The attention half of a reusable layer (passes A and B, z_L restore, `wo_b` once, mHC
     post) over one request's rows x [1, t, n, d]. With `keep_keys` also what decoding reads
-    later: every row's K=V in absolute coordinates and compressor projections."""
+    later: every row's K=V in absolute coordinates and compressor projections. `kernels`:
+    "mosaic" runs the restoration as the Mosaic GPU kernel, "xla" its reference."""
     attn = blk.attn
     t = x.shape[1]
     h, k, g, w = attn.h, attn.k, attn.g, attn.window
@@ -444,12 +450,6 @@ def reusable_attention(blk, x, tab, pool_layer, *, freqs, glob, block, reduce=No
     q_g = queries(cq, glob, pos)
     o_g = _pass_a(q_g, tab, kv_abs, ents, sink[glob], scale, kind, block, w, csa_ids)
     o_g = apply_rope(o_g, pos, freqs, inverse=True)
-    hpg = h // g
-    wa = attn.wo_a[...].reshape(g, attn.o, hpg, k)
-    gl = np.asarray(glob) % hpg
-    z = jnp.einsum("tgjk,gojk->tgo", o_g.reshape(t, g, len(gl) // g, k), wa[:, :, gl[: len(gl) // g]],
-                   precision=HIGHEST)
-    z = z + jnp.where((zr >= 0)[:, None, None], pool_layer["zl"][jnp.maximum(zr, 0)].astype(z.dtype), 0)
 
     # pass B: every head of the protected rows, native key sets; their z replaces the row's
     pi = tab["prot_idx"]
@@ -463,8 +463,14 @@ def reusable_attention(blk, x, tab, pool_layer, *, freqs, glob, block, reduce=No
     o_p = _pass_b(q_p, pp, kv_abs, ents, idx, sink, scale, kind, block, w,
                   attn.indexer.topk if kind == CSA else 0)
     o_p = apply_rope(o_p, pp, freqs, inverse=True)
-    z_p = attn.wo_a_apply(o_p[None])[0]
-    z = z.at[pi].set(z_p.astype(z.dtype), mode="drop")
+    z_p = attn.wo_a_apply(o_p[None])[0].astype(o_g.dtype)
+
+    # restoration: the Global heads' columns of wo_a, plus z_L from the pool on restored rows,
+    # protected rows replaced by z_p (pallas/restore.py: the kernel or its XLA reference)
+    gl = tuple(int(j) for j in (np.asarray(glob) % (h // g))[: len(glob) // g])
+    restore_fn = restore_kernel if kernels == "mosaic" else restore_reference
+    z = restore_fn(o_g.reshape(t, g, len(gl), k), attn.wo_a[...], pool_layer["zl"], zr, z_p,
+                   protected_rows(pi, t), global_heads=gl)
 
     y = attn.wo_b_apply(z[None])
     if reduce is not None:
@@ -556,12 +562,12 @@ def _native_step_jit(state, x, ids, pos0, cache, *, graphdef, freqs):
     return blk(x, ids, pos0[None], jnp.full((1,), g, jnp.int32), cache, freqs, g)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "freqs", "glob", "block", "fan"))
-def _reusable_keys_jit(state, x, ids, tab, pool_layer, *, graphdef, freqs, glob, block, fan):
+@functools.partial(jax.jit, static_argnames=("graphdef", "freqs", "glob", "block", "fan", "kernels"))
+def _reusable_keys_jit(state, x, ids, tab, pool_layer, *, graphdef, freqs, glob, block, fan, kernels):
     """`_reusable_jit` that also returns the keys decoding reads (see `reusable_attention`)."""
     blk = nnx.merge(graphdef, state)
     x, keys = reusable_attention(blk, x, tab, pool_layer, freqs=freqs, glob=np.asarray(glob), block=block,
-                                 keep_keys=True)
+                                 keep_keys=True, kernels=kernels)
     x, hist = reusable_ffn(blk, x, ids, tab["pos"] < tab["n_real"], fan)
     return x, hist, keys
 
@@ -593,10 +599,11 @@ def _reusable_batch_jit(state, x, ids, tab, pool_layer, *, graphdef, freqs, glob
     return x, hist
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "freqs", "glob", "block", "fan"))
-def _reusable_jit(state, x, ids, tab, pool_layer, *, graphdef, freqs, glob, block, fan):
+@functools.partial(jax.jit, static_argnames=("graphdef", "freqs", "glob", "block", "fan", "kernels"))
+def _reusable_jit(state, x, ids, tab, pool_layer, *, graphdef, freqs, glob, block, fan, kernels):
     blk = nnx.merge(graphdef, state)
-    return reusable_layer(blk, x, ids, tab, pool_layer, freqs=freqs, glob=np.asarray(glob), block=block, fan=fan)
+    return reusable_layer(blk, x, ids, tab, pool_layer, freqs=freqs, glob=np.asarray(glob), block=block, fan=fan,
+                          kernels=kernels)
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef",))
@@ -638,7 +645,10 @@ class DecodeState:
 class Consumer:
     """Both arms of a model at serving scale: `recompute(req)` and `redknot(req, pool)`."""
 
-    def __init__(self, model, profile, block: int | None = None):
+    def __init__(self, model, profile, block: int | None = None, kernels: str = "xla"):
+        """kernels: "xla" (the references) or "mosaic" (Mosaic GPU kernels where the runtime has
+        one: the restoration of single requests; batches run the reference, vmapped). A model the
+        kernels do not support is refused here, not silently run on the reference."""
         # query block: 256 rows at model scale; 32 for the small test models (fewer padded rows)
         block = block or (256 if model.cfg.hidden_size >= 1024 else 32)
         self.model, self.profile, self.cfg, self.block = model, profile, model.cfg, block
@@ -648,6 +658,14 @@ class Consumer:
         self.glob = tuple(int(i) for i in np.flatnonzero(~local))
         self.reusable = list(profile.reusable_layers(self.cfg.num_layers))
         self.fan = (profile.fanout_mode, float(profile.tau), int(profile.fanout_min))
+        if kernels not in ("xla", "mosaic"):
+            raise ValueError(f"Consumer kernels: expected 'xla' or 'mosaic', got {kernels!r}")
+        if kernels == "mosaic":
+            cfg = self.cfg
+            why = restore_unsupported(cfg.head_dim, cfg.o_lora_rank, len(self.glob) // cfg.o_groups, model.dtype)
+            if why:
+                raise ValueError(f"Consumer kernels='mosaic': {why}")
+        self.kernels = kernels
 
     def pool(self, artifacts, resident: str = "device") -> DocPool:
         """The documents' artifacts packed for the RedKnot arm: "device" (hot: every layer on the
@@ -756,7 +774,8 @@ class Consumer:
                 if timings is not None:
                     timings["plan_s"] = time.perf_counter() - t0
             gd, st = self.defs[i]
-            kw = dict(graphdef=gd, freqs=self.model.freqs(i), glob=self.glob, block=self.block, fan=self.fan)
+            kw = dict(graphdef=gd, freqs=self.model.freqs(i), glob=self.glob, block=self.block, fan=self.fan,
+                      kernels=self.kernels)
             if state is None:
                 x, h = _reusable_jit(st, x, ids, layout.tables, pool.layers[i], **kw)
             else:

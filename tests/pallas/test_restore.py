@@ -87,6 +87,9 @@ def test_bad_inputs_raise():
         rs.restore_reference(o_g, wo_a, zl, zl_row, z_p, p_row, global_heads=(7,))
     with pytest.raises(ValueError, match="bf16"):
         rs.restore(o_g.astype(jnp.float32), wo_a, zl, zl_row, z_p, p_row, **kw)
+    with pytest.raises(ValueError, match="bf16"):
+        rs.restore(o_g.astype(jnp.float32), wo_a.astype(jnp.float32), zl.astype(jnp.float32), zl_row,
+                   z_p.astype(jnp.float32), p_row, **kw)
     with pytest.raises(ValueError, match="one Global head"):
         rs.restore(jnp.concatenate([o_g, o_g], 2), wo_a, zl, zl_row, z_p, p_row, global_heads=(0, 1))
     with pytest.raises(ValueError, match="block_n"):
@@ -112,3 +115,35 @@ def test_kernel_matches_reference_gpu(seed, t, bn):
     want = rs.restore_reference(*args, **kw)
     assert bool(jnp.all(jnp.isfinite(got.astype(jnp.float32))))
     assert rel_err(got.astype(jnp.float32), want.astype(jnp.float32)) < TOL["kernel_bf16_o"][0]
+
+
+def test_consumer_runs_the_kernel():
+    """The RedKnot arm with kernels="mosaic" (the restoration kernel, interpret mode on CPU) gives
+    the logits of kernels="xla" on a bf16 tiny model (head dim and output rank widened to the
+    kernel's tiles); a model the kernel cannot run is refused at construction."""
+    import dataclasses
+
+    from redknot_jax import config
+    from redknot_jax.init import random_model
+    from redknot_jax.reuse.artifact import build_artifact
+    from redknot_jax.reuse.planner import Request, Segment
+    from redknot_jax.reuse.profile import tiny_profile
+    from redknot_jax.reuse.runtime import ReuseRuntime
+
+    cfg = dataclasses.replace(config.tiny("csa"), head_dim=64, o_lora_rank=64)
+    model = random_model(cfg, seed=5, dtype=jnp.bfloat16)
+    prof = dataclasses.replace(tiny_profile(cfg.num_layers), budget_override=0.2, tail_rows=8)
+    rng = np.random.default_rng(0)
+    docs = [rng.integers(2, cfg.vocab_size, n) for n in (40, 33)]
+    arts = [build_artifact(model, prof, d, checkpoint_fingerprint="fp") for d in docs]
+    req = Request([Segment(docs[0], arts[0]), Segment(docs[1], arts[1]),
+                   Segment(rng.integers(2, cfg.vocab_size, 9))], query_rows=(60, 81))
+    xla, mosaic = ReuseRuntime(model, prof, "fp"), ReuseRuntime(model, prof, "fp", kernels="mosaic")
+    a = xla.prefill(req, "redknot", require_reuse=True)
+    b = mosaic.prefill(req, "redknot", require_reuse=True)
+    assert 0 < b.plan.fraction_protected() < 1 and (a.plan.protected == b.plan.protected).all()
+    assert rel_err(b.logits, a.logits) < TOL["kernel_bf16_o"][0]
+    with pytest.raises(ValueError, match="mosaic.*bf16"):
+        ReuseRuntime(random_model(cfg, seed=5, dtype=jnp.float32), prof, "fp", kernels="mosaic")
+    with pytest.raises(ValueError, match="kernels"):
+        ReuseRuntime(model, prof, "fp", kernels="triton")
