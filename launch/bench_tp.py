@@ -21,6 +21,8 @@ t(tp=1) / (tp * t(tp)).
     python launch/bench_tp.py --lengths 32768 --tp 1,2 --out tp_32k.json          # 2 x H200
     python launch/bench_tp.py --lengths 65536 --tp 1 --save-ref tp1_64k.npz       # when one call
     python launch/bench_tp.py --lengths 65536 --tp 2 --ref tp1_64k.npz            # cannot hold both
+    python launch/bench_tp.py --lengths 4096 --tp 1 --fp32-floor --agree-rows 256 --save-ref f.npz  # the
+    python launch/bench_tp.py --lengths 4096 --tp 2 --agree-rows 256 --ref f.npz  # floor travels in f.npz
 
     XLA_FLAGS=--xla_force_host_platform_device_count=2 python launch/bench_tp.py --preset tiny-tp2 \
         --lengths 600 --docs 2 --question 40 --repeats 1 --fp32-floor --out tp_cpu.json  # CPU

@@ -37,6 +37,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from redknot_jax.pallas.timing import median_time, record
+
 HIGHEST = jax.lax.Precision.HIGHEST
 BLOCK_T = 64  # wgmma M of one warpgroup
 
@@ -250,39 +252,24 @@ def moved_bytes(args) -> int:
     return 2 * (t * g * k + rows_with_addend * g * o + t * g * o + g * o * k)
 
 
-def _time(f, *a, iters=20, **kw):
-    import time
-
-    jax.block_until_ready(f(*a, **kw))
-    ts = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        jax.block_until_ready(f(*a, **kw))
-        ts.append(time.perf_counter() - t0)
-    return float(np.median(ts))
-
-
 def main(argv=None):
     """Kernel vs XLA reference at consumer shapes; GB/s against a copy measured in the same run."""
     import argparse
-    import datetime
-    import json
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--json", default=None)
     ap.add_argument("--rows", default="8192,65536")
     ap.add_argument("--block-n", default="128,256")
     a = ap.parse_args(argv)
-    dev = jax.devices()[0]
     x = jnp.ones((1 << 28,), jnp.bfloat16)  # 512 MB: read + write
     copy = jax.jit(lambda u: u + 1)
-    copy_gbs = 2 * x.nbytes / _time(copy, x, iters=10) / 1e9
+    copy_gbs = 2 * x.nbytes / median_time(copy, x, iters=10) / 1e9
     rows = []
     for t in [int(v) for v in a.rows.split(",")]:
         args, kw = make_problem(jax.random.key(t), t=t)
         ref = jax.jit(functools.partial(restore_reference, **kw))
         zr = ref(*args)
-        tr = _time(ref, *args)
+        tr = median_time(ref, *args)
         nbytes = moved_bytes(args)
         for bn in [int(v) for v in a.block_n.split(",")]:
             cfg = RestoreConfig(block_n=bn)
@@ -290,20 +277,15 @@ def main(argv=None):
             zk = ker(*args)
             err = float(jnp.linalg.norm((zk.astype(jnp.float32) - zr.astype(jnp.float32)).ravel())
                         / jnp.linalg.norm(zr.astype(jnp.float32).ravel()))
-            tk = _time(ker, *args)
+            tk = median_time(ker, *args)
             rows.append(dict(rows=t, config=dataclasses.asdict(cfg), rel_err=err, kernel_ms=tk * 1e3,
                              xla_ms=tr * 1e3, speedup=tr / tk, kernel_gbs=nbytes / tk / 1e9, xla_gbs=nbytes / tr / 1e9,
                              kernel_frac_of_copy=nbytes / tk / 1e9 / copy_gbs))
             print(f"t={t:6d} block_n={bn:3d} err {err:.1e} kernel {tk * 1e3:7.3f} ms xla {tr * 1e3:7.3f} ms "
                   f"x{tr / tk:4.2f} {nbytes / tk / 1e9:6.0f} GB/s ({nbytes / tk / 1e9 / copy_gbs:.0%} of copy "
                   f"{copy_gbs:.0f})", flush=True)
-    res = dict(kernel="restore", device=str(dev.device_kind), jax=jax.__version__,
-               date=datetime.date.today().isoformat(), copy_gbs=copy_gbs, rows=rows,
-               command="python -m redknot_jax.pallas.restore " + " ".join(argv or []))
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(res, f, indent=1)
-    return res
+    return record("restore", a.json, copy_gbs=copy_gbs, rows=rows,
+                  command="python -m redknot_jax.pallas.restore " + " ".join(argv or []))
 
 
 if __name__ == "__main__":

@@ -39,7 +39,6 @@ further rotation), and enter as one segment at offset 0 whose interval is [0, co
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 
 import numpy as np
@@ -47,6 +46,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from redknot_jax.pallas.timing import median_time, record
 from redknot_jax.reuse.relocation import merge_partials, partial_attention, rotate
 from redknot_jax.rope import apply_rope
 
@@ -126,7 +126,6 @@ def rotation_tables(seg_offset, freqs) -> jax.Array:
     """[n + 1, 4, r, r] bf16: per segment j (R(-D_j) hi, lo, R(D_{j-1} - D_j) hi, lo); entry n
     holds (unused, unused, R(D_{n-1}) hi, lo) for the final turn into the absolute frame."""
     d = jnp.asarray(seg_offset, jnp.int32)
-    n = d.shape[0]
     # angles fl(D * f) exactly as rotate() rounds them; a transition is the product
     # R(D_{j-1}) R(-D_j) (not R(D_{j-1} - D_j)), so the chain telescopes to R(D_last) R(-D_j)
     # whatever the fp32 rounding of large angles, and output turns cancel query turns as in
@@ -509,29 +508,14 @@ def attention_flops(row_lo, row_hi) -> float:
     return 4.0 * HEADS * HEAD_DIM * n
 
 
-def _time(f, *a, iters=20, **kw):
-    import time
-
-    jax.block_until_ready(f(*a, **kw))
-    ts = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        jax.block_until_ready(f(*a, **kw))
-        ts.append(time.perf_counter() - t0)
-    return float(np.median(ts))
-
-
 def main(argv=None):
     """Kernel vs XLA reference on the decode and prefill shapes; prints a table, writes JSON."""
     import argparse
-    import datetime
-    import json
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--json", default=None)
     ap.add_argument("--quick", action="store_true")
     a = ap.parse_args(argv)
-    dev = jax.devices()[0]
     shapes = [
         ("decode t=1, 4 docs x 4096, CSA 512", dict(t=1, doc_len=4096, n_docs=4, gathered=512, query_pos="decode"),
          DECODE_CONFIG),
@@ -547,7 +531,7 @@ def main(argv=None):
     # bf16 matmul peak measured in the same run
     x = jax.random.normal(jax.random.key(1), (8192, 8192), jnp.bfloat16)
     mm = jax.jit(lambda u: u @ u)
-    peak = 2 * 8192 ** 3 / _time(mm, x, iters=10) / 1e12
+    peak = 2 * 8192 ** 3 / median_time(mm, x, iters=10) / 1e12
     rows = []
     for name, kw, cfg in shapes:
         args, kwargs = make_problem(jax.random.key(0), **kw)
@@ -564,8 +548,8 @@ def main(argv=None):
                     / jnp.linalg.norm(orf.astype(jnp.float32).ravel()))
         lerr = float(jnp.max(jnp.abs(lk - lr)))
         finite = bool(jnp.all(jnp.isfinite(ok.astype(jnp.float32))))
-        tk = _time(ker, *rest, g=g)
-        tr = _time(ref, *rest, g=g)
+        tk = median_time(ker, *rest, g=g)
+        tr = median_time(ref, *rest, g=g)
         fl = attention_flops(args[4], args[5])
         rows.append(dict(shape=name, config=dataclasses.asdict(cfg), rel_err_o=err, max_abs_err_lse=lerr,
                          finite=finite, kernel_ms=tk * 1e3, xla_ms=tr * 1e3, speedup=tr / tk,
@@ -574,13 +558,8 @@ def main(argv=None):
         print(f"{name:42s} err {err:.2e} lse {lerr:.1e} kernel {tk * 1e3:8.3f} ms  xla {tr * 1e3:8.3f} ms  "
               f"x{tr / tk:5.2f}  {fl / tk / 1e12:6.1f} TFLOP/s ({fl / tk / 1e12 / peak:.0%} of {peak:.0f})",
               flush=True)
-    res = dict(kernel="seg_attention", device=str(dev.device_kind), jax=jax.__version__,
-               date=datetime.date.today().isoformat(), bf16_matmul_peak_tflops=peak, rows=rows,
-               command="python -m redknot_jax.pallas.seg_attention" + (" --quick" if a.quick else ""))
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(res, f, indent=1)
-    return res
+    return record("seg_attention", a.json, bf16_matmul_peak_tflops=peak, rows=rows,
+                  command="python -m redknot_jax.pallas.seg_attention" + (" --quick" if a.quick else ""))
 
 
 if __name__ == "__main__":
