@@ -26,7 +26,6 @@ from launch.bench_ttft import profile_variant, records  # noqa: E402
 from redknot_jax import config  # noqa: E402
 from redknot_jax.init import random_model  # noqa: E402
 from redknot_jax.reuse.artifact import build_artifact  # noqa: E402
-from redknot_jax.reuse.consumer import build_layout  # noqa: E402
 from redknot_jax.reuse.planner import Request, Segment, plan_request  # noqa: E402
 from redknot_jax.reuse.profile import tiny_profile  # noqa: E402
 from redknot_jax.sharding.consumer_tp import TPConsumer  # noqa: E402
@@ -39,20 +38,10 @@ def trace(cfg, prof, docs, q, dtype, tp: int):
     arts = [build_artifact(model, prof, d, checkpoint_fingerprint="trace") for d in docs]
     req = Request([Segment(d, a) for d, a in zip(docs, arts)] + [Segment(q)])
     con = TPConsumer(model, prof, make_mesh(tp))
-    pool, plan = con.pool(arts), plan_request(req, prof)
-    x, ids, t, t_real = con._embed(req.tokens)
-    n = jax.device_put(jnp.int32(t_real), con.rep)
-    xs, tab = [], None
-    for i in range(cfg.num_layers):  # TPConsumer.redknot, with the streams kept
-        if prof.is_fence(i, cfg.num_layers):
-            x = con._program(i, "native", t)(con.layers[i][1], x, ids, n)
-        else:
-            if tab is None:
-                con.base.controller(plan, jax.device_put(x, jax.devices()[0]), pool)
-                tab = jax.device_put(build_layout(plan, pool, prof, cfg, con.block).tables, con.rep)
-            x, _ = con._program(i, "reusable", t, pool.layers[i], tab)(con.layers[i][1], x, ids, tab, pool.layers[i])
-        xs.append(np.asarray(x, np.float32)[:, :t_real])
-    return xs, np.asarray(con._logits(x, plan.query_rows), np.float32), plan
+    plan, streams = plan_request(req, prof), []
+    logits, _ = con.redknot(plan, req.tokens, con.pool(arts), streams=streams)
+    t_real = len(req.tokens)
+    return [np.asarray(x, np.float32)[:, :t_real] for x in streams], np.asarray(logits, np.float32), plan
 
 
 def main(argv=None):

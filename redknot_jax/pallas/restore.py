@@ -47,24 +47,30 @@ BLOCK_T = 64  # wgmma M of one warpgroup
 class RestoreConfig:
     """Tiling: block_n output columns per CTA (wgmma N), block_k the contraction step of the
     pipeline, steps its depth. Shared memory: steps * (64 + block_n) * block_k * 2 bytes of
-    operands plus 2 * 64 * block_n * 2 bytes (addend rows, output staging)."""
+    operands plus 2 * 64 * block_n * 2 bytes (addend rows, output staging). indices: where the
+    CTA reads its 64 rows' (source row, kind) pairs: "gmem" (128 scalar global loads, the
+    variant measured on the H200) or "smem" (one 512-byte TMA copy into shared memory first)."""
 
     block_n: int = 128
     block_k: int = 64
     steps: int = 2
+    indices: str = "gmem"
 
     def __post_init__(self):
         if self.block_n not in (64, 128, 256):
             raise ValueError(f"RestoreConfig.block_n: expected 64, 128 or 256, got {self.block_n}")
         if self.block_k != 64:  # one 128-byte swizzle row of bf16
             raise ValueError(f"RestoreConfig.block_k: expected 64, got {self.block_k}")
+        if self.indices not in ("gmem", "smem"):
+            raise ValueError(f"RestoreConfig.indices: expected 'gmem' or 'smem', got {self.indices!r}")
         if not 1 <= self.steps <= 4:
             raise ValueError(f"RestoreConfig.steps: expected 1..4, got {self.steps}")
         if self.smem_bytes() > SMEM_LIMIT:
             raise ValueError(f"RestoreConfig: {self.smem_bytes()} bytes of shared memory > {SMEM_LIMIT}")
 
     def smem_bytes(self) -> int:
-        return self.steps * (BLOCK_T + self.block_n) * self.block_k * 2 + 2 * BLOCK_T * self.block_n * 2 + 1024
+        return (self.steps * (BLOCK_T + self.block_n) * self.block_k * 2 + 2 * BLOCK_T * self.block_n * 2
+                + 2 * BLOCK_T * 4 + 1024)
 
 
 SMEM_LIMIT = 227 * 1024
@@ -112,7 +118,7 @@ def protected_rows(prot_idx, t: int) -> jax.Array:
     return jnp.full((t,), -1, jnp.int32).at[prot_idx].set(jnp.arange(n, dtype=jnp.int32), mode="drop")
 
 
-def _kernel_call(a, wo_a, zl, zp, z0, src_row, src_kind, *, g, o, k, col0, cfg, interpret):
+def _kernel_call(a, wo_a, zl, zp, z0, idx, *, g, o, k, col0, cfg, interpret):
     import jax.experimental.pallas as pl
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
@@ -121,15 +127,21 @@ def _kernel_call(a, wo_a, zl, zp, z0, src_row, src_kind, *, g, o, k, col0, cfg, 
     dtype = a.dtype
     tiled = lambda: (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
 
-    def body(a_ref, w_ref, zl_ref, zp_ref, z0_ref, row_ref, kind_ref, out_ref):
+    def body(a_ref, w_ref, zl_ref, zp_ref, z0_ref, idx_ref, out_ref):
         i, gi, j = lax.axis_index("t"), lax.axis_index("g"), lax.axis_index("n")
         r0 = i * bt
         cols = pl.ds(gi * o + j * bn, bn)  # this tile's columns of z [t, g*o]
 
-        def scoped(add_s, add_bar, out_s):
+        def scoped(add_s, add_bar, out_s, idx_s, idx_bar):
+            if cfg.indices == "smem":  # the block's (source row, kind) pairs, one copy
+                plgpu.copy_gmem_to_smem(idx_ref.at[:, pl.ds(r0, bt)], idx_s, idx_bar)
+                plgpu.barrier_wait(idx_bar)
+                pair, kinds_ref = (lambda r: (idx_s[0, r], idx_s[1, r])), idx_s.at[1]
+            else:
+                pair, kinds_ref = (lambda r: (idx_ref[0, r0 + r], idx_ref[1, r0 + r])), idx_ref.at[1, pl.ds(r0, bt)]
             # each row's addend, one TMA row copy from its source; all arrive on one barrier
             for r in range(bt):
-                src, kind = row_ref[r0 + r], kind_ref[r0 + r]
+                src, kind = pair(r)
                 for want, ref in ((0, z0_ref), (1, zl_ref), (2, zp_ref)):
                     @pl.when(kind == want)
                     def _(ref=ref, src=src, r=r):
@@ -151,7 +163,7 @@ def _kernel_call(a, wo_a, zl, zp, z0, src_row, src_kind, *, g, o, k, col0, cfg, 
             acc = pl.run_scoped(product, plgpu.ACC((bt, bn), jnp.float32))
             plgpu.barrier_wait(add_bar)
             add = plgpu.load(add_s, layout=plgpu.Layout.WGMMA, optimized=False).astype(jnp.float32)
-            kinds = plgpu.load(kind_ref.at[pl.ds(r0, bt)], layout=plgpu.Layout.WGMMA.reduce(1), optimized=False)
+            kinds = plgpu.load(kinds_ref, layout=plgpu.Layout.WGMMA.reduce(1), optimized=False)
             keep = lax.broadcast_in_dim(kinds != 2, (bt, bn), [0])  # protected rows: replaced
             out_s[...] = (jnp.where(keep, acc, 0.0) + add).astype(dtype)
             plgpu.commit_smem()
@@ -159,11 +171,12 @@ def _kernel_call(a, wo_a, zl, zp, z0, src_row, src_kind, *, g, o, k, col0, cfg, 
             plgpu.wait_smem_to_gmem(0)
 
         pl.run_scoped(scoped, plgpu.SMEM((bt, bn), dtype), plgpu.Barrier(num_arrivals=bt),
-                      plgpu.SMEM((bt, bn), dtype, transforms=tiled()))
+                      plgpu.SMEM((bt, bn), dtype, transforms=tiled()), plgpu.SMEM((2, bt), jnp.int32),
+                      plgpu.Barrier())
 
     return plgpu.kernel(body, out_type=jax.ShapeDtypeStruct((t, g * o), dtype), grid=(t // bt, g, o // bn),
                         grid_names=("t", "g", "n"), interpret=_interpret_params(interpret))(
-        a, wo_a, zl, zp, z0, src_row, src_kind)
+        a, wo_a, zl, zp, z0, idx)
 
 
 def _interpret_params(interpret: bool | None):
@@ -212,7 +225,7 @@ def restore(o_g, wo_a, zl, zl_row, z_p, p_row, *, global_heads, config: RestoreC
         a = jnp.pad(a, ((0, tp), (0, 0)))
         kind, row = jnp.pad(kind, (0, tp)), jnp.pad(row, (0, tp))
     z = _kernel_call(a, wo_a, zl.reshape(zl.shape[0], g * o), z_p.reshape(z_p.shape[0], g * o),
-                     jnp.zeros((1, g * o), jnp.bfloat16), row, kind, g=g, o=o, k=k, col0=heads[0] * k, cfg=cfg,
+                     jnp.zeros((1, g * o), jnp.bfloat16), jnp.stack([row, kind]), g=g, o=o, k=k, col0=heads[0] * k, cfg=cfg,
                      interpret=interpret)
     return z[:t].reshape(t, g, o)
 
@@ -260,6 +273,7 @@ def main(argv=None):
     ap.add_argument("--json", default=None)
     ap.add_argument("--rows", default="8192,65536")
     ap.add_argument("--block-n", default="128,256")
+    ap.add_argument("--indices", default="gmem,smem", help="RestoreConfig.indices variants to compare")
     a = ap.parse_args(argv)
     x = jnp.ones((1 << 28,), jnp.bfloat16)  # 512 MB: read + write
     copy = jax.jit(lambda u: u + 1)
@@ -271,8 +285,8 @@ def main(argv=None):
         zr = ref(*args)
         tr = median_time(ref, *args)
         nbytes = moved_bytes(args)
-        for bn in [int(v) for v in a.block_n.split(",")]:
-            cfg = RestoreConfig(block_n=bn)
+        for bn, ix in [(int(v), w) for v in a.block_n.split(",") for w in a.indices.split(",")]:
+            cfg = RestoreConfig(block_n=bn, indices=ix)
             ker = jax.jit(functools.partial(restore, **kw, config=cfg))
             zk = ker(*args)
             err = float(jnp.linalg.norm((zk.astype(jnp.float32) - zr.astype(jnp.float32)).ravel())
@@ -281,7 +295,7 @@ def main(argv=None):
             rows.append(dict(rows=t, config=dataclasses.asdict(cfg), rel_err=err, kernel_ms=tk * 1e3,
                              xla_ms=tr * 1e3, speedup=tr / tk, kernel_gbs=nbytes / tk / 1e9, xla_gbs=nbytes / tr / 1e9,
                              kernel_frac_of_copy=nbytes / tk / 1e9 / copy_gbs))
-            print(f"t={t:6d} block_n={bn:3d} err {err:.1e} kernel {tk * 1e3:7.3f} ms xla {tr * 1e3:7.3f} ms "
+            print(f"t={t:6d} block_n={bn:3d} {ix} err {err:.1e} kernel {tk * 1e3:7.3f} ms xla {tr * 1e3:7.3f} ms "
                   f"x{tr / tk:4.2f} {nbytes / tk / 1e9:6.0f} GB/s ({nbytes / tk / 1e9 / copy_gbs:.0%} of copy "
                   f"{copy_gbs:.0f})", flush=True)
     return record("restore", a.json, copy_gbs=copy_gbs, rows=rows,

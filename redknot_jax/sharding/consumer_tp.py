@@ -158,7 +158,8 @@ class TPConsumer:
             x = self._program(i, "native", t)(self.layers[i][1], x, ids, n)
         return self._logits(x, query_rows)
 
-    def redknot(self, plan: Plan, tokens, pool: DocPool, frozen: bool = False):
+    def redknot(self, plan: Plan, tokens, pool: DocPool, frozen: bool = False, streams: list | None = None):
+        """`streams`: a diagnostic; each layer's output hidden streams are appended (device arrays)."""
         cfg, prof = self.cfg, self.profile
         x, ids, t, t_real = self._embed(tokens)
         n = jax.device_put(jnp.int32(t_real), self.rep)
@@ -166,6 +167,8 @@ class TPConsumer:
         for i in range(cfg.num_layers):
             if prof.is_fence(i, cfg.num_layers):
                 x = self._program(i, "native", t)(self.layers[i][1], x, ids, n)
+                if streams is not None:
+                    streams.append(x)
                 continue
             if tab is None:
                 if not frozen:
@@ -174,4 +177,6 @@ class TPConsumer:
             f = self._program(i, "reusable", t, pool.layers[i], tab)
             x, h = f(self.layers[i][1], x, ids, tab, pool.layers[i])
             hist = h if hist is None else hist + h
+            if streams is not None:
+                streams.append(x)
         return self._logits(x, plan.query_rows), hist

@@ -55,12 +55,12 @@ def test_protected_rows_inverse_map():
     assert np.asarray(p).tolist() == [-1, -1, 0, -1, -1, 1, -1, -1, -1]
 
 
-@pytest.mark.parametrize("seed,t,bn,steps", [(0, 128, 128, 2), (1, 100, 64, 3)])
-def test_kernel_matches_reference_interpret(seed, t, bn, steps):
+@pytest.mark.parametrize("seed,t,bn,steps,indices", [(0, 128, 128, 2, "gmem"), (1, 100, 64, 3, "smem")])
+def test_kernel_matches_reference_interpret(seed, t, bn, steps, indices):
     """The kernel itself, run by Mosaic GPU interpret mode on CPU (GPU: natively), on a small
     consumer-shaped problem: restored, protected and padding rows, rows not a multiple of 64."""
     args, kw = rs.make_problem(jax.random.key(seed), t=t, g=2, hpg=4, k=128, o=256, pool=300, global_head=2)
-    cfg = rs.RestoreConfig(block_n=bn, steps=steps)
+    cfg = rs.RestoreConfig(block_n=bn, steps=steps, indices=indices)
     got = rs.restore(*args, **kw, config=cfg)
     want = rs.restore_reference(*args, **kw)
     assert got.shape == want.shape and got.dtype == want.dtype
@@ -70,10 +70,12 @@ def test_kernel_matches_reference_interpret(seed, t, bn, steps):
     np.testing.assert_array_equal(np.asarray(got)[p >= 0], np.asarray(args[4])[p[p >= 0]])
 
 
-def test_kernel_lowers_for_cuda():
+@pytest.mark.parametrize("indices", ["gmem", "smem"])
+def test_kernel_lowers_for_cuda(indices):
     """Flash shapes: the Mosaic GPU lowering (layout inference, TMA shapes) runs on CPU."""
     args, kw = rs.make_problem(jax.random.key(0), t=256)
-    f = jax.jit(lambda *a: rs.restore(*a, **kw, interpret=False))
+    cfg = rs.RestoreConfig(indices=indices)
+    f = jax.jit(lambda *a: rs.restore(*a, **kw, config=cfg, interpret=False))
     text = f.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text
 
@@ -94,6 +96,8 @@ def test_bad_inputs_raise():
         rs.restore(jnp.concatenate([o_g, o_g], 2), wo_a, zl, zl_row, z_p, p_row, global_heads=(0, 1))
     with pytest.raises(ValueError, match="block_n"):
         rs.RestoreConfig(block_n=96)
+    with pytest.raises(ValueError, match="indices"):
+        rs.RestoreConfig(indices="registers")
     with pytest.raises(ValueError, match="block_n"):
         rs.restore(o_g, wo_a, zl, zl_row, z_p, p_row, **kw, config=rs.RestoreConfig(block_n=256))
 
@@ -106,12 +110,14 @@ def _poisoned_run(f, *a, **k):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("seed,t,bn", [(0, 4096, 128), (1, 1000, 256), (2, 64, 64)])
-def test_kernel_matches_reference_gpu(seed, t, bn):
+@pytest.mark.parametrize("seed,t,bn,indices", [(0, 4096, 128, "gmem"), (1, 1000, 256, "gmem"), (2, 64, 64, "gmem"),
+                                               # added after the H200 run of 2026-11-30 (not yet run on a GPU)
+                                               (3, 4096, 128, "smem"), (4, 1000, 256, "smem")])
+def test_kernel_matches_reference_gpu(seed, t, bn, indices):
     if jax.default_backend() != "gpu":
         pytest.skip("needs a GPU")
     args, kw = rs.make_problem(jax.random.key(seed), t=t)
-    got = _poisoned_run(rs.restore, *args, **kw, config=rs.RestoreConfig(block_n=bn))
+    got = _poisoned_run(rs.restore, *args, **kw, config=rs.RestoreConfig(block_n=bn, indices=indices))
     want = rs.restore_reference(*args, **kw)
     assert bool(jnp.all(jnp.isfinite(got.astype(jnp.float32))))
     assert rel_err(got.astype(jnp.float32), want.astype(jnp.float32)) < TOL["kernel_bf16_o"][0]
