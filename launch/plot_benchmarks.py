@@ -9,6 +9,7 @@ From `launch/bench_ttft.py` results (one or more files, each with rows per lengt
   operator ledger's bound for that request (1 / (1 - FLOP saving)), with 1x marked;
 * `ledgers_per_length.png`: the four savings per length (head-row, token-row, operator FLOPs,
   wall-clock), side by side, never summed.
+From rows with a per-layer profile (`--layer-times`): `layer_times_<length>.png`.
 From a `launch/bench_qps.py` result: `qps_vs_concurrency.png` (requests/s of both arms per
 concurrency level with the bootstrap 95 % interval). Every figure names its source files,
 device and date in the title block.
@@ -26,7 +27,9 @@ COLORS = {"recompute": "#444444", "redknot": "#d62728"}
 
 
 def load_ttft(paths) -> tuple[list[dict], list[str]]:
-    """Rows (one per length, the last file wins on a repeated length) and provenance lines."""
+    """Rows (one per length) and provenance lines. Runs of one length on the same request
+    records and profile are pooled (every repeat kept, medians over all of them); otherwise the
+    last file wins on a repeated length."""
     rows, prov = {}, []
     for p in paths:
         d = json.loads(pathlib.Path(p).read_text())
@@ -34,11 +37,31 @@ def load_ttft(paths) -> tuple[list[dict], list[str]]:
             raise SystemExit(f"--ttft {p}: not a bench_ttft.py result (no 'lengths')")
         prov.append(f"{pathlib.Path(p).name}: {d.get('device', '?')}, {d.get('date', '?')}")
         for r in d["lengths"]:
-            if "recompute_s" in r and "redknot_s" in r:  # complete rows only
-                rows[int(r["length"])] = r
+            if "recompute_s" not in r or "redknot_s" not in r:  # complete rows only
+                continue
+            r = {**r, "profile_name": d.get("profile", {}).get("name")}
+            was = rows.get(int(r["length"]))
+            if was and (was["records_sha256"], was["profile_name"]) == (r["records_sha256"], r["profile_name"]):
+                r = _pool(was, r)
+            rows[int(r["length"])] = r
     if not rows:
         raise SystemExit(f"--ttft: no complete length rows in {list(paths)}")
     return [rows[k] for k in sorted(rows)], prov
+
+
+def _pool(a: dict, b: dict) -> dict:
+    """Two runs of the same requests as one row: repeats concatenated, medians over all; the
+    ledgers and the per-layer profile of the later run."""
+    import statistics
+
+    out = dict(b)
+    for arm in ("recompute", "redknot"):
+        out[f"{arm}_s"] = a[f"{arm}_s"] + b[f"{arm}_s"]
+        out[f"{arm}_median_s"] = statistics.median(out[f"{arm}_s"])
+    out["ratio_per_repeat"] = a["ratio_per_repeat"] + b["ratio_per_repeat"]
+    out["speedup_median"] = statistics.median(out["ratio_per_repeat"])
+    out.setdefault("layer_times", a.get("layer_times"))
+    return out
 
 
 def _kfmt(n: int) -> str:
@@ -103,6 +126,29 @@ def plot_ttft(rows, prov, out: pathlib.Path, plt) -> list[pathlib.Path]:
     return files
 
 
+def plot_layers(rows, prov, out: pathlib.Path, plt) -> list[pathlib.Path]:
+    """`layer_times_<length>.png` for each row with a per-layer profile (bench_ttft --layer-times)."""
+    files = []
+    for r in rows:
+        lt = r.get("layer_times")
+        if not lt:
+            continue
+        n = len(lt["kind"])
+        fig, ax = plt.subplots(figsize=(9.0, 4.2))
+        w = 0.4
+        for k, arm in enumerate(("recompute", "redknot")):
+            ax.bar([i + (k - 0.5) * w for i in range(n)], lt[f"{arm}_s"], width=w, color=COLORS[arm], label=arm)
+        short = {"sliding_attention": "S", "compressed_sparse_attention": "C", "heavily_compressed_attention": "H"}
+        ax.set_xticks(range(n), [short.get(kd, "?") + ("*" if role == "fence" else "")
+                                 for kd, role in zip(lt["kind"], lt["role"])], fontsize=6)
+        ax.set_xlabel("layer (S sliding, C CSA, H HCA; * fence, native in both arms)")
+        ax.set_ylabel("seconds (each layer waited for)")
+        ax.legend()
+        ax.set_title(f"Per-layer time of both arms at {_kfmt(r['length'])}\n" + "; ".join(prov), fontsize=8)
+        files.append(_save(fig, out / f"layer_times_{_kfmt(r['length'])}.png", plt))
+    return files
+
+
 def plot_qps(path, out: pathlib.Path, plt) -> pathlib.Path:
     d = json.loads(pathlib.Path(path).read_text())
     if "results" not in d:
@@ -145,7 +191,8 @@ def main(argv=None):
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     paths = args.ttft if args.ttft else sorted(glob.glob(str(ROOT / "docs" / "results" / "ttft_*_h200.json")))
-    files = plot_ttft(*load_ttft(paths), out, plt)
+    rows, prov = load_ttft(paths)
+    files = plot_ttft(rows, prov, out, plt) + plot_layers(rows, prov, out, plt)
     if args.qps:
         files.append(plot_qps(args.qps, out, plt))
     for f in files:

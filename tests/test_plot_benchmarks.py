@@ -21,10 +21,18 @@ def test_plots_from_committed_results(tmp_path):
     (tmp_path / "qps.json").write_text(json.dumps(qps))
     files = pb.main(["--qps", str(tmp_path / "qps.json"), "--out", str(tmp_path / "plots")])
     names = sorted(f.name for f in files)
-    assert names == ["ledgers_per_length.png", "qps_vs_concurrency.png", "speedup_vs_length.png",
-                     "ttft_vs_length.png"]
+    assert names == ["layer_times_64K.png", "ledgers_per_length.png", "qps_vs_concurrency.png",
+                     "speedup_vs_length.png", "ttft_vs_length.png"]
     for f in files:
         assert f.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and f.stat().st_size > 5000
+
+
+def test_runs_of_the_same_requests_are_pooled():
+    """The two committed 64K runs (same records and profile) become one row with both repeats."""
+    rows, _ = pb.load_ttft(sorted((ROOT / "docs" / "results").glob("ttft_*_h200.json")))
+    row = {r["length"]: r for r in rows}[65536]
+    assert len(row["recompute_s"]) == len(row["redknot_s"]) == len(row["ratio_per_repeat"]) == 2
+    assert row["layer_times"] and min(row["ratio_per_repeat"]) <= row["speedup_median"] <= max(row["ratio_per_repeat"])
 
 
 def test_wrong_inputs_are_named(tmp_path):
