@@ -3,8 +3,8 @@ and answers a held-out question over registered documents, over a real socket.
 
 The world, its documents and its questions come from the test split (names never seen in
 training). The documents are registered as text, cited in a shuffled order, and the question
-is asked through the completions endpoint (RedKnot arm and `arm: recompute`) and through chat
-(the checkpoint's chat template appends `answer :`). Expected: the server's Recomputed answer
+is asked through the completions endpoint (RedKnot arm and `arm: recompute`), and the first
+question also through chat (the checkpoint's chat template appends `answer :`). Expected: the server's Recomputed answer
 equals the in-process greedy answer of the same weights (serving changes nothing), and the
 model answers some of them right. The world is small (2 documents of 4 people): the shipped
 model is an interim checkpoint that retrieves well inside its 128-row sliding window and
@@ -71,6 +71,9 @@ def test_default_server_answers_held_out_questions(default_server):
         status, red = srv.request("POST", "/v1/completions", body, key=None)
         assert status == 200, red
         assert red["redknot"]["arm"] == "redknot" and red["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+        if qa is not ep.qas[0]:  # the chat template's path is the same for every question: checked once
+            right += expected == gold
+            continue
         chat_q = D.decode(qa.question[:-2])  # without "answer :": the chat template adds it
         status, chat = srv.request("POST", "/v1/chat/completions",
                                    {"model": SHIPPED_MODEL.name, "max_tokens": 4, "temperature": 0,
