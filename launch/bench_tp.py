@@ -203,6 +203,8 @@ def main(argv=None):
             row["tp1_from"] = args.ref
             ref.update({k: saved[str(length)][k] for k in REF_ARRAYS if k in saved[str(length)]})
             if "fp32" in ref:
+                if args.fp32_floor:
+                    raise SystemExit(f"--fp32-floor: --ref {args.ref} already holds the fp32 floor of length {length}")
                 row["fp32_floor_from"] = args.ref
         t0 = time.perf_counter()
         arts = []
@@ -213,8 +215,6 @@ def main(argv=None):
         row["build_s"] = time.perf_counter() - t0
         rows = tuple(range(length - args.agree_rows, length))
         req = Request([Segment(d, a) for d, a in zip(docs, arts)] + [Segment(q)], query_rows=rows)
-        if args.fp32_floor and "fp32" in ref:
-            raise SystemExit(f"--fp32-floor: --ref {args.ref} already holds the fp32 floor of length {length}")
         if args.fp32_floor:  # the same request, both arms, through an fp32 copy of the weights at tp = 1,
             # on the last device (a second GPU's memory holds fp32 weights next to the bf16 copy)
             with jax.default_device(jax.devices()[-1]):

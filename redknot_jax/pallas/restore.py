@@ -3,7 +3,7 @@
 The RedKnot consumer's projected state of one reusable layer, z [t, g, o], the input of the
 single `wo_b`. Per row, exactly one of:
 
-    protected (p_row >= 0):   z[t] = z_p[p_row[t]]                         replaced: every head native
+    protected (t = prot_idx[i]): z[t] = z_p[i]                              replaced: every head native
     restored  (zl_row >= 0):  z[t, g] = W_oa,G[g] . o_G[t, g] + z_L[zl_row[t], g]
     neither   (padding rows): z[t, g] = W_oa,G[g] . o_G[t, g]
 
@@ -81,7 +81,7 @@ def default_config(o: int) -> RestoreConfig:
     return RestoreConfig(block_n=128 if o % 128 == 0 else 64)
 
 
-def _check(o_g, wo_a, zl, zl_row, z_p, p_row, global_heads):
+def _check(o_g, wo_a, zl, zl_row, z_p, prot_idx, global_heads):
     if o_g.ndim != 4:
         raise ValueError(f"restore: expected o_g [t, g, nG, k], got {o_g.shape}")
     t, g, ng, k = o_g.shape
@@ -96,20 +96,23 @@ def _check(o_g, wo_a, zl, zl_row, z_p, p_row, global_heads):
     for name, a in (("zl", zl), ("z_p", z_p)):
         if a.ndim != 3 or a.shape[1:] != (g, o):
             raise ValueError(f"restore: expected {name} [rows, {g}, {o}], got {a.shape}")
-    if zl_row.shape != (t,) or p_row.shape != (t,):
-        raise ValueError(f"restore: expected zl_row and p_row [{t}], got {zl_row.shape}, {p_row.shape}")
+    if zl_row.shape != (t,):
+        raise ValueError(f"restore: expected zl_row [{t}], got {zl_row.shape}")
+    if prot_idx.shape != z_p.shape[:1]:
+        raise ValueError(f"restore: expected prot_idx [{z_p.shape[0]}] (one row per z_p row), got {prot_idx.shape}")
     return t, g, ng, k, o, hpg, heads
 
 
-def restore_reference(o_g, wo_a, zl, zl_row, z_p, p_row, *, global_heads, config=None):
+def restore_reference(o_g, wo_a, zl, zl_row, z_p, prot_idx, *, global_heads, config=None):
     """z [t, g, o] in o_g.dtype (see the module doc); XLA: the Global columns of wo_a applied
-    to every row, z_L gathered and added where restored, protected rows replaced."""
+    to every row, z_L gathered and added where restored, protected rows replaced (z_p row i
+    scattered to row prot_idx[i]; entries >= t are padding and dropped)."""
     del config
-    t, g, ng, k, o, hpg, heads = _check(o_g, wo_a, zl, zl_row, z_p, p_row, global_heads)
+    t, g, ng, k, o, hpg, heads = _check(o_g, wo_a, zl, zl_row, z_p, prot_idx, global_heads)
     wa = wo_a.reshape(g, o, hpg, k)[:, :, list(heads)]  # [g, o, nG, k]
     z = jnp.einsum("tgjk,gojk->tgo", o_g, wa, precision=HIGHEST)
     z = z + jnp.where((zl_row >= 0)[:, None, None], zl[jnp.maximum(zl_row, 0)].astype(z.dtype), 0)
-    return jnp.where((p_row >= 0)[:, None, None], z_p[jnp.maximum(p_row, 0)].astype(z.dtype), z)
+    return z.at[prot_idx].set(z_p.astype(z.dtype), mode="drop")
 
 
 def protected_rows(prot_idx, t: int) -> jax.Array:
@@ -203,7 +206,7 @@ def restore_unsupported(k: int, o: int, n_global: int, dtype, config: RestoreCon
     return None
 
 
-def restore(o_g, wo_a, zl, zl_row, z_p, p_row, *, global_heads, config: RestoreConfig | None = None,
+def restore(o_g, wo_a, zl, zl_row, z_p, prot_idx, *, global_heads, config: RestoreConfig | None = None,
             interpret: bool | None = None):
     """Mosaic GPU fused restoration; same signature and result as `restore_reference`.
 
@@ -211,12 +214,13 @@ def restore(o_g, wo_a, zl, zl_row, z_p, p_row, *, global_heads, config: RestoreC
     else raises ValueError (the caller then uses the reference explicitly). Rows are padded to
     a multiple of 64 here when needed (a copy; the consumer's row counts are multiples of 64).
     interpret: Mosaic GPU interpret mode; None = on when the default backend is not a GPU."""
-    t, g, ng, k, o, hpg, heads = _check(o_g, wo_a, zl, zl_row, z_p, p_row, global_heads)
+    t, g, ng, k, o, hpg, heads = _check(o_g, wo_a, zl, zl_row, z_p, prot_idx, global_heads)
     cfg = config or default_config(o)
     dts = {a.dtype for a in (o_g, wo_a, zl, z_p)}
     why = restore_unsupported(k, o, ng, dts.pop() if len(dts) == 1 else "mixed dtypes", cfg)
     if why:
         raise ValueError(f"restore kernel: {why}")
+    p_row = protected_rows(prot_idx, t)  # the kernel reads each row's source, not a scatter list
     kind = jnp.where(p_row >= 0, 2, jnp.where(zl_row >= 0, 1, 0)).astype(jnp.int32)
     row = jnp.where(kind == 2, p_row, jnp.where(kind == 1, zl_row, 0)).astype(jnp.int32)
     a = o_g.reshape(t, g * k)
@@ -248,20 +252,19 @@ def make_problem(key, *, t: int, g: int = 8, hpg: int = 8, k: int = 512, o: int 
     base = int(jax.random.randint(ks[4], (), 0, max(1, pool - t + 1)))
     zl_row = np.where(real & ~prot, (base + np.arange(t)) % pool, -1).astype(np.int32)
     prot_idx = np.flatnonzero(prot)
-    z_p = jax.random.normal(ks[4], (max(1, prot_idx.size), g, o), jnp.float32).astype(dtype)
-    p_row = np.full(t, -1, np.int32)
-    p_row[prot_idx] = np.arange(prot_idx.size)
-    args = (o_g, wo_a, zl, jnp.asarray(zl_row), z_p, jnp.asarray(p_row))
+    prot_idx = prot_idx if prot_idx.size else np.array([t])  # none protected: one padding entry
+    z_p = jax.random.normal(ks[4], (prot_idx.size, g, o), jnp.float32).astype(dtype)
+    args = (o_g, wo_a, zl, jnp.asarray(zl_row), z_p, jnp.asarray(prot_idx, jnp.int32))
     return args, {"global_heads": (global_head,)}
 
 
 def moved_bytes(args) -> int:
     """Bytes a perfect restoration moves: o_G and the addend rows read, z written (the weight
     columns, 1 MB per group, are read once)."""
-    o_g, wo_a, zl, zl_row, z_p, p_row = args
+    o_g, wo_a, zl, zl_row, z_p, prot_idx = args
     t, g, _, k = o_g.shape
     o = zl.shape[2]
-    rows_with_addend = int(np.sum((np.asarray(zl_row) >= 0) | (np.asarray(p_row) >= 0)))
+    rows_with_addend = int(np.sum((np.asarray(zl_row) >= 0) | (np.asarray(protected_rows(prot_idx, t)) >= 0)))
     return 2 * (t * g * k + rows_with_addend * g * o + t * g * o + g * o * k)
 
 

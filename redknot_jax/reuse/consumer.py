@@ -46,7 +46,7 @@ from redknot_jax.config import CSA, HCA
 from redknot_jax.indexer import index_scores, select_topk
 from redknot_jax.mhc import HyperConnection
 from redknot_jax.norms import rms_norm
-from redknot_jax.pallas.restore import protected_rows, restore_reference, restore_unsupported
+from redknot_jax.pallas.restore import restore_reference, restore_unsupported
 from redknot_jax.pallas.restore import restore as restore_kernel
 from redknot_jax.reuse.artifact import Artifact, local_head_mask
 from redknot_jax.reuse.fanout import fanout_keep
@@ -469,8 +469,8 @@ def reusable_attention(blk, x, tab, pool_layer, *, freqs, glob, block, reduce=No
     # protected rows replaced by z_p (pallas/restore.py: the kernel or its XLA reference)
     gl = tuple(int(j) for j in (np.asarray(glob) % (h // g))[: len(glob) // g])
     restore_fn = restore_kernel if kernels == "mosaic" else restore_reference
-    z = restore_fn(o_g.reshape(t, g, len(gl), k), attn.wo_a[...], pool_layer["zl"], zr, z_p,
-                   protected_rows(pi, t), global_heads=gl)
+    z = restore_fn(o_g.reshape(t, g, len(gl), k), attn.wo_a[...], pool_layer["zl"], zr, z_p, pi,
+                   global_heads=gl)
 
     y = attn.wo_b_apply(z[None])
     if reduce is not None:

@@ -11,7 +11,7 @@ from redknot_jax.pallas import restore as rs
 from tests.tolerances import TOL, rel_err
 
 
-def _roles_formulation(o_all, wo_a, zl, zl_row, z_p_unused, p_row, global_head):
+def _roles_formulation(o_all, wo_a, zl, zl_row, p_row, global_head):
     """The eager runtime's shape of the same state: every head's output projected through wo_a
     twice, once with the Local heads zeroed and once with the Global heads zeroed; the Local part
     replaced by z_L on restored rows; protected rows keep the native projection of all heads."""
@@ -39,11 +39,12 @@ def test_reference_is_row_replacement(seed):
     ks = jax.random.split(jax.random.key(seed), 3)
     o_all = jax.random.normal(ks[0], (t, g * hpg, k), jnp.float32)
     args, kw = rs.make_problem(ks[1], t=t, g=g, hpg=hpg, k=k, o=o, global_head=gh, dtype=jnp.float32)
-    _, wo_a, zl, zl_row, _, p_row = args
-    want, native = _roles_formulation(o_all, wo_a, zl, zl_row, None, p_row, gh)
-    z_p = jnp.zeros((t, g, o)).at[p_row].set(native, mode="drop")[: max(1, int((p_row >= 0).sum()))]
+    _, wo_a, zl, zl_row, _, prot_idx = args
+    p_row = rs.protected_rows(prot_idx, t)
+    want, native = _roles_formulation(o_all, wo_a, zl, zl_row, p_row, gh)
+    z_p = native[jnp.minimum(prot_idx, t - 1)]  # the protected rows' native projection, in list order
     o_g = o_all.reshape(t, g, hpg, k)[:, :, gh:gh + 1]
-    got = rs.restore_reference(o_g, wo_a, zl, zl_row, z_p, p_row, **kw)
+    got = rs.restore_reference(o_g, wo_a, zl, zl_row, z_p, prot_idx, **kw)
     assert rel_err(got, want) < 1e-5
     assert bool((p_row >= 0).any()) and bool((zl_row >= 0).any()) and bool(((zl_row < 0) & (p_row < 0)).any())
     # negative control: adding z_L on top of a Local recomputation is a different state
@@ -66,7 +67,7 @@ def test_kernel_matches_reference_interpret(seed, t, bn, steps, indices):
     assert got.shape == want.shape and got.dtype == want.dtype
     assert rel_err(got.astype(jnp.float32), want.astype(jnp.float32)) < TOL["kernel_bf16_o"][0]
     # the protected rows are exactly z_p's (replaced, not added)
-    p = np.asarray(args[5])
+    p = np.asarray(rs.protected_rows(args[5], t))
     np.testing.assert_array_equal(np.asarray(got)[p >= 0], np.asarray(args[4])[p[p >= 0]])
 
 
@@ -82,24 +83,26 @@ def test_kernel_lowers_for_cuda(indices):
 
 def test_bad_inputs_raise():
     args, kw = rs.make_problem(jax.random.key(4), t=64, g=2, hpg=4, k=64, o=128)
-    o_g, wo_a, zl, zl_row, z_p, p_row = args
+    o_g, wo_a, zl, zl_row, z_p, prot_idx = args
     with pytest.raises(ValueError, match="zl"):
-        rs.restore_reference(o_g, wo_a, zl[:, :1], zl_row, z_p, p_row, **kw)
+        rs.restore_reference(o_g, wo_a, zl[:, :1], zl_row, z_p, prot_idx, **kw)
+    with pytest.raises(ValueError, match="prot_idx"):
+        rs.restore_reference(o_g, wo_a, zl, zl_row, z_p, prot_idx[:-1], **kw)
     with pytest.raises(ValueError, match="Global heads"):
-        rs.restore_reference(o_g, wo_a, zl, zl_row, z_p, p_row, global_heads=(7,))
+        rs.restore_reference(o_g, wo_a, zl, zl_row, z_p, prot_idx, global_heads=(7,))
     with pytest.raises(ValueError, match="bf16"):
-        rs.restore(o_g.astype(jnp.float32), wo_a, zl, zl_row, z_p, p_row, **kw)
+        rs.restore(o_g.astype(jnp.float32), wo_a, zl, zl_row, z_p, prot_idx, **kw)
     with pytest.raises(ValueError, match="bf16"):
         rs.restore(o_g.astype(jnp.float32), wo_a.astype(jnp.float32), zl.astype(jnp.float32), zl_row,
-                   z_p.astype(jnp.float32), p_row, **kw)
+                   z_p.astype(jnp.float32), prot_idx, **kw)
     with pytest.raises(ValueError, match="one Global head"):
-        rs.restore(jnp.concatenate([o_g, o_g], 2), wo_a, zl, zl_row, z_p, p_row, global_heads=(0, 1))
+        rs.restore(jnp.concatenate([o_g, o_g], 2), wo_a, zl, zl_row, z_p, prot_idx, global_heads=(0, 1))
     with pytest.raises(ValueError, match="block_n"):
         rs.RestoreConfig(block_n=96)
     with pytest.raises(ValueError, match="indices"):
         rs.RestoreConfig(indices="registers")
     with pytest.raises(ValueError, match="block_n"):
-        rs.restore(o_g, wo_a, zl, zl_row, z_p, p_row, **kw, config=rs.RestoreConfig(block_n=256))
+        rs.restore(o_g, wo_a, zl, zl_row, z_p, prot_idx, **kw, config=rs.RestoreConfig(block_n=256))
 
 
 def _poisoned_run(f, *a, **k):
