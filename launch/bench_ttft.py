@@ -85,8 +85,11 @@ def main(argv=None):
     ap.add_argument("--cold", action="store_true", help="also time RedKnot with artifact construction included")
     ap.add_argument("--store", help="artifact store directory: read the documents' artifacts from it when there, "
                                     "else build and publish them")
-    ap.add_argument("--kernels", choices=("xla", "mosaic"), default="xla",
-                    help="the RedKnot arm's restoration: XLA reference or the Mosaic GPU kernel (pallas/restore.py)")
+    ap.add_argument("--kernels", default="auto",
+                    help="the consumer's kernel set (Consumer(kernels=)): auto (on a GPU the kernels measured faster "
+                         "than XLA), xla (the references), mosaic (every Mosaic GPU kernel), indexer or restore (that "
+                         "one); several as 'xla,mosaic': each repeat then times both arms under each, side by side, "
+                         "and the first named fills the row's main fields")
     ap.add_argument("--layer-times", action="store_true",
                     help="after the timed runs, one profile run per arm that waits for every layer: per-layer seconds")
     ap.add_argument("--build-only", action="store_true", help="with --store: build and publish, time nothing")
@@ -97,6 +100,10 @@ def main(argv=None):
         ap.error("--build-only needs --store")
     if args.build_only and args.cold:
         ap.error("--build-only times nothing; drop --cold")
+    kernel_sets = args.kernels.split(",")
+    modes = ("auto", "xla", "mosaic", "indexer", "restore")
+    if any(k not in modes for k in kernel_sets) or len(set(kernel_sets)) < len(kernel_sets):
+        ap.error(f"--kernels: expected one or several distinct of {modes}, got {args.kernels!r}")
 
     cfg = config.PRESETS[args.preset]()
     t0 = time.perf_counter()
@@ -105,10 +112,13 @@ def main(argv=None):
     init_s = time.perf_counter() - t0
     prof = flash_profile() if cfg.num_layers == 43 else tiny_profile(cfg.num_layers)
     prof = profile_variant(prof, tail_rows=args.tail_rows, fanout_mode=args.fanout, budget_override=args.budget)
-    rt = ReuseRuntime(model, prof, checkpoint_fingerprint=f"random-{args.preset}-seed-0", kernels=args.kernels)
+    rts = {k: ReuseRuntime(model, prof, checkpoint_fingerprint=f"random-{args.preset}-seed-0", kernels=k)
+           for k in kernel_sets}
+    rt = rts[kernel_sets[0]]
     out = {"device": str(jax.devices()[0].device_kind), "date": datetime.date.today().isoformat(),
            "jax": jax.__version__, "python": platform.python_version(), "preset": args.preset,
-           "profile": prof.to_dict(), "resident": args.resident, "kernels": args.kernels, "model_init_s": init_s, "command": "python launch/bench_ttft.py " +
+           "profile": prof.to_dict(), "resident": args.resident, "kernels": args.kernels,
+           "kernels_resolved": {k: r.consumer.kernels for k, r in rts.items()}, "model_init_s": init_s, "command": "python launch/bench_ttft.py " +
            " ".join(argv if argv is not None else __import__("sys").argv[1:]), "lengths": []}
 
     def save():
@@ -170,32 +180,46 @@ def main(argv=None):
         row["admit_s"], row["pool_gb"], row["pool"] = time.perf_counter() - t0, pool.nbytes() / 1e9, type(pool).__name__
         save()
 
-        def recompute():
+        def recompute(rt):
             t0 = time.perf_counter()
             plan = plan_request(req, prof)
             tok = int(np.argmax(np.asarray(rt.consumer.recompute(req.tokens, plan.query_rows))[-1]))
             return time.perf_counter() - t0, tok
 
-        def redknot():
+        def redknot(rt):
             t0 = time.perf_counter()
             res = rt.prefill(req, "redknot", require_reuse=True, pool=pool)
             return time.perf_counter() - t0, int(np.argmax(res.logits[-1])), res
 
-        t0 = time.perf_counter()
-        recompute()
-        row["warmup_recompute_s"] = time.perf_counter() - t0
-        save()
-        t0 = time.perf_counter()
-        redknot()
-        row["warmup_redknot_s"] = time.perf_counter() - t0
-        save()
-        rec_t, red_t, ratios = [], [], []
-        for _ in range(args.repeats):
-            a, tok_rec = recompute()
-            b, tok_red, res = redknot()
-            rec_t.append(a)
-            red_t.append(b)
-            ratios.append(a / b)
+        for k, krt in rts.items():  # warm-up (compilation) of every program timed below
+            t0 = time.perf_counter()
+            recompute(krt)
+            row["warmup_recompute_s" + ("" if krt is rt else f"_{k}")] = time.perf_counter() - t0
+            save()
+            t0 = time.perf_counter()
+            redknot(krt)
+            row["warmup_redknot_s" + ("" if krt is rt else f"_{k}")] = time.perf_counter() - t0
+            save()
+        times = {k: {"recompute_s": [], "redknot_s": [], "tokens": []} for k in rts}
+        for _ in range(args.repeats):  # each repeat: both arms under each kernel set, interleaved
+            for k, krt in rts.items():
+                a, tok_rec = recompute(krt)
+                b, tok_red, res_k = redknot(krt)
+                times[k]["recompute_s"].append(a)
+                times[k]["redknot_s"].append(b)
+                times[k]["tokens"].append([tok_rec, tok_red])
+                if krt is rt:
+                    res = res_k
+        rec_t, red_t = times[kernel_sets[0]]["recompute_s"], times[kernel_sets[0]]["redknot_s"]
+        ratios = [a / b for a, b in zip(rec_t, red_t)]
+        tok_rec, tok_red = times[kernel_sets[0]]["tokens"][-1]
+        if len(rts) > 1:
+            row["by_kernels"] = {k: {**v, "recompute_median_s": statistics.median(v["recompute_s"]),
+                                     "redknot_median_s": statistics.median(v["redknot_s"]),
+                                     "speedup_median": statistics.median(
+                                         [a / b for a, b in zip(v["recompute_s"], v["redknot_s"])]),
+                                     "cert": rts[k].counters.snapshot()}
+                                 for k, v in times.items()}
         if args.layer_times:  # where the time goes: one more run per arm, each layer waited for
             rec_lt, red_lt = [], []
             rt.consumer.recompute(req.tokens, plan_request(req, prof).query_rows, layer_times=rec_lt)

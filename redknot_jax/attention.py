@@ -14,7 +14,7 @@ from flax import nnx
 
 from redknot_jax.compressor import Compressor
 from redknot_jax.config import CSA, HCA, ModelConfig
-from redknot_jax.indexer import Indexer, index_scores, select_topk
+from redknot_jax.indexer import Indexer, score_function, select_topk
 from redknot_jax.norms import RMSNorm, rms_norm
 from redknot_jax.ring import ring_read, ring_write, scatter_rows
 from redknot_jax.rope import apply_rope
@@ -112,7 +112,7 @@ class Attention(nnx.Module):
         return jnp.einsum("btc,dc->btd", z.reshape(b, t, -1), self.wo_b[...], precision=HIGHEST)
 
     # ------------------------------------------------------------------ forward
-    def __call__(self, x, pos0, n_new, cache, freqs, block: int, trace: bool = False):
+    def __call__(self, x, pos0, n_new, cache, freqs, block: int, trace: bool = False, kernels: str = "xla"):
         """x [b, t, d] (normed block input) at positions pos0 + [0, t), n_new real rows each.
 
         Returns (y [b, t, d], new cache), plus with `trace` a dict of intermediates the artifact
@@ -120,7 +120,8 @@ class Attention(nnx.Module):
         K=V latents [b, t, k]), `far` (each head's attention share on compressed entries, i.e.
         beyond the sliding window [b, t, h]; 0 in sliding layers) and for CSA `topk` (selected
         entry ids [b, t, K], -1 if none).
-        Queries run in blocks of `block` rows (t % block == 0).
+        Queries run in blocks of `block` rows (t % block == 0). `kernels`: the indexer's scores
+        by XLA ("xla") or the Mosaic GPU kernel ("mosaic"; `indexer.score_function`).
         """
         b, t, _ = x.shape
         w, m = self.window, None
@@ -163,7 +164,7 @@ class Attention(nnx.Module):
                 iwb = jax.lax.dynamic_slice_in_dim(iw, start, block, axis=1)
                 vis = jnp.arange(ients.shape[1])[None, None, :] < ((pb + 1) // m)[..., None]
                 kk = min(self.indexer.topk, ients.shape[1])
-                sel, ok = select_topk(index_scores(iqb, iwb, ients), vis, kk)
+                sel, ok = select_topk(score_function(kernels)(iqb, iwb, ients), vis, kk)
                 ents = jax.vmap(lambda e, s: e[s])(new["entries"], sel)  # [b, tb, kk, k]
                 sets.append((ents, ok[:, :, None, :], "bthk,btwk->bthw"))
                 picked = jnp.where(ok, sel, -1)

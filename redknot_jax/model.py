@@ -35,10 +35,11 @@ class Block(nnx.Module):
         self.ffn = MoE(cfg, layer, dtype)
         self.compressed = cfg.layer_types[layer] != SLIDING
 
-    def __call__(self, x, ids, pos0, n_new, cache, freqs, block, trace: bool = False, keep_fn=None):
+    def __call__(self, x, ids, pos0, n_new, cache, freqs, block, trace: bool = False, keep_fn=None,
+                 kernels: str = "xla"):
         """x [b, t, n, d] streams -> (streams, cache[, trace]); see `Attention.__call__`."""
         u, post, comb = self.hc_attn.pre(x)
-        out = self.attn(self.attn_norm(u), pos0, n_new, cache, freqs, block, trace=trace)
+        out = self.attn(self.attn_norm(u), pos0, n_new, cache, freqs, block, trace=trace, kernels=kernels)
         a, cache = out[0], out[1]
         x = HyperConnection.post(x, a, post, comb)
         x = self.ffn_residual(x, ids, keep_fn)

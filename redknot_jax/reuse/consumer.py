@@ -43,9 +43,10 @@ from flax import nnx
 
 from redknot_jax.attention import sink_softmax_attend
 from redknot_jax.config import CSA, HCA
-from redknot_jax.indexer import index_scores, select_topk
+from redknot_jax.indexer import index_scores, score_function, select_topk
 from redknot_jax.mhc import HyperConnection
 from redknot_jax.norms import rms_norm
+from redknot_jax.pallas.indexer_scores import scores_unsupported
 from redknot_jax.pallas.restore import restore_reference, restore_unsupported
 from redknot_jax.pallas.restore import restore as restore_kernel
 from redknot_jax.reuse.artifact import Artifact, local_head_mask
@@ -324,8 +325,9 @@ def _pass_a(q, tab, kv_abs, ents, sink, scale, kind, block, window, csa_ids):
     return o
 
 
-def _pass_b(q, pos, kv_abs, ents, idx, sink, scale, kind, block, window, topk):
-    """Every head of the protected rows over the native key sets (indexer across frames)."""
+def _pass_b(q, pos, kv_abs, ents, idx, sink, scale, kind, block, window, topk, scores=index_scores):
+    """Every head of the protected rows over the native key sets (indexer across frames;
+    `scores`: `index_scores` or its kernel, `indexer.score_function`)."""
     P = q.shape[0]
 
     def run(start):
@@ -344,7 +346,7 @@ def _pass_b(q, pos, kv_abs, ents, idx, sink, scale, kind, block, window, topk):
             iwb = jax.lax.dynamic_slice_in_dim(iw, start, block)
             vis = (end[None] <= pb[:, None])[None]
             k = min(topk, e.shape[0])
-            sel, ok = select_topk(index_scores(iqb[None], iwb[None], ikeys[None]), vis, k)
+            sel, ok = select_topk(scores(iqb[None], iwb[None], ikeys[None]), vis, k)
             sets.append((e[sel[0]][None].astype(q.dtype), ok[:, :, None, :], "bthk,btwk->bthw"))
         o, _ = sink_softmax_attend(qb[None], sets, sink, scale)
         return o[0].astype(q.dtype)
@@ -354,7 +356,7 @@ def _pass_b(q, pos, kv_abs, ents, idx, sink, scale, kind, block, window, topk):
 
 
 def reusable_layer(blk, x, ids, tab, pool_layer, *, freqs, glob, block, fan, reduce=None, ffn=None,
-                   kernels: str = "xla"):
+                   kernels: str = ""):
     """One reusable layer of the RedKnot arm over the request rows (see the module doc).
 
     Under tensor parallelism (`redknot_jax.sharding.consumer_tp`) the block holds a rank's
@@ -412,11 +414,12 @@ def _projections(attn, xa, cpos) -> dict:
 
 
 def reusable_attention(blk, x, tab, pool_layer, *, freqs, glob, block, reduce=None, keep_keys=False,
-                       kernels: str = "xla"):
+                       kernels: str = ""):
     """The attention half of a reusable layer (passes A and B, z_L restore, `wo_b` once, mHC
     post) over one request's rows x [1, t, n, d]. With `keep_keys` also what decoding reads
-    later: every row's K=V in absolute coordinates and compressor projections. `kernels`:
-    "mosaic" runs the restoration as the Mosaic GPU kernel, "xla" its reference."""
+    later: every row's K=V in absolute coordinates and compressor projections. `kernels`: which
+    Mosaic GPU kernels run instead of their references ("restore", "indexer" for pass B's scores;
+    `Consumer`'s resolved set)."""
     attn = blk.attn
     t = x.shape[1]
     h, k, g, w = attn.h, attn.k, attn.g, attn.window
@@ -461,14 +464,14 @@ def reusable_attention(blk, x, tab, pool_layer, *, freqs, glob, block, reduce=No
         iq, iw = attn.indexer.queries(xa[pic][None], cq[pic][None], pp[None], freqs)
         idx = (iq[0], iw[0], idx_keys)
     o_p = _pass_b(q_p, pp, kv_abs, ents, idx, sink, scale, kind, block, w,
-                  attn.indexer.topk if kind == CSA else 0)
+                  attn.indexer.topk if kind == CSA else 0, score_function(_mode(kernels, "indexer")))
     o_p = apply_rope(o_p, pp, freqs, inverse=True)
     z_p = attn.wo_a_apply(o_p[None])[0].astype(o_g.dtype)
 
     # restoration: the Global heads' columns of wo_a, plus z_L from the pool on restored rows,
     # protected rows replaced by z_p (pallas/restore.py: the kernel or its XLA reference)
     gl = tuple(int(j) for j in (np.asarray(glob) % (h // g))[: len(glob) // g])
-    restore_fn = restore_kernel if kernels == "mosaic" else restore_reference
+    restore_fn = restore_kernel if _mode(kernels, "restore") == "mosaic" else restore_reference
     z = restore_fn(o_g.reshape(t, g, len(gl), k), attn.wo_a[...], pool_layer["zl"], zr, z_p, pi,
                    global_heads=gl)
 
@@ -537,21 +540,22 @@ def decode_attention(blk, x, tab, pool_layer, keys, t0, *, freqs):
 
 
 # ---------------------------------------------------------------------------------- jitted layers
-@functools.partial(jax.jit, static_argnames=("graphdef", "freqs", "block", "cap"))
-def _native_jit(state, x, ids, n_real, *, graphdef, freqs, block, cap):
+@functools.partial(jax.jit, static_argnames=("graphdef", "freqs", "block", "cap", "kernels"))
+def _native_jit(state, x, ids, n_real, *, graphdef, freqs, block, cap, kernels="xla"):
     """One native layer over a batch of b padded requests (n_real [b] real rows each)."""
     blk = nnx.merge(graphdef, state)
     b = x.shape[0]
     cache = blk.attn.init_cache(b, cap, x.dtype)
-    x, _ = blk(x, ids, jnp.zeros((b,), jnp.int32), n_real, cache, freqs, block)
+    x, _ = blk(x, ids, jnp.zeros((b,), jnp.int32), n_real, cache, freqs, block, kernels=kernels)
     return x
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "freqs", "block", "cap"))
-def _native_cache_jit(state, x, ids, n_real, *, graphdef, freqs, block, cap):
+@functools.partial(jax.jit, static_argnames=("graphdef", "freqs", "block", "cap", "kernels"))
+def _native_cache_jit(state, x, ids, n_real, *, graphdef, freqs, block, cap, kernels="xla"):
     """A native layer over one request, keeping its cache (capacity `cap` rows) for decoding."""
     blk = nnx.merge(graphdef, state)
-    return blk(x, ids, jnp.zeros((1,), jnp.int32), n_real, blk.attn.init_cache(1, cap, x.dtype), freqs, block)
+    return blk(x, ids, jnp.zeros((1,), jnp.int32), n_real, blk.attn.init_cache(1, cap, x.dtype), freqs, block,
+               kernels=kernels)
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "freqs"))
@@ -642,13 +646,45 @@ class DecodeState:
     layers: dict = dataclasses.field(default_factory=dict)
 
 
+KERNELS = ("indexer", "restore")  # the consumer's Mosaic GPU kernels (redknot_jax/pallas)
+FASTER = ("indexer",)  # measured faster than their XLA references on the H200 (docs/kernels.md)
+
+
+def resolve_kernels(kernels: str, model, n_global: int) -> str:
+    """The Mosaic GPU kernels to run, as a canonical comma list of KERNELS ("" = none).
+
+    "xla": none (the references). "mosaic": all. A comma list of KERNELS: those. "auto" (the
+    default): on a GPU, those measured faster than XLA (`FASTER`) that this model can run; off a
+    GPU none (interpret mode is for tests). A kernel named explicitly that the model cannot run
+    (dtype, tiles, Global heads per group) raises ValueError."""
+    cfg = model.cfg
+    why = {"restore": restore_unsupported(cfg.head_dim, cfg.o_lora_rank, n_global, model.dtype),
+           "indexer": scores_unsupported(cfg.index_n_heads, cfg.index_head_dim, model.dtype)
+           if CSA in cfg.layer_types else None}
+    if kernels == "auto":
+        return ",".join(k for k in FASTER if why[k] is None) if jax.default_backend() == "gpu" else ""
+    names = {"xla": [], "mosaic": list(KERNELS)}.get(kernels, kernels.split(","))
+    bad = [k for k in names if k not in KERNELS]
+    if bad:
+        raise ValueError(f"kernels: expected 'auto', 'xla', 'mosaic' or a comma list of {KERNELS}, got {kernels!r}")
+    for k in names:
+        if why[k]:
+            raise ValueError(f"kernels={kernels!r}: the {k} kernel cannot run this model: {why[k]}")
+    return ",".join(k for k in KERNELS if k in names)
+
+
+def _mode(kernels: str, name: str) -> str:
+    """"mosaic" if the resolved set runs kernel `name`, else "xla"."""
+    return "mosaic" if name in kernels.split(",") else "xla"
+
+
 class Consumer:
     """Both arms of a model at serving scale: `recompute(req)` and `redknot(req, pool)`."""
 
-    def __init__(self, model, profile, block: int | None = None, kernels: str = "xla"):
-        """kernels: "xla" (the references) or "mosaic" (Mosaic GPU kernels where the runtime has
-        one: the restoration of single requests; batches run the reference, vmapped). A model the
-        kernels do not support is refused here, not silently run on the reference."""
+    def __init__(self, model, profile, block: int | None = None, kernels: str = "auto"):
+        """kernels: which Mosaic GPU kernels single requests run (batches run the references):
+        see `resolve_kernels`; `self.kernels` is the resolved set. A kernel named explicitly that
+        the model cannot run is refused here, not silently replaced by its reference."""
         # query block: 256 rows at model scale; 32 for the small test models (fewer padded rows)
         block = block or (256 if model.cfg.hidden_size >= 1024 else 32)
         self.model, self.profile, self.cfg, self.block = model, profile, model.cfg, block
@@ -658,14 +694,7 @@ class Consumer:
         self.glob = tuple(int(i) for i in np.flatnonzero(~local))
         self.reusable = list(profile.reusable_layers(self.cfg.num_layers))
         self.fan = (profile.fanout_mode, float(profile.tau), int(profile.fanout_min))
-        if kernels not in ("xla", "mosaic"):
-            raise ValueError(f"Consumer kernels: expected 'xla' or 'mosaic', got {kernels!r}")
-        if kernels == "mosaic":
-            cfg = self.cfg
-            why = restore_unsupported(cfg.head_dim, cfg.o_lora_rank, len(self.glob) // cfg.o_groups, model.dtype)
-            if why:
-                raise ValueError(f"Consumer kernels='mosaic': {why}")
-        self.kernels = kernels
+        self.kernels = resolve_kernels(kernels, model, len(self.glob) // self.cfg.o_groups)
 
     def pool(self, artifacts, resident: str = "device") -> DocPool:
         """The documents' artifacts packed for the RedKnot arm: "device" (hot: every layer on the
@@ -687,8 +716,8 @@ class Consumer:
         gd, st = self.defs[i]
         cap = _ceil(t, self.cfg.hca_rate)
         return _native_jit(st, x, ids, jnp.asarray(np.reshape(t_real, -1), jnp.int32), graphdef=gd,
-                           freqs=self.model.freqs(i),
-                           block=min(self.block, t), cap=cap)
+                           freqs=self.model.freqs(i), block=min(self.block, t), cap=cap,
+                           kernels=_mode(self.kernels, "indexer") if x.shape[0] == 1 else "xla")
 
     def _embed(self, ids):
         return _embed_jit(self.top_state, ids, graphdef=self.top_def)
@@ -763,7 +792,8 @@ class Consumer:
                     gd, st = self.defs[i]
                     x, state.layers[i] = _native_cache_jit(
                         st, x, ids, jnp.full((1,), t_real, jnp.int32), graphdef=gd, freqs=self.model.freqs(i),
-                        block=min(self.block, t), cap=max(state.cap, _ceil(t, cfg.hca_rate)))
+                        block=min(self.block, t), cap=max(state.cap, _ceil(t, cfg.hca_rate)),
+                        kernels=_mode(self.kernels, "indexer"))
                 clock.lap(x)
                 continue
             if layout is None:  # the controller reads the first reusable layer's input

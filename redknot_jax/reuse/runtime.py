@@ -62,7 +62,7 @@ class ReuseRuntime:
     """Holds the model, profile, identity (checkpoint fingerprint, TP geometry) and counters."""
 
     def __init__(self, model: Model, profile: RedKnotProfile, checkpoint_fingerprint: str,
-                 tp: TPGeometry | None = None, min_generation: int = 0, kernels: str = "xla"):
+                 tp: TPGeometry | None = None, min_generation: int = 0, kernels: str = "auto"):
         self.model, self.profile, self.cfg = model, profile, model.cfg
         self.fingerprint, self.tp = checkpoint_fingerprint, tp or single_rank()
         self.min_generation = min_generation
@@ -70,7 +70,7 @@ class ReuseRuntime:
         self.local = local_head_mask(model, profile)
         self.reusable = list(profile.reusable_layers(self.cfg.num_layers))
         self._verified: dict[int, tuple] = {}
-        self.consumer = Consumer(model, profile, kernels=kernels)  # "mosaic": Mosaic GPU kernels
+        self.consumer = Consumer(model, profile, kernels=kernels)  # Mosaic GPU kernels: resolve_kernels
 
     # ------------------------------------------------------------------ certification
     def certify(self, req: Request) -> tuple[FallbackReason, str] | None:

@@ -126,10 +126,10 @@ def test_kernel_matches_reference_gpu(seed, t, bn, indices):
     assert rel_err(got.astype(jnp.float32), want.astype(jnp.float32)) < TOL["kernel_bf16_o"][0]
 
 
-def test_consumer_runs_the_kernel():
-    """The RedKnot arm with kernels="mosaic" (the restoration kernel, interpret mode on CPU) gives
-    the logits of kernels="xla" on a bf16 tiny model (head dim and output rank widened to the
-    kernel's tiles); a model the kernel cannot run is refused at construction."""
+def test_consumer_runs_the_kernel(monkeypatch):
+    """Both arms with kernels="mosaic" (the restoration and indexer-score kernels, interpret mode
+    on CPU) give the logits of kernels="xla" on a bf16 tiny model (head dims and output rank
+    widened to the kernels' tiles); a model the kernels cannot run is refused at construction."""
     import dataclasses
 
     from redknot_jax import config
@@ -139,7 +139,7 @@ def test_consumer_runs_the_kernel():
     from redknot_jax.reuse.profile import tiny_profile
     from redknot_jax.reuse.runtime import ReuseRuntime
 
-    cfg = dataclasses.replace(config.tiny("csa"), head_dim=64, o_lora_rank=64)
+    cfg = dataclasses.replace(config.tiny("csa"), head_dim=64, o_lora_rank=64, index_head_dim=64)
     model = random_model(cfg, seed=5, dtype=jnp.bfloat16)
     prof = dataclasses.replace(tiny_profile(cfg.num_layers), budget_override=0.2, tail_rows=8)
     rng = np.random.default_rng(0)
@@ -147,11 +147,22 @@ def test_consumer_runs_the_kernel():
     arts = [build_artifact(model, prof, d, checkpoint_fingerprint="fp") for d in docs]
     req = Request([Segment(docs[0], arts[0]), Segment(docs[1], arts[1]),
                    Segment(rng.integers(2, cfg.vocab_size, 9))], query_rows=(60, 81))
+    from redknot_jax.pallas import indexer_scores as ix
+
+    traced = []  # the indexer kernel is traced into the mosaic programs (jit caches: counted once each)
+    kernel = ix.indexer_scores
+    monkeypatch.setattr(ix, "indexer_scores", lambda *a, **k: traced.append(a[0].shape) or kernel(*a, **k))
     xla, mosaic = ReuseRuntime(model, prof, "fp"), ReuseRuntime(model, prof, "fp", kernels="mosaic")
     a = xla.prefill(req, "redknot", require_reuse=True)
     b = mosaic.prefill(req, "redknot", require_reuse=True)
     assert 0 < b.plan.fraction_protected() < 1 and (a.plan.protected == b.plan.protected).all()
     assert rel_err(b.logits, a.logits) < TOL["kernel_bf16_o"][0]
+    a, b = xla.prefill(req, "recompute"), mosaic.prefill(req, "recompute")
+    assert rel_err(b.logits, a.logits) < TOL["kernel_bf16_o"][0]
+    assert traced and mosaic.consumer.kernels == "indexer,restore" and xla.consumer.kernels == ""
+    with pytest.raises(ValueError, match="mosaic.*indexer head dim 16"):
+        ReuseRuntime(random_model(dataclasses.replace(cfg, index_head_dim=16), seed=5, dtype=jnp.bfloat16), prof,
+                     "fp", kernels="mosaic")
     with pytest.raises(ValueError, match="mosaic.*bf16"):
         ReuseRuntime(random_model(cfg, seed=5, dtype=jnp.float32), prof, "fp", kernels="mosaic")
     with pytest.raises(ValueError, match="kernels"):
