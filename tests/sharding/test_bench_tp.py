@@ -8,6 +8,8 @@ import json
 import pytest
 
 from launch import bench_tp
+from redknot_jax import config
+from redknot_jax.config import CSA, HASH_MOE, HCA, MOE, SLIDING
 from redknot_jax.reuse.profile import tiny_profile
 from tests.tolerances import TOL
 
@@ -17,6 +19,11 @@ def tp_preset(monkeypatch):
     # a small tail so that rows are restored (the tiny profile's default protects most of 96 rows)
     monkeypatch.setattr(bench_tp, "tiny_profile",
                         lambda n: dataclasses.replace(tiny_profile(n), tail_rows=4, budget_override=0.25))
+    # tiny-tp2 cut to 4 layers (the test is compile-bound: one program per distinct layer): a
+    # sliding fence, reusable CSA and HCA layers, a CSA fence; hash-routed and learned MoE
+    monkeypatch.setitem(config.PRESETS, "tiny-tp2", lambda: config.tiny(
+        "mixed", vocab_size=96, num_layers=4, layer_types=(SLIDING, CSA, HCA, CSA),
+        mlp_layer_types=(HASH_MOE, HASH_MOE, MOE, MOE)))
     return "tiny-tp2"
 
 
