@@ -10,11 +10,10 @@ import tempfile
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 # Lower XLA's CPU backend (LLVM) effort for every test program, as tests/sharding/helpers.py
 # already did for its own: the suite is compile-bound (about 30 % less compile time), and a
-# program's semantics (fp32, highest matmul precision) are unchanged. Subprocess servers get
-# it through FAST_COMPILE_XLA_FLAGS (tests/server/test_server.py start_server).
-FAST_COMPILE_XLA_FLAGS = "--xla_backend_optimization_level=0"
+# program's semantics (fp32, highest matmul precision) are unchanged. Server subprocesses
+# (tests/server) drop XLA_FLAGS and run at XLA's default.
 if "xla_backend_optimization_level" not in os.environ["XLA_FLAGS"]:
-    os.environ["XLA_FLAGS"] += " " + FAST_COMPILE_XLA_FLAGS
+    os.environ["XLA_FLAGS"] += " --xla_backend_optimization_level=0"
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # One JAX persistent compilation cache per test run, created by the first process that loads
 # this file (pytest's controller under xdist; the workers inherit it): the per-module
