@@ -29,13 +29,14 @@ CASES = [("mixed", "none", "tau"), ("csa", "protected", "k3")]
 
 def _request(cfg, prof, model, seed):
     rng = np.random.default_rng(seed)
-    docs = [rng.integers(2, cfg.vocab_size, n) for n in (40, 33, 29)]
+    docs = [rng.integers(2, cfg.vocab_size, n) for n in (40, 33, 25)]
     arts = [build_artifact(model, prof, d, checkpoint_fingerprint="fp") for d in docs]
     new = lambda n: Segment(rng.integers(2, cfg.vocab_size, n))
-    # a prefix document, a relocated one, new rows, another relocated one (offsets not aligned
-    # to the compression rates), the question
-    return Request([Segment(docs[0], arts[0]), Segment(docs[2], arts[2]), new(5), Segment(docs[1], arts[1]),
-                    new(7)], query_rows=(60, 110, 113)), arts
+    # a prefix document, a relocated one, new rows, another relocated one (offsets 40 and 69,
+    # not aligned to the compression rates; documents ending in open windows), the question:
+    # 109 rows, so the decode test's 19 new rows still fit the 128-row program the prefill compiled
+    return Request([Segment(docs[0], arts[0]), Segment(docs[2], arts[2]), new(4), Segment(docs[1], arts[1]),
+                    new(7)], query_rows=(60, 105, 108)), arts
 
 
 @pytest.mark.parametrize("kind,refresh,fan", CASES)
@@ -121,10 +122,12 @@ def test_batched_prefill_equals_one_request_at_a_time():
     rng = np.random.default_rng(11)
     d = rng.integers(2, cfg.vocab_size, 52)
     art_b = build_artifact(model, prof, d, checkpoint_fingerprint="fp")
-    req_b = Request([Segment(d, art_b), Segment(rng.integers(2, cfg.vocab_size, 9))])  # prefix only
+    # lengths 109, 101, 104: all pad to request_a's 128 rows, so each request alone runs the
+    # programs request_a compiled (the batch pads them to one length either way)
+    req_b = Request([Segment(d, art_b), Segment(rng.integers(2, cfg.vocab_size, 49))])  # prefix only
     stale = build_artifact(model, prof, d, checkpoint_fingerprint="other-weights")
     req_c = Request([Segment(rng.integers(2, cfg.vocab_size, 20)), Segment(d, stale),
-                     Segment(rng.integers(2, cfg.vocab_size, 4))])
+                     Segment(rng.integers(2, cfg.vocab_size, 32))])
     reqs = [req_a, req_b, req_c]
 
     rt_one, rt_batch = ReuseRuntime(model, prof, "fp"), ReuseRuntime(model, prof, "fp")
