@@ -28,8 +28,9 @@ COLORS = {"recompute": "#444444", "redknot": "#d62728"}
 
 def load_ttft(paths) -> tuple[list[dict], list[str]]:
     """Rows (one per length) and provenance lines. Runs of one length on the same request
-    records and profile are pooled (every repeat kept, medians over all of them); otherwise the
-    last file wins on a repeated length."""
+    records, profile and kernel set are pooled (every repeat kept, medians over all of them).
+    Otherwise a run of the preset's own profile wins over a variant (`bench_ttft.py
+    --tail-rows/--fanout/--budget` rename it "name-field=value"), and among equals the last file."""
     rows, prov = {}, []
     for p in paths:
         d = json.loads(pathlib.Path(p).read_text())
@@ -39,14 +40,28 @@ def load_ttft(paths) -> tuple[list[dict], list[str]]:
         for r in d["lengths"]:
             if "recompute_s" not in r or "redknot_s" not in r:  # complete rows only
                 continue
-            r = {**r, "profile_name": d.get("profile", {}).get("name")}
+            r = {**r, "profile_name": d.get("profile", {}).get("name"), "kernel_set": _kernel_set(d)}
             was = rows.get(int(r["length"]))
-            if was and (was["records_sha256"], was["profile_name"]) == (r["records_sha256"], r["profile_name"]):
+            same = ("records_sha256", "profile_name", "kernel_set")
+            if was and all(was[k] == r[k] for k in same):
                 r = _pool(was, r)
+            elif was and _variant(r) and not _variant(was):
+                continue
             rows[int(r["length"])] = r
     if not rows:
         raise SystemExit(f"--ttft: no complete length rows in {list(paths)}")
     return [rows[k] for k in sorted(rows)], prov
+
+
+def _kernel_set(d: dict) -> str:
+    """The kernels behind a result's main fields: the first of `--kernels`, as resolved when
+    recorded (results before kernels were recorded ran the XLA references)."""
+    first = (d.get("kernels") or "xla").split(",")[0]
+    return d.get("kernels_resolved", {}).get(first, "" if first == "xla" else first)
+
+
+def _variant(r: dict) -> bool:
+    return "=" in (r["profile_name"] or "")
 
 
 def _pool(a: dict, b: dict) -> dict:

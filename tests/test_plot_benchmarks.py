@@ -35,6 +35,16 @@ def test_runs_of_the_same_requests_are_pooled():
     assert row["layer_times"] and min(row["ratio_per_repeat"]) <= row["speedup_median"] <= max(row["ratio_per_repeat"])
 
 
+def test_a_profile_variant_does_not_replace_the_default_profile():
+    """32K: the default-profile runs (pooled, XLA kernels) stay the row; the --tail-rows 4096
+    variant, a later file, does not replace it."""
+    paths = sorted((ROOT / "docs" / "results").glob("ttft_*_h200.json"))
+    assert any("tail4k" in p.name for p in paths)
+    row = {r["length"]: r for r in pb.load_ttft(paths)[0]}[32768]
+    assert row["profile_name"] == "flash-3F-37R-3F" and row["kernel_set"] == ""
+    assert len(row["recompute_s"]) == 4  # the first 32K run and the xla arm of the kernels run
+
+
 def test_wrong_inputs_are_named(tmp_path):
     (tmp_path / "x.json").write_text("{}")
     with pytest.raises(SystemExit, match="--ttft .*x.json"):
