@@ -61,7 +61,8 @@ class TPConsumer:
     def __init__(self, model, profile, mesh, block: int | None = None):
         self.cfg, self.mesh, self.tp = model.cfg, mesh, mesh.shape[AXIS]
         check_tp(self.cfg, self.tp)
-        self.base = Consumer(model, profile, block)  # layouts, controller, embedding, head
+        # layouts, controller, embedding, head; the layers under shard_map run the XLA references
+        self.base = Consumer(model, profile, block, kernels="xla")
         self.block, self.profile = self.base.block, profile
         self.rep = NamedSharding(mesh, P())
         hpg = self.cfg.heads_per_group
