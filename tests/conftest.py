@@ -49,10 +49,10 @@ def _release_compiled_programs():
 # with `--dist loadfile --no-loadscope-reorder` xdist hands out files in this order, so no
 # long file starts last while the other worker idles. Files not named keep collection order.
 HEAVY_FIRST = (
-    "tests/reuse/test_consumer.py",  # ~530 s
+    "tests/reuse/test_consumer.py",  # ~320 s
     "tests/reuse/test_runtime.py",
     "tests/quality/test_quality.py",
-    "tests/sharding/test_bench_tp.py",  # ~260 s, 2 tests
+    "tests/sharding/test_bench_tp.py",  # ~110 s, 2 tests
     "tests/server/test_shipped_model.py",  # ~250 s, 1 test
     "tests/sharding/test_consumer_tp.py",
     "tests/server/test_server.py",
