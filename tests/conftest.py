@@ -11,7 +11,8 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 # Lower XLA's CPU backend (LLVM) effort for every test program, as tests/sharding/helpers.py
 # already did for its own: the suite is compile-bound (about 30 % less compile time), and a
 # program's semantics (fp32, highest matmul precision) are unchanged. Server subprocesses
-# (tests/server) drop XLA_FLAGS and run at XLA's default.
+# started by tests/server/test_server.py get only this flag (FAST_COMPILE) and one device;
+# test_bench_qps.py's server keeps XLA's default (it is bound by running, not compiling).
 if "xla_backend_optimization_level" not in os.environ["XLA_FLAGS"]:
     os.environ["XLA_FLAGS"] += " --xla_backend_optimization_level=0"
 os.environ.setdefault("JAX_PLATFORMS", "cpu")

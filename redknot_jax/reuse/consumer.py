@@ -51,7 +51,7 @@ from redknot_jax.pallas.restore import restore_reference, restore_unsupported
 from redknot_jax.pallas.restore import restore as restore_kernel
 from redknot_jax.reuse.artifact import Artifact, local_head_mask
 from redknot_jax.reuse.fanout import fanout_keep
-from redknot_jax.reuse.planner import Plan, fill_itop, row_risk
+from redknot_jax.reuse.planner import Plan, concentration, fill_itop, row_risk
 from redknot_jax.rope import apply_rope
 
 HIGHEST = jax.lax.Precision.HIGHEST
@@ -761,11 +761,7 @@ class Consumer:
                 n = f.doc_len // m
                 scores[f.start:f.start + n * m] = np.repeat(s[off:off + n], m)
                 off += n
-            flat = s[np.isfinite(s)]
-            if flat.size:
-                p = np.exp(flat - flat.max())
-                p /= p.sum()
-                conc = float(np.sort(p)[::-1][: cfg.index_topk].sum())
+            conc = concentration(s, cfg.index_topk)
         plan.concentration = conc
         budget = prof.budget_override if prof.budget_override is not None else prof.choose_budget(conc)
         fill_itop(plan, scores, budget, row_risk(plan, self.reusable))

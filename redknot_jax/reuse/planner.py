@@ -138,6 +138,19 @@ def plan_request(req: Request, profile: RedKnotProfile) -> Plan:
                 classes=cl, query_rows=q)
 
 
+def concentration(scores: np.ndarray, k: int) -> float:
+    """The controller's statistic: the softmax mass of the k best entries among the finite
+    scores (1.0 when there are none), in float64 and clipped to [0, 1] so that rounding cannot
+    push a share of 1 above it."""
+    flat = np.asarray(scores, np.float64).ravel()
+    flat = flat[np.isfinite(flat)]
+    if not flat.size:
+        return 1.0
+    p = np.exp(flat - flat.max())
+    p /= p.sum()
+    return float(np.clip(np.sort(p)[::-1][:k].sum(), 0.0, 1.0))
+
+
 def row_risk(plan: Plan, layers) -> np.ndarray:
     """[T] per-row controller statistic: for rows backed by an artifact, the mean over `layers`
     (the reusable ones) of the artifact's `far` (the Local heads' attention share beyond the

@@ -35,7 +35,7 @@ from redknot_jax.reuse.consumer import Consumer, DecodeState, DocPool
 from redknot_jax.reuse.certificate import (CertCounters, FallbackReason, TPGeometry, explain, payload_digest,
                                            token_digest)
 from redknot_jax.reuse.fanout import fanout_histogram, fanout_keep, mean_kept
-from redknot_jax.reuse.planner import Plan, Request, fill_itop, plan_request, row_risk
+from redknot_jax.reuse.planner import Plan, Request, concentration, fill_itop, plan_request, row_risk
 from redknot_jax.reuse.profile import RedKnotProfile
 from redknot_jax.reuse.relocation import merge_partials, partial_attention, rotate
 from redknot_jax.rope import apply_rope
@@ -298,12 +298,7 @@ class ReuseRuntime:
                 rows = f.start + np.arange(keys.shape[0] * m)
                 scores[rows] = np.repeat(s, m)
             if all_scores:
-                flat = np.concatenate(all_scores)
-                flat = flat[np.isfinite(flat)]
-                if flat.size:
-                    p = np.exp(flat - flat.max())
-                    p /= p.sum()
-                    conc = float(np.sort(p)[::-1][: model.cfg.index_topk].sum())
+                conc = concentration(np.concatenate(all_scores), model.cfg.index_topk)
         plan.concentration = conc
         budget = prof.budget_override if prof.budget_override is not None else prof.choose_budget(conc)
         fill_itop(plan, scores, budget, row_risk(plan, self.reusable))

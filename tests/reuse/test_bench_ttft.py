@@ -1,7 +1,8 @@
 """launch/bench_ttft.py end to end on CPU (tiny preset): a build-only call publishes the
 documents' artifacts to a store (--store), the timed call reads them back and runs both arms with
 host-resident artifacts streamed per layer, the per-layer profile and the cold (construction
-included) RedKnot run; every RedKnot run certified, none fell back."""
+included) RedKnot run, two kernel sets timed side by side; every RedKnot run certified, none fell
+back."""
 
 import dataclasses
 import json
@@ -20,7 +21,8 @@ def test_bench_ttft_store_host_resident_cold_layers(monkeypatch, tmp_path):
     built = bench_ttft.main(common + ["--build-only", "--out", str(tmp_path / "b.json")])["lengths"][0]
     assert built["artifacts"] == "built" and built["build_s"] > 0 and "recompute_s" not in built
     out = tmp_path / "ttft.json"
-    res = bench_ttft.main(common + ["--resident", "host", "--cold", "--layer-times", "--out", str(out)])
+    res = bench_ttft.main(common + ["--resident", "host", "--cold", "--layer-times", "--kernels", "xla,auto",
+                                    "--out", str(out)])
     assert json.loads(out.read_text()) == json.loads(json.dumps(res)) and res["resident"] == "host"
     row = res["lengths"][0]
     # the same records, their artifacts read back from the store (content ids), not rebuilt
@@ -30,12 +32,19 @@ def test_bench_ttft_store_host_resident_cold_layers(monkeypatch, tmp_path):
     assert len(row["cold_redknot_s"]) == 1 and row["cold_redknot_median_s"] > 0
     # warm-up + 1 hot repeat + 1 cold run, each certified (the cold one on freshly built artifacts)
     assert row["cert"]["validated"] == 3 and not any(row["cert"]["fallback"].values())
+    # both kernel sets (off a GPU "auto" resolves to none), each timed per repeat, each certified
+    assert res["kernels_resolved"] == {"xla": "", "auto": ""}
+    by = row["by_kernels"]
+    assert set(by) == {"xla", "auto"} and by["xla"]["recompute_s"] == row["recompute_s"]
+    assert all(len(v["redknot_s"]) == 1 and v["speedup_median"] > 0 for v in by.values())
+    assert by["auto"]["cert"]["validated"] == 2 and not any(by["auto"]["cert"]["fallback"].values())
     lt = row["layer_times"]  # the per-layer profile: every layer of both arms, fences named
     assert len(lt["recompute_s"]) == len(lt["redknot_s"]) == len(lt["role"]) == len(lt["kind"])
     assert min(lt["recompute_s"] + lt["redknot_s"]) > 0 and {"fence", "reusable"} == set(lt["role"])
 
 
-@pytest.mark.parametrize("flags", [["--resident", "disk"], ["--build-only"]])
+@pytest.mark.parametrize("flags", [["--resident", "disk"], ["--build-only"], ["--kernels", "triton"],
+                                   ["--kernels", "xla,xla"]])
 def test_bench_ttft_rejects_bad_flags(tmp_path, flags):
-    with pytest.raises(SystemExit):  # an unknown residency; --build-only without --store
+    with pytest.raises(SystemExit):  # an unknown residency / kernel set; --build-only without --store; a repeat
         bench_ttft.main(["--preset", "tiny", *flags, "--out", str(tmp_path / "x.json")])

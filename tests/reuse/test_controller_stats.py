@@ -96,3 +96,24 @@ def test_fill_itop_orders_a_window_by_risk_never_over_scores(art):
     have = int((plan.protected & plan.doc_row).sum())
     fill_itop(plan, scores, (have + 2) / plan.candidates, r)
     assert np.flatnonzero(plan.classes["I"]).tolist() == [101, 103]
+
+
+def test_concentration_is_a_share_even_in_float32():
+    """Fewer finite scores than k: all the mass is kept, and float32 rounding once made the sum
+    1.0000001, which the profile then refused (a server 500). Now exactly a share in [0, 1]."""
+    from redknot_jax.reuse.planner import concentration
+
+    rng = np.random.default_rng(0)
+    over = 0
+    for _ in range(300):
+        s = (rng.standard_normal(int(rng.integers(1, 60))) * 30).astype(np.float32)
+        p = np.exp(s - s.max())
+        p /= p.sum()
+        over += float(np.sort(p)[::-1][:512].sum()) > 1  # the old float32 formula
+        c = concentration(s, 512)
+        assert 1 - 1e-12 < c <= 1.0 and tiny_profile(4).choose_budget(c) > 0
+    assert over > 0  # the case exists
+    s = np.array([5.0, 1.0, -np.inf, 0.0])
+    p = np.exp(np.array([5.0, 1.0, 0.0]) - 5.0)
+    assert concentration(s, 1) == pytest.approx(p[0] / p.sum())
+    assert concentration(np.full(3, -np.inf), 2) == 1.0  # no visible entry: nothing to spread

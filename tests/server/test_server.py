@@ -83,12 +83,16 @@ class Server:
         raise AssertionError("no VmRSS")
 
 
+FAST_COMPILE = "--xla_backend_optimization_level=0"  # as tests/conftest.py sets for in-process programs
+
+
 def start_server(tmp, args, wait_s: float = 240) -> Server:
     """`launch/serve.py --port P ARGS` as a subprocess on one CPU device (log under tmp), once
     it answers /healthz."""
     port = _free_port()
     env = dict(os.environ)
-    env.pop("XLA_FLAGS", None)  # the server needs one CPU device, not the test session's 8
+    # one CPU device, not the test session's 8; XLA's CPU backend at the suite's low compile effort
+    env["XLA_FLAGS"] = FAST_COMPILE
     env["JAX_PLATFORMS"] = "cpu"
     env.pop("REDKNOT_API_KEYS", None)
     log = open(tmp / "server.log", "w+")
