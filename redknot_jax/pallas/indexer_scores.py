@@ -31,7 +31,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from redknot_jax.indexer import index_scores
-from redknot_jax.pallas.restore import _interpret_params
+from redknot_jax.pallas import interpret_params
 from redknot_jax.pallas.timing import median_time, record
 
 BLOCK_T = 64  # wgmma M of one warpgroup
@@ -40,9 +40,9 @@ SMEM_LIMIT = 227 * 1024
 
 @dataclasses.dataclass(frozen=True)
 class ScoresConfig:
-    """Tiling: block_s entries per CTA (wgmma N; the running sum and one head's products are
-    2 * block_s / 2 fp32 registers per thread, so 128 is the most that does not spill), steps
-    the depth of the pipeline over heads."""
+    """Tiling: block_s entries per CTA (wgmma N; the running sum and one head's products, two
+    [64, block_s] fp32 tiles over 128 threads, take block_s registers per thread, so 128 is the
+    most that does not spill), steps the depth of the pipeline over heads."""
 
     block_s: int = 128
     steps: int = 2
@@ -115,7 +115,7 @@ def _kernel_call(q2, wt, keys, *, heads, dim, cfg, interpret):
                       plgpu.Barrier(num_arrivals=2))
 
     return plgpu.kernel(body, out_type=jax.ShapeDtypeStruct((t, s), jnp.float32), grid=(t // bt, s // bs),
-                        grid_names=("t", "s"), interpret=_interpret_params(interpret))(q2, wt, keys)
+                        grid_names=("t", "s"), interpret=interpret_params(interpret))(q2, wt, keys)
 
 
 def indexer_scores(q, w, keys, *, config: ScoresConfig | None = None, interpret: bool | None = None):

@@ -37,6 +37,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from redknot_jax.pallas import interpret_params
 from redknot_jax.pallas.timing import median_time, record
 
 HIGHEST = jax.lax.Precision.HIGHEST
@@ -178,19 +179,8 @@ def _kernel_call(a, wo_a, zl, zp, z0, idx, *, g, o, k, col0, cfg, interpret):
                       plgpu.Barrier())
 
     return plgpu.kernel(body, out_type=jax.ShapeDtypeStruct((t, g * o), dtype), grid=(t // bt, g, o // bn),
-                        grid_names=("t", "g", "n"), interpret=_interpret_params(interpret))(
+                        grid_names=("t", "g", "n"), interpret=interpret_params(interpret))(
         a, wo_a, zl, zp, z0, idx)
-
-
-def _interpret_params(interpret: bool | None):
-    """Mosaic GPU interpret mode: None = off a GPU only (CPU CI runs the kernel itself)."""
-    if interpret is None:
-        interpret = jax.default_backend() != "gpu"
-    if not interpret:
-        return None
-    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
-
-    return InterpretGPUParams()
 
 
 def restore_unsupported(k: int, o: int, n_global: int, dtype, config: RestoreConfig | None = None) -> str | None:
