@@ -210,6 +210,9 @@ def main(argv=None):
                 times[k]["tokens"].append([tok_rec, tok_red])
                 if krt is rt:
                     res = res_k
+                row["repeats_so_far"] = times  # a run cut off by a time limit keeps what it timed
+                save()
+        row.pop("repeats_so_far")
         rec_t, red_t = times[kernel_sets[0]]["recompute_s"], times[kernel_sets[0]]["redknot_s"]
         ratios = [a / b for a, b in zip(rec_t, red_t)]
         tok_rec, tok_red = times[kernel_sets[0]]["tokens"][-1]
