@@ -36,10 +36,10 @@ def load_ttft(paths) -> tuple[list[dict], list[str]]:
         d = json.loads(pathlib.Path(p).read_text())
         if "lengths" not in d:
             raise SystemExit(f"--ttft {p}: not a bench_ttft.py result (no 'lengths')")
-        prov.append(f"{pathlib.Path(p).name}: {d.get('device', '?')}, {d.get('date', '?')}")
-        for r in d["lengths"]:
-            if "recompute_s" not in r or "redknot_s" not in r:  # complete rows only
-                continue
+        complete = [r for r in d["lengths"] if "recompute_s" in r and "redknot_s" in r]
+        if complete:  # files of complete rows only (not a --build-only run)
+            prov.append(f"{pathlib.Path(p).name}: {d.get('device', '?')}, {d.get('date', '?')}")
+        for r in complete:
             r = {**r, "profile_name": d.get("profile", {}).get("name"), "kernel_set": _kernel_set(d)}
             was = rows.get(int(r["length"]))
             same = ("records_sha256", "profile_name", "kernel_set")
@@ -83,8 +83,21 @@ def _kfmt(n: int) -> str:
     return f"{n // 1024}K" if n % 1024 == 0 else str(n)
 
 
+def _prov(prov: list[str]) -> str:
+    """Provenance lines of a title, wrapped to the figure's width."""
+    import textwrap
+
+    return "\n".join(textwrap.wrap("; ".join(prov), 95))
+
+
+def _tick(r: dict) -> str:
+    """A length's axis label: the length, and what differs between rows of one figure (host-
+    resident artifacts, the Mosaic GPU kernels run)."""
+    notes = (["host"] if r.get("pool") == "HostPool" else []) + ([r["kernel_set"]] if r.get("kernel_set") else [])
+    return _kfmt(r["length"]) + "".join(f"\n{n}" for n in notes)
+
+
 def plot_ttft(rows, prov, out: pathlib.Path, plt) -> list[pathlib.Path]:
-    lengths = [r["length"] for r in rows]
     xs = range(len(rows))
     files = []
 
@@ -94,12 +107,12 @@ def plot_ttft(rows, prov, out: pathlib.Path, plt) -> list[pathlib.Path]:
         ax.plot(xs, med, "-o", color=COLORS[arm], label=f"{arm} (median)")
         for x, r in zip(xs, rows):
             ax.scatter([x] * len(r[f"{arm}_s"]), r[f"{arm}_s"], s=12, color=COLORS[arm], alpha=0.4)
-    ax.set_xticks(list(xs), [_kfmt(n) for n in lengths])
+    ax.set_xticks(list(xs), [_tick(r) for r in rows])
     ax.set_xlabel("request length (tokens)")
     ax.set_ylabel("time to first token (s)")
     ax.set_ylim(bottom=0)
     ax.legend()
-    ax.set_title("TTFT, both arms (hot artifacts)\n" + "; ".join(prov), fontsize=8)
+    ax.set_title("TTFT, both arms (hot artifacts: on the device, or in host memory where marked host)\n" + _prov(prov), fontsize=8)
     files.append(_save(fig, out / "ttft_vs_length.png", plt))
 
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
@@ -112,10 +125,10 @@ def plot_ttft(rows, prov, out: pathlib.Path, plt) -> list[pathlib.Path]:
     for x, m, b in zip(xs, measured, bound):
         ax.text(x - w / 2, m, f"{m:.2f}x", ha="center", va="bottom", fontsize=8)
         ax.text(x + w / 2, b, f"{b:.2f}x", ha="center", va="bottom", fontsize=8)
-    ax.set_xticks(list(xs), [f"{_kfmt(n)}\n{r['protected_fraction']:.0%} protected" for n, r in zip(lengths, rows)])
+    ax.set_xticks(list(xs), [f"{_tick(r)}\n{r['protected_fraction']:.0%} protected" for r in rows])
     ax.set_ylabel("RedKnot speed-up over Recomputed")
     ax.legend(loc="upper left")
-    ax.set_title("TTFT speed-up per length\n" + "; ".join(prov), fontsize=8)
+    ax.set_title("TTFT speed-up per length\n" + _prov(prov), fontsize=8)
     files.append(_save(fig, out / "speedup_vs_length.png", plt))
 
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
@@ -131,11 +144,11 @@ def plot_ttft(rows, prov, out: pathlib.Path, plt) -> list[pathlib.Path]:
         ax.bar([x - 0.4 + w * (k + 0.5) for x in xs], [v * 100 for v in vals], w, label=label)
         lowest = min([lowest] + [v * 100 for v in vals if v == v])
     ax.axhline(0.0, color="black", lw=0.8)
-    ax.set_xticks(list(xs), [_kfmt(n) for n in lengths])
+    ax.set_xticks(list(xs), [_tick(r) for r in rows])
     ax.set_ylabel("saving (%; negative: RedKnot slower)")
     ax.set_ylim(lowest - 5, 100)
     ax.legend(fontsize=8)
-    ax.set_title("The four ledgers per length (each its own quantity; never summed)\n" + "; ".join(prov),
+    ax.set_title("The four ledgers per length (each its own quantity; never summed)\n" + _prov(prov),
                  fontsize=8)
     files.append(_save(fig, out / "ledgers_per_length.png", plt))
     return files
@@ -159,7 +172,7 @@ def plot_layers(rows, prov, out: pathlib.Path, plt) -> list[pathlib.Path]:
         ax.set_xlabel("layer (S sliding, C CSA, H HCA; * fence, native in both arms)")
         ax.set_ylabel("seconds (each layer waited for)")
         ax.legend()
-        ax.set_title(f"Per-layer time of both arms at {_kfmt(r['length'])}\n" + "; ".join(prov), fontsize=8)
+        ax.set_title(f"Per-layer time of both arms at {_kfmt(r['length'])}\n" + _prov(prov), fontsize=8)
         files.append(_save(fig, out / f"layer_times_{_kfmt(r['length'])}.png", plt))
     return files
 

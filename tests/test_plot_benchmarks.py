@@ -51,3 +51,13 @@ def test_wrong_inputs_are_named(tmp_path):
         pb.main(["--ttft", str(tmp_path / "x.json"), "--out", str(tmp_path)])
     with pytest.raises(SystemExit, match="--qps .*x.json"):
         pb.main(["--qps", str(tmp_path / "x.json"), "--out", str(tmp_path)])
+
+
+def test_axis_labels_name_host_residency_and_kernels():
+    """128K ran with host-resident artifacts and the indexer kernel: its label says so; a
+    --build-only result (no timed rows) is not named as a source."""
+    paths = sorted((ROOT / "docs" / "results").glob("ttft_*_h200.json"))
+    rows, prov = pb.load_ttft(paths)
+    labels = {r["length"]: pb._tick(r) for r in rows}
+    assert labels[131072] == "128K\nhost\nindexer" and labels[65536] == "64K"
+    assert any("build" in p.name for p in paths) and not any("build" in line for line in prov)

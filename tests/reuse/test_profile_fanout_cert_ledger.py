@@ -392,6 +392,39 @@ def test_payload_digest():
         payload_digest({"x": u.view(ml_dtypes.float8_e4m3b11fnuz)})
 
 
+def test_payload_digest_chunks(monkeypatch):
+    """Chunked digest: spelled out by hand for tiny chunks, the same on one thread or many,
+    and a change in any chunk (last, partial one included) changes it."""
+    import hashlib
+
+    from redknot_jax.reuse import certificate as cert
+    monkeypatch.setattr(cert, "PAYLOAD_CHUNK", 16)
+    a = np.arange(10, dtype=np.float32)  # 40 bytes: chunks of 16, 16, 8
+    b = np.arange(3, dtype=np.int8)
+
+    def framed(h, data):
+        h.update(len(data).to_bytes(8, "little"))
+        h.update(data)
+
+    h = hashlib.sha256(b"payload:chunked:")
+    framed(h, (16).to_bytes(8, "little"))
+    for name, arr in (("a", a), ("b", b)):
+        raw = arr.tobytes()
+        framed(h, name.encode())
+        framed(h, arr.dtype.name.encode())
+        framed(h, json.dumps(list(arr.shape)).encode())
+        framed(h, b"".join(hashlib.sha256(raw[i:i + 16]).digest() for i in range(0, len(raw), 16)))
+    assert cert.payload_digest({"b": b, "a": a}) == h.hexdigest()
+    monkeypatch.setattr(cert, "_HASH_THREADS", 4)
+    d = cert.payload_digest({"b": b, "a": a})
+    monkeypatch.setattr(cert, "_HASH_THREADS", 1)
+    assert cert.payload_digest({"b": b, "a": a}) == d == h.hexdigest()
+    for i in (0, 5, 9):  # first, middle, last (partial) chunk
+        c = a.copy()
+        c[i] += 1
+        assert cert.payload_digest({"b": b, "a": c}) != d
+
+
 def test_cert_counters_threads():
     c = CertCounters()
     reasons = [FallbackReason.CHECKSUM, FallbackReason.TOKEN_MISMATCH]
