@@ -31,9 +31,9 @@ not in the window).
 Server batching policy (README "Serving"): plain completions and `arm: recompute` (document
 tokens become ordinary prompt tokens) share one continuous decode batch of `--slots`
 sequences, each joining after a batch-1 chunked prefill; requests citing documents in the
-RedKnot arm run one at a time through the reuse runtime's jitted consumer (one pass over all
-rows per generated token, plan frozen), pausing the batch; the device pools of the last 4
-distinct citation lists stay hot. So at L > 1 the RedKnot arm queues while the recompute arm
+RedKnot arm run one at a time through the reuse runtime's jitted consumer (the prompt in one
+pass, then one row per generated token over its cached keys, plan frozen), pausing the batch;
+the device pools of the last 4 distinct citation lists stay hot. So at L > 1 the RedKnot arm queues while the recompute arm
 batches its decode steps.
 
 Statistics per (arm, level), over the records of the window W = t_end - t0 (seconds):
@@ -89,7 +89,8 @@ ARRIVAL_POLICY = ("closed loop, zero think time: each of L clients (one thread, 
 BATCHING_POLICY = ("server (README 'Serving'): plain completions and arm=recompute share one continuous decode "
                    "batch of --slots sequences (each joins after a batch-1 chunked prefill); requests citing "
                    "documents in the RedKnot arm run one at a time through the reuse runtime's jitted consumer "
-                   "(one pass over all rows per generated token), pausing the batch; device pools of the last 4 "
+                   "(the prompt in one pass, then one row per generated token over its cached keys), pausing "
+                   "the batch; device pools of the last 4 "
                    "citation lists stay hot")
 CI_METHOD = ("bootstrap over per-request records: each record's cycle time (its client's previous boundary to "
              "its next start, or window end) tiles the window, rate = L * sum(ok or tokens) / sum(cycle); "

@@ -143,6 +143,9 @@ def main(argv=None):
     ap.add_argument("--save-ref", help="write tp = 1's logits and timings here (.npz), for a later --ref run")
     ap.add_argument("--ref", help="tp = 1's logits and timings from an earlier --save-ref run of the same records "
                                   "(lets tp > 1 run alone, e.g. when one call cannot hold both)")
+    ap.add_argument("--kernels", default="auto",
+                    help="the consumer's kernel set at every tp (Consumer(kernels=)): auto (on a GPU the kernels "
+                         "measured faster than XLA), xla, mosaic, or a comma list of indexer / restore")
     ap.add_argument("--out", default="tp.json")
     args = ap.parse_args(argv)
     try:
@@ -171,14 +174,15 @@ def main(argv=None):
     jax.block_until_ready(jax.tree.leaves(model))
     prof = profile_variant(flash_profile() if cfg.num_layers == 43 else tiny_profile(cfg.num_layers),
                            budget_override=args.budget)
-    rt = ReuseRuntime(model, prof, checkpoint_fingerprint=f"random-{args.preset}-seed-0")
+    rt = ReuseRuntime(model, prof, checkpoint_fingerprint=f"random-{args.preset}-seed-0", kernels=args.kernels)
     expect = Expectation.of_runtime(rt)
-    setup = {"preset": args.preset, "dtype": args.dtype, "profile": prof.to_dict(), "agree_rows": args.agree_rows}
+    setup = {"preset": args.preset, "dtype": args.dtype, "profile": prof.to_dict(), "agree_rows": args.agree_rows,
+             "kernels": rt.consumer.kernels}
     saved, refs_out = (load_ref(args.ref, setup) if args.ref else {}), {}
     out = {"device": str(jax.devices()[0].device_kind), "n_devices": len(jax.devices()),
            "date": datetime.date.today().isoformat(), "jax": jax.__version__, "python": platform.python_version(),
            "preset": args.preset, "dtype": args.dtype, "profile": prof.to_dict(),
-           "model_init_s": time.perf_counter() - t0,
+           "kernels": args.kernels, "kernels_resolved": rt.consumer.kernels, "model_init_s": time.perf_counter() - t0,
            "command": "python launch/bench_tp.py " + " ".join(argv if argv is not None else sys.argv[1:]),
            "lengths": []}
 
@@ -241,7 +245,7 @@ def main(argv=None):
                     return r.logits, int(np.argmax(r.logits[-1])), r.plan
             else:
                 mesh = make_mesh(tp)
-                con = TPConsumer(model, prof, mesh)
+                con = TPConsumer(model, prof, mesh, kernels=args.kernels)
                 slices = [split_tp(a, tp) for a in arts]  # per document, rank order
                 rank_reqs = [[Segment(d, s[r]) for d, s in zip(docs, slices)] + [Segment(q)] for r in range(tp)]
                 geoms = [tp_geometry(cfg, tp, r) for r in range(tp)]

@@ -464,14 +464,14 @@ def reusable_attention(blk, x, tab, pool_layer, *, freqs, glob, block, reduce=No
         iq, iw = attn.indexer.queries(xa[pic][None], cq[pic][None], pp[None], freqs)
         idx = (iq[0], iw[0], idx_keys)
     o_p = _pass_b(q_p, pp, kv_abs, ents, idx, sink, scale, kind, block, w,
-                  attn.indexer.topk if kind == CSA else 0, score_function(_mode(kernels, "indexer")))
+                  attn.indexer.topk if kind == CSA else 0, score_function(kernel_mode(kernels, "indexer")))
     o_p = apply_rope(o_p, pp, freqs, inverse=True)
     z_p = attn.wo_a_apply(o_p[None])[0].astype(o_g.dtype)
 
     # restoration: the Global heads' columns of wo_a, plus z_L from the pool on restored rows,
     # protected rows replaced by z_p (pallas/restore.py: the kernel or its XLA reference)
     gl = tuple(int(j) for j in (np.asarray(glob) % (h // g))[: len(glob) // g])
-    restore_fn = restore_kernel if _mode(kernels, "restore") == "mosaic" else restore_reference
+    restore_fn = restore_kernel if kernel_mode(kernels, "restore") == "mosaic" else restore_reference
     z = restore_fn(o_g.reshape(t, g, len(gl), k), attn.wo_a[...], pool_layer["zl"], zr, z_p, pi,
                    global_heads=gl)
 
@@ -673,7 +673,7 @@ def resolve_kernels(kernels: str, model, n_global: int) -> str:
     return ",".join(k for k in KERNELS if k in names)
 
 
-def _mode(kernels: str, name: str) -> str:
+def kernel_mode(kernels: str, name: str) -> str:
     """"mosaic" if the resolved set runs kernel `name`, else "xla"."""
     return "mosaic" if name in kernels.split(",") else "xla"
 
@@ -717,7 +717,7 @@ class Consumer:
         cap = _ceil(t, self.cfg.hca_rate)
         return _native_jit(st, x, ids, jnp.asarray(np.reshape(t_real, -1), jnp.int32), graphdef=gd,
                            freqs=self.model.freqs(i), block=min(self.block, t), cap=cap,
-                           kernels=_mode(self.kernels, "indexer") if x.shape[0] == 1 else "xla")
+                           kernels=kernel_mode(self.kernels, "indexer") if x.shape[0] == 1 else "xla")
 
     def _embed(self, ids):
         return _embed_jit(self.top_state, ids, graphdef=self.top_def)
@@ -789,7 +789,7 @@ class Consumer:
                     x, state.layers[i] = _native_cache_jit(
                         st, x, ids, jnp.full((1,), t_real, jnp.int32), graphdef=gd, freqs=self.model.freqs(i),
                         block=min(self.block, t), cap=max(state.cap, _ceil(t, cfg.hca_rate)),
-                        kernels=_mode(self.kernels, "indexer"))
+                        kernels=kernel_mode(self.kernels, "indexer"))
                 clock.lap(x)
                 continue
             if layout is None:  # the controller reads the first reusable layer's input

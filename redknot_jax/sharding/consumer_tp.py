@@ -18,6 +18,10 @@ Per rank:
   the fan-out keep mask is computed from the replicated router, so every rank keeps the same
   experts).
 
+Kernels: `kernels=` takes `Consumer`'s forms (default "auto": on a GPU the indexer-score
+kernel). Each rank runs them on its share: the indexer kernel over all indexer heads (the
+queries are all-gathered first), the restoration kernel over the rank's output groups.
+
 Embedding and LM head are vocabulary-parallel as in `TPForward` (each rank its slice of the
 table; COLLECTIVE: psum of the looked-up rows, t*d; all-gather of the logits along vocab,
 r*vocab fp32). The controller (the query rows' indexer scores over the documents' keys, a few
@@ -36,7 +40,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from redknot_jax.mhc import HyperConnection
-from redknot_jax.reuse.consumer import Consumer, DocPool, build_layout, reusable_layer
+from redknot_jax.reuse.consumer import Consumer, DocPool, build_layout, kernel_mode, reusable_layer
 from redknot_jax.reuse.planner import Plan
 from redknot_jax.sharding import tp as tpmod
 from redknot_jax.sharding.table import AXIS, check_tp, param_spec
@@ -58,11 +62,14 @@ def _psum(y):
 class TPConsumer:
     """The consumer over a mesh with axis "tp" (see the module doc)."""
 
-    def __init__(self, model, profile, mesh, block: int | None = None):
+    def __init__(self, model, profile, mesh, block: int | None = None, kernels: str = "auto"):
+        """kernels: `Consumer`'s forms ("auto", "xla", "mosaic", "indexer,restore"), resolved
+        for the whole model; each rank runs the kernels on its share (`self.kernels`)."""
         self.cfg, self.mesh, self.tp = model.cfg, mesh, mesh.shape[AXIS]
         check_tp(self.cfg, self.tp)
-        # layouts, controller, embedding, head; the layers under shard_map run the XLA references
-        self.base = Consumer(model, profile, block, kernels="xla")
+        # layouts, controller, embedding, head, and the resolved kernel set
+        self.base = Consumer(model, profile, block, kernels=kernels)
+        self.kernels = self.base.kernels
         self.block, self.profile = self.base.block, profile
         self.rep = NamedSharding(mesh, P())
         hpg = self.cfg.heads_per_group
@@ -121,7 +128,8 @@ class TPConsumer:
                 blk = nnx.merge(gd, params)
                 tpmod.localize_block(blk, cfg, tp)
                 cache = blk.attn.init_cache(1, cap, x.dtype)
-                x, _ = tpmod._block(blk, x, ids, jnp.zeros((1,), jnp.int32), n_real[None], cache, freqs, block, tp)
+                x, _ = tpmod._block(blk, x, ids, jnp.zeros((1,), jnp.int32), n_real[None], cache, freqs, block, tp,
+                                    kernels=kernel_mode(self.kernels, "indexer"))
                 return x
 
             f = jax.shard_map(body, mesh=self.mesh, check_vma=False, in_specs=(spec_tree, P(), P(), P()),
@@ -134,7 +142,7 @@ class TPConsumer:
                 tpmod.localize_block(blk, cfg, tp)
                 return reusable_layer(blk, x, ids, tab, pool_layer, freqs=freqs, glob=glob, block=self.block,
                                       fan=fan, reduce=_psum if tp > 1 else None,
-                                      ffn=functools.partial(_ffn_tp, blk, tp))
+                                      ffn=functools.partial(_ffn_tp, blk, tp), kernels=self.kernels)
 
             f = jax.shard_map(body, mesh=self.mesh, check_vma=False,
                               in_specs=(spec_tree, P(), P(), jax.tree.map(lambda _: P(), tab),

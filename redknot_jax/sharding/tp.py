@@ -125,10 +125,12 @@ def _moe(moe, x, ids, tp: int, keep_fn=None, chunk: int = 4096):
     return y.reshape(b, t, d)
 
 
-def _block(blk, x, ids, pos0, n_new, cache, freqs, block: int, tp: int, keep_fn=None):
-    """`Block.__call__` with the two reductions of a tensor-parallel layer."""
+def _block(blk, x, ids, pos0, n_new, cache, freqs, block: int, tp: int, keep_fn=None, kernels: str = "xla"):
+    """`Block.__call__` with the two reductions of a tensor-parallel layer. `kernels`: the
+    indexer's scores by XLA or the Mosaic GPU kernel (every rank holds all indexer heads after
+    the all-gather, so the kernel runs per rank unchanged)."""
     u, post, comb = blk.hc_attn.pre(x)
-    y, cache = blk.attn(blk.attn_norm(u), pos0, n_new, cache, freqs, block)  # rank's heads only
+    y, cache = blk.attn(blk.attn_norm(u), pos0, n_new, cache, freqs, block, kernels=kernels)  # rank's heads only
     if tp > 1:
         # COLLECTIVE: psum over tp of the row-parallel wo_b outputs (each rank projected its g/tp
         # groups' o_lora_rank channels): b*t*d elements in the activation dtype.

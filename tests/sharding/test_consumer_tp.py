@@ -51,3 +51,50 @@ def test_tp_consumer_equals_single_device(setup, tp):
     assert rel_err(np.asarray(logits), ref) < TOL["resharded_fp32"][0]
     np.testing.assert_array_equal(np.asarray(hist), hist1)
     assert rel_err(np.asarray(con.recompute(req.tokens, plan.query_rows)), rec1) < TOL["resharded_fp32"][0]
+
+
+@pytest.mark.parametrize("tp", [1, pytest.param(2, marks=pytest.mark.gpu)])
+def test_tp_consumer_runs_the_kernels(monkeypatch, tp):
+    """kernels="mosaic" (indexer-score and restoration kernels inside shard_map) gives the logits
+    of the XLA references, and both kinds of rank program (native: the fences, which are the
+    Recomputed arm's programs; reusable: pass B) really call the indexer kernel.
+    On CPU the kernels run in Mosaic GPU interpret mode, whose simulated shared memory is one
+    state for all devices: two devices interpreting kernels at once trip its barrier check
+    ("Barrier remains allocated", jax 0.11.2), so CPU CI runs tp = 1 (the shard_map programs
+    with their kernels) and tp = 2 runs on two GPUs (`-m gpu`)."""
+    import jax
+    import jax.numpy as jnp
+
+    if tp > 1 and (jax.default_backend() != "gpu" or jax.device_count() < tp):
+        pytest.skip(f"needs {tp} GPUs")
+    from redknot_jax.init import random_model
+    from redknot_jax.pallas import indexer_scores as ix
+
+    cfg = dataclasses.replace(config.tiny("csa"), head_dim=64, o_lora_rank=64, index_head_dim=64, vocab_size=96)
+    model = random_model(cfg, seed=5, dtype=jnp.bfloat16)
+    prof = dataclasses.replace(tiny_profile(cfg.num_layers), budget_override=0.2, tail_rows=8)
+    rng = np.random.default_rng(0)
+    docs = [rng.integers(2, cfg.vocab_size, n) for n in (40, 33)]
+    arts = [build_artifact(model, prof, d, checkpoint_fingerprint="fp") for d in docs]
+    req = Request([Segment(docs[0], arts[0]), Segment(docs[1], arts[1]),
+                   Segment(rng.integers(2, cfg.vocab_size, 9))], query_rows=(60, 81))
+    traced, kinds = [], []  # indexer kernel calls; the kernel sets the two kinds of rank program got
+    kernel = ix.indexer_scores
+    monkeypatch.setattr(ix, "indexer_scores", lambda *a, **k: traced.append(a[0].shape) or kernel(*a, **k))
+    from redknot_jax.sharding import consumer_tp, tp as tpmod
+
+    for mod, name in ((tpmod, "_block"), (consumer_tp, "reusable_layer")):
+        f = getattr(mod, name)
+        monkeypatch.setattr(mod, name, lambda *a, _f=f, _n=name, **k: kinds.append((_n, k["kernels"])) or _f(*a, **k))
+    mesh = make_mesh(tp)
+    xla, mosaic = TPConsumer(model, prof, mesh, kernels="xla"), TPConsumer(model, prof, mesh, kernels="mosaic")
+    assert xla.kernels == "" and mosaic.kernels == "indexer,restore"
+    plan = plan_request(req, prof)
+    assert 0 < plan.fraction_protected() < 1
+    a, _ = xla.redknot(plan, req.tokens, xla.pool(arts))
+    b, _ = mosaic.redknot(plan_request(req, prof), req.tokens, mosaic.pool(arts))
+    assert rel_err(np.asarray(b), np.asarray(a)) < TOL["kernel_bf16_o"][0]
+    # the fences run the Recomputed arm's native programs: both kinds of program got the kernels
+    assert prof.fence_first and traced
+    assert ("_block", "mosaic") in kinds and ("reusable_layer", "indexer,restore") in kinds
+    assert ("_block", "xla") in kinds and ("reusable_layer", "") in kinds
