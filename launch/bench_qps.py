@@ -30,11 +30,11 @@ not in the window).
 
 Server batching policy (README "Serving"): plain completions and `arm: recompute` (document
 tokens become ordinary prompt tokens) share one continuous decode batch of `--slots`
-sequences, each joining after a batch-1 chunked prefill; requests citing documents in the
-RedKnot arm run one at a time through the reuse runtime's jitted consumer (the prompt in one
-pass, then one row per generated token over its cached keys, plan frozen), pausing the batch;
-the device pools of the last 4 distinct citation lists stay hot. So at L > 1 the RedKnot arm queues while the recompute arm
-batches its decode steps.
+sequences, each joining after a batch-1 chunked prefill (`--prefill-chunk` rows, default 256);
+requests citing documents in the RedKnot arm run one at a time through the reuse runtime's
+jitted consumer (the prompt in one pass, then one row per generated token over its cached
+keys, plan frozen), pausing the batch; the device pools of the last 4 distinct citation lists
+stay hot. So at L > 1 the RedKnot arm queues while the recompute arm batches its decode steps.
 
 Statistics per (arm, level), over the records of the window W = t_end - t0 (seconds):
 requests/s = completed / W (completed = HTTP 200), output tokens/s = sum of their
@@ -87,7 +87,8 @@ ARRIVAL_POLICY = ("closed loop, zero think time: each of L clients (one thread, 
                   "window start until --duration-s later; requests started before the deadline are waited for "
                   "and all counted (the window ends at the last one's end)")
 BATCHING_POLICY = ("server (README 'Serving'): plain completions and arm=recompute share one continuous decode "
-                   "batch of --slots sequences (each joins after a batch-1 chunked prefill); requests citing "
+                   "batch of --slots sequences (each joins after a batch-1 chunked prefill of --prefill-chunk rows); "
+                   "requests citing "
                    "documents in the RedKnot arm run one at a time through the reuse runtime's jitted consumer "
                    "(the prompt in one pass, then one row per generated token over its cached keys), pausing "
                    "the batch; device pools of the last 4 "

@@ -35,6 +35,9 @@ def main(argv=None):
     ap.add_argument("--max-queue", type=int, default=64, help="waiting jobs before 429")
     ap.add_argument("--max-model-len", type=int, default=2048, help="prompt + documents + max_tokens")
     ap.add_argument("--max-tokens-limit", type=int, default=256)
+    ap.add_argument("--prefill-chunk", type=int, default=256,
+                    help="rows per chunk of the plain path's batch-1 prefill (rounded to a power of two, at most "
+                         "the cache): one compiled program, long prompts in few calls")
     ap.add_argument("--max-body-bytes", type=int, default=1 << 20)
     ap.add_argument("--shutdown-grace-s", type=float, default=10.0)
     ap.add_argument("--no-warmup", action="store_true")
@@ -60,6 +63,7 @@ def main(argv=None):
                      api_keys_file=args.api_keys_file, model_name=args.model_name, slots=args.slots,
                      max_queue=args.max_queue, max_model_len=args.max_model_len,
                      max_tokens_limit=args.max_tokens_limit, max_body_bytes=args.max_body_bytes,
+                     prefill_chunk=args.prefill_chunk,
                      shutdown_grace_s=args.shutdown_grace_s, warmup=not args.no_warmup)
     state = build_state(sc)
     uvicorn.run(create_app(state), host=sc.host, port=sc.port, log_level=args.log_level,

@@ -44,7 +44,6 @@ from redknot_jax.reuse.planner import Request, Segment
 from redknot_jax.reuse.runtime import ReuseRuntime
 
 log = logging.getLogger("redknot.server")
-PREFILL_CHUNK = 16
 
 
 class QueueFull(RuntimeError):
@@ -115,8 +114,12 @@ class _Slot:
 
 class Scheduler:
     def __init__(self, engine: Engine, runtime: ReuseRuntime, metrics, *, slots: int = 8, max_queue: int = 64,
-                 checkpoint_fingerprint: str = "", store_root: str | None = None):
+                 checkpoint_fingerprint: str = "", store_root: str | None = None, prefill_chunk: int = 256):
         self.eng, self.rt, self.metrics = engine, runtime, metrics
+        # one compiled prefill program: prompts run in chunks of this many rows (the last one
+        # padded), the largest power of two within both the flag and the cache's capacity
+        cap = min(prefill_chunk, getattr(engine, "capacity", prefill_chunk))
+        self.prefill_chunk = 1 << (cap.bit_length() - 1)
         self.store_root, self._stores = store_root, {}
         self.slots_n, self.max_queue, self.fp = slots, max_queue, checkpoint_fingerprint
         self._cond = threading.Condition()
@@ -161,7 +164,7 @@ class Scheduler:
 
     def warmup(self) -> None:
         """Compile the plain path (batch-1 chunk prefill, splice, batch decode) before serving."""
-        logits, one = self.eng.prefill([[2, 3]], chunk=PREFILL_CHUNK)
+        logits, one = self.eng.prefill([[2, 3]], chunk=self.prefill_chunk)
         self.cache = self._splice(self.cache, one, 0)
         logits, self.cache = self.eng.decode(np.zeros(self.slots_n, np.int32), self.cache,
                                              np.zeros(self.slots_n, np.int32))
@@ -240,7 +243,7 @@ class Scheduler:
         if job.cancelled.is_set():
             self._count_cancel(job)
             return
-        logits, one = self.eng.prefill([job.tokens], chunk=PREFILL_CHUNK)
+        logits, one = self.eng.prefill([job.tokens], chunk=self.prefill_chunk)
         self.cache = self._splice(self.cache, one, slot)
         rng = np.random.default_rng(job.sampling.seed)
         tok = sample_host(np.asarray(logits[0]), job.sampling, rng)

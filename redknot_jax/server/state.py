@@ -41,13 +41,14 @@ class ServeConfig:
     slots: int = 8  # decode batch size (continuous batching)
     max_queue: int = 64
     max_model_len: int = 2048  # prompt (documents included) + max_tokens
+    prefill_chunk: int = 256  # rows per chunk of the plain path's prefill (power of two; <= the cache)
     max_tokens_limit: int = 256
     max_body_bytes: int = 1 << 20
     shutdown_grace_s: float = 10.0
     warmup: bool = True
 
     def __post_init__(self):
-        for f in ("slots", "max_queue", "max_model_len", "max_tokens_limit", "max_body_bytes"):
+        for f in ("slots", "max_queue", "max_model_len", "max_tokens_limit", "max_body_bytes", "prefill_chunk"):
             v = getattr(self, f)
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"{f}: expected a positive int, got {v!r}")
@@ -140,6 +141,7 @@ def build_state(sc: ServeConfig) -> ServerState:
     # artifacts persist in per-tenant artifact stores under the registry's directory
     store_root = os.path.join(sc.artifact_store, "artifacts") if sc.artifact_store else None
     sched = Scheduler(eng, rt, metrics, slots=sc.slots, max_queue=sc.max_queue, checkpoint_fingerprint=fp,
+                      prefill_chunk=sc.prefill_chunk,
                       store_root=store_root)
     if sc.warmup:
         sched.warmup()

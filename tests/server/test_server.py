@@ -441,6 +441,24 @@ def test_queue_full_is_backpressure_and_shutdown_fails_queued_jobs():
         loop.close()
 
 
+def test_prefill_chunk_is_one_power_of_two_within_the_cache():
+    """The plain path's prefill chunk: the largest power of two within --prefill-chunk and the
+    cache (one compiled program); a bad flag is named."""
+    from redknot_jax.reuse.certificate import CertCounters
+    from redknot_jax.server.metrics import Metrics
+    from redknot_jax.server.scheduler import Scheduler
+    from redknot_jax.server.state import ServeConfig
+
+    class Eng(_StubEngine):
+        capacity = 64
+
+    chunk = lambda eng, n: Scheduler(eng, None, Metrics(CertCounters()), slots=1, prefill_chunk=n).prefill_chunk
+    assert chunk(_StubEngine(), 256) == 256 and chunk(_StubEngine(), 300) == 256 and chunk(_StubEngine(), 16) == 16
+    assert chunk(Eng(), 256) == 64 and chunk(Eng(), 48) == 32
+    with pytest.raises(ValueError, match="prefill_chunk: expected a positive int, got 0"):
+        ServeConfig(prefill_chunk=0)
+
+
 def test_host_sampling_greedy_and_nucleus():
     import numpy as np
 
