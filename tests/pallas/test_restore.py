@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 
 from redknot_jax.pallas import restore as rs
+from tests.pallas.kernel_case import kernel_case
 from tests.tolerances import TOL, rel_err
 
 
@@ -132,22 +133,11 @@ def test_consumer_runs_the_kernel(monkeypatch):
     widened to the kernels' tiles); a model the kernels cannot run is refused at construction."""
     import dataclasses
 
-    from redknot_jax import config
     from redknot_jax.init import random_model
-    from redknot_jax.reuse.artifact import build_artifact
-    from redknot_jax.reuse.planner import Request, Segment
-    from redknot_jax.reuse.profile import tiny_profile
+    from redknot_jax.pallas import indexer_scores as ix
     from redknot_jax.reuse.runtime import ReuseRuntime
 
-    cfg = dataclasses.replace(config.tiny("csa"), head_dim=64, o_lora_rank=64, index_head_dim=64)
-    model = random_model(cfg, seed=5, dtype=jnp.bfloat16)
-    prof = dataclasses.replace(tiny_profile(cfg.num_layers), budget_override=0.2, tail_rows=8)
-    rng = np.random.default_rng(0)
-    docs = [rng.integers(2, cfg.vocab_size, n) for n in (40, 33)]
-    arts = [build_artifact(model, prof, d, checkpoint_fingerprint="fp") for d in docs]
-    req = Request([Segment(docs[0], arts[0]), Segment(docs[1], arts[1]),
-                   Segment(rng.integers(2, cfg.vocab_size, 9))], query_rows=(60, 81))
-    from redknot_jax.pallas import indexer_scores as ix
+    cfg, model, prof, arts, req = kernel_case()
 
     traced = []  # indexer kernel calls traced into the mosaic programs
     kernel = ix.indexer_scores

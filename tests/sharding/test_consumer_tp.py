@@ -15,6 +15,7 @@ from redknot_jax.reuse.planner import Request, Segment, plan_request
 from redknot_jax.reuse.profile import tiny_profile
 from redknot_jax.sharding.consumer_tp import TPConsumer
 from redknot_jax.sharding.table import make_mesh
+from tests.pallas.kernel_case import kernel_case
 from tests.sharding.helpers import tiny_model
 from tests.tolerances import TOL, rel_err
 
@@ -63,21 +64,12 @@ def test_tp_consumer_runs_the_kernels(monkeypatch, tp):
     ("Barrier remains allocated", jax 0.11.2), so CPU CI runs tp = 1 (the shard_map programs
     with their kernels) and tp = 2 runs on two GPUs (`-m gpu`)."""
     import jax
-    import jax.numpy as jnp
 
     if tp > 1 and (jax.default_backend() != "gpu" or jax.device_count() < tp):
         pytest.skip(f"needs {tp} GPUs")
-    from redknot_jax.init import random_model
     from redknot_jax.pallas import indexer_scores as ix
 
-    cfg = dataclasses.replace(config.tiny("csa"), head_dim=64, o_lora_rank=64, index_head_dim=64, vocab_size=96)
-    model = random_model(cfg, seed=5, dtype=jnp.bfloat16)
-    prof = dataclasses.replace(tiny_profile(cfg.num_layers), budget_override=0.2, tail_rows=8)
-    rng = np.random.default_rng(0)
-    docs = [rng.integers(2, cfg.vocab_size, n) for n in (40, 33)]
-    arts = [build_artifact(model, prof, d, checkpoint_fingerprint="fp") for d in docs]
-    req = Request([Segment(docs[0], arts[0]), Segment(docs[1], arts[1]),
-                   Segment(rng.integers(2, cfg.vocab_size, 9))], query_rows=(60, 81))
+    _, model, prof, arts, req = kernel_case()
     traced, kinds = [], []  # indexer kernel calls; the kernel sets the two kinds of rank program got
     kernel = ix.indexer_scores
     monkeypatch.setattr(ix, "indexer_scores", lambda *a, **k: traced.append(a[0].shape) or kernel(*a, **k))

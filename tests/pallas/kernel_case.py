@@ -1,0 +1,26 @@
+"""The small bf16 model and request the consumer-level kernel tests share: head dims and output
+rank widened to the kernels' tiles (64), two documents and a question, 20 % budget."""
+
+import dataclasses
+
+import jax.numpy as jnp
+import numpy as np
+
+from redknot_jax import config
+from redknot_jax.init import random_model
+from redknot_jax.reuse.artifact import build_artifact
+from redknot_jax.reuse.planner import Request, Segment
+from redknot_jax.reuse.profile import tiny_profile
+
+
+def kernel_case():
+    """(cfg, model, profile, artifacts, request); the vocabulary (96) divides tp = 2."""
+    cfg = dataclasses.replace(config.tiny("csa"), head_dim=64, o_lora_rank=64, index_head_dim=64, vocab_size=96)
+    model = random_model(cfg, seed=5, dtype=jnp.bfloat16)
+    prof = dataclasses.replace(tiny_profile(cfg.num_layers), budget_override=0.2, tail_rows=8)
+    rng = np.random.default_rng(0)
+    docs = [rng.integers(2, cfg.vocab_size, n) for n in (40, 33)]
+    arts = [build_artifact(model, prof, d, checkpoint_fingerprint="fp") for d in docs]
+    req = Request([Segment(docs[0], arts[0]), Segment(docs[1], arts[1]),
+                   Segment(rng.integers(2, cfg.vocab_size, 9))], query_rows=(60, 81))
+    return cfg, model, prof, arts, req
