@@ -45,7 +45,7 @@ import jax.numpy as jnp
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
-from launch.bench_ttft import profile_variant, records  # noqa: E402  (the same frozen request records)
+from launch.bench_ttft import check_record_args, profile_variant, records  # noqa: E402  (the same frozen request records)
 from redknot_jax import config  # noqa: E402
 from redknot_jax.init import random_model  # noqa: E402
 from redknot_jax.reuse.artifact import build_artifact  # noqa: E402
@@ -154,8 +154,7 @@ def main(argv=None):
         ap.error(f"--tp: expected comma-separated integers, got {args.tp!r}")
     if not 1 <= args.agree_rows <= args.question:
         ap.error(f"--agree-rows: expected 1 .. --question ({args.question}), got {args.agree_rows}")
-    if args.repeats < 1:
-        ap.error(f"--repeats: expected >= 1, got {args.repeats}")
+    lengths = check_record_args(ap, args)  # --lengths, --docs, --question, --repeats
     if tps[0] < 1 or tps[-1] > len(jax.devices()):
         ap.error(f"--tp {args.tp}: this host has {len(jax.devices())} devices")
     if config.PRESETS.get(args.preset) is None:
@@ -189,7 +188,7 @@ def main(argv=None):
     def save():
         pathlib.Path(args.out).write_text(json.dumps(out, indent=1))
 
-    for length in [int(x) for x in args.lengths.split(",")]:
+    for length in lengths:
         docs, q, digest = records(length, args.docs, args.question, cfg.vocab_size, args.seed)
         row = {"length": length, "records_sha256": digest, "doc_len": int(docs[0].size), "question": int(q.size),
                "tp": {}}

@@ -59,6 +59,23 @@ def records(length: int, n_docs: int, question: int, vocab: int, seed: int):
     return docs, q, digest
 
 
+def check_record_args(ap, args) -> list[int]:
+    """The request-record flags (--lengths, --docs, --question, --repeats) checked; the lengths.
+    Every document must get at least one token: length >= question + docs."""
+    try:
+        lengths = [int(x) for x in args.lengths.split(",")]
+    except ValueError:
+        ap.error(f"--lengths: expected comma-separated integers, got {args.lengths!r}")
+    for flag, v in (("--docs", args.docs), ("--question", args.question), ("--repeats", args.repeats)):
+        if v < 1:
+            ap.error(f"{flag}: expected >= 1, got {v}")
+    short = [n for n in lengths if n < args.question + args.docs]
+    if short:
+        ap.error(f"--lengths {short}: a request needs >= --question ({args.question}) + --docs ({args.docs}) "
+                 f"tokens (one per document at least)")
+    return lengths
+
+
 def profile_variant(prof, **over):
     """The profile with the given fields overridden (None: kept), renamed after them: a named
     variant whose digest differs, so artifacts are certified for it."""
@@ -100,6 +117,7 @@ def main(argv=None):
         ap.error("--build-only needs --store")
     if args.build_only and args.cold:
         ap.error("--build-only times nothing; drop --cold")
+    lengths = check_record_args(ap, args)
     kernel_sets = args.kernels.split(",")
     modes = ("auto", "xla", "mosaic", "indexer", "restore")
     if any(k not in modes for k in kernel_sets) or len(set(kernel_sets)) < len(kernel_sets):
@@ -137,7 +155,7 @@ def main(argv=None):
             arts.append(found.artifact)
         return arts
 
-    for length in [int(x) for x in args.lengths.split(",")]:
+    for length in lengths:
         docs, q, digest = records(length, args.docs, args.question, cfg.vocab_size, args.seed)
         row = {"length": length, "records_sha256": digest, "doc_len": int(docs[0].size), "question": int(q.size)}
         out["lengths"].append(row)

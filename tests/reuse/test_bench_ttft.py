@@ -6,6 +6,7 @@ back."""
 
 import dataclasses
 import json
+import re
 
 import pytest
 
@@ -43,8 +44,14 @@ def test_bench_ttft_store_host_resident_cold_layers(monkeypatch, tmp_path):
     assert min(lt["recompute_s"] + lt["redknot_s"]) > 0 and {"fence", "reusable"} == set(lt["role"])
 
 
-@pytest.mark.parametrize("flags", [["--resident", "disk"], ["--build-only"], ["--kernels", "triton"],
-                                   ["--kernels", "xla,xla"]])
-def test_bench_ttft_rejects_bad_flags(tmp_path, flags):
-    with pytest.raises(SystemExit):  # an unknown residency / kernel set; --build-only without --store; a repeat
+@pytest.mark.parametrize("flags,named", [
+    (["--resident", "disk"], "--resident"), (["--build-only"], "--build-only needs --store"),
+    (["--kernels", "triton"], "--kernels"), (["--kernels", "xla,xla"], "--kernels"),
+    (["--docs", "0"], "--docs: expected >= 1, got 0"), (["--repeats", "0"], "--repeats: expected >= 1, got 0"),
+    (["--lengths", "abc"], "--lengths: expected comma-separated integers"),
+    (["--lengths", "1000", "--question", "2000"], r"--lengths \[1000\]: a request needs")])
+def test_bench_ttft_rejects_bad_flags(tmp_path, capsys, flags, named):
+    """Each bad flag is refused before any work, with a message naming it."""
+    with pytest.raises(SystemExit):
         bench_ttft.main(["--preset", "tiny", *flags, "--out", str(tmp_path / "x.json")])
+    assert re.search(named, capsys.readouterr().err)
