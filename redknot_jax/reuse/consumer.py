@@ -35,6 +35,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import jax
@@ -113,10 +114,11 @@ class DocPool:
 
 class HostPool(DocPool):
     """Host-resident (prefetched) artifacts: the documents' payloads stay in host memory and
-    each reusable layer is packed onto the device when the consumer asks for the layer before
-    it, so its host-to-device copy overlaps that layer's compute (JAX dispatch is asynchronous:
-    the device runs layer i while the host copies layer i + 1). At most two layers of the pool
-    are on the device at a time; what a request pays is the copy the compute did not hide."""
+    each reusable layer is packed onto the device, on a worker thread, as soon as the consumer
+    has asked for the layer before it. So its host-to-device copy overlaps that layer's compute,
+    and the dispatch of layer i never waits for the copy of layer i + 1 (a copy from pageable
+    memory holds the thread that issues it). At most two layers of the pool are on the device at
+    a time; what a request pays is the copy the compute did not hide."""
 
     def _place(self, layers: list[int], dtype):
         return _Streamed(lambda i: _pack([a.layers[i] for a in self.artifacts], dtype), layers)
@@ -127,19 +129,22 @@ class HostPool(DocPool):
 
 
 class _Streamed:
-    """layer -> packed device arrays, packed on demand one layer ahead of the reader (`order`)."""
+    """layer -> packed device arrays, packed one layer ahead of the reader (`order`) on one
+    worker thread; a pack that failed raises when its layer is read."""
 
     def __init__(self, pack, order: list[int]):
         self.pack, self.order, self.ahead = pack, order, {}
+        self._worker = ThreadPoolExecutor(1, thread_name_prefix="hostpool-pack")
 
     def __getitem__(self, i: int) -> dict:
         if i not in self.order:
             raise KeyError(f"HostPool: layer {i} is not a reusable layer of this pool ({self.order})")
-        d = self.ahead.pop(i, None) or self.pack(i)
+        ahead = self.ahead.pop(i, None)
+        d = self.pack(i) if ahead is None else None  # the first layer read: packed here
         k = self.order.index(i) + 1
-        if k < len(self.order) and self.order[k] not in self.ahead:
-            self.ahead[self.order[k]] = self.pack(self.order[k])  # issued now, read by the next layer
-        return d
+        if k < len(self.order) and self.order[k] not in self.ahead:  # started now, read by the next layer
+            self.ahead[self.order[k]] = self._worker.submit(self.pack, self.order[k])
+        return ahead.result() if ahead is not None else d
 
     def __iter__(self):
         return iter(self.order)

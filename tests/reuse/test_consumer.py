@@ -73,6 +73,30 @@ def test_consumer_equals_reference(kind, refresh, fan):
     assert rel_err(fast.logits, rec.logits) > 1e-4  # negative control: relocation is an approximation
 
 
+def test_streamed_layers_pack_ahead_on_a_worker_and_raise_where_read():
+    """HostPool's layer stream: layer i + 1 is packed on the worker thread once layer i is read;
+    a pack that failed raises when (and only when) its layer is read; unknown layers are named."""
+    import threading
+
+    from redknot_jax.reuse.consumer import _Streamed
+
+    threads = {}
+
+    def pack(i):
+        threads[i] = threading.current_thread().name
+        if i == 5:
+            raise OSError("layer 5: host buffer gone")
+        return {"layer": i}
+
+    st = _Streamed(pack, [3, 4, 5])
+    assert st[3] == {"layer": 3} and st[4] == {"layer": 4}  # 5 was started while 4 was read
+    assert threads[3] == threading.current_thread().name and threads[4].startswith("hostpool-pack")
+    with pytest.raises(OSError, match="layer 5"):
+        st[5]
+    with pytest.raises(KeyError, match="layer 7 is not a reusable layer"):
+        st[7]
+
+
 def test_layout_tables_name_pool_rows_and_online_entries():
     """The index tables a request is turned into: pool rows for document rows, -1 for new rows,
     online entries exactly where windows leave the artifact, padding never visible."""
