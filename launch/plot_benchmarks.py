@@ -21,6 +21,7 @@ import argparse
 import glob
 import json
 import pathlib
+import textwrap
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 COLORS = {"recompute": "#444444", "redknot": "#d62728"}
@@ -85,8 +86,6 @@ def _kfmt(n: int) -> str:
 
 def _prov(prov: list[str]) -> str:
     """Provenance lines of a title, wrapped to the figure's width."""
-    import textwrap
-
     return "\n".join(textwrap.wrap("; ".join(prov), 95))
 
 

@@ -36,8 +36,8 @@ def main(argv=None):
     ap.add_argument("--max-model-len", type=int, default=2048, help="prompt + documents + max_tokens")
     ap.add_argument("--max-tokens-limit", type=int, default=256)
     ap.add_argument("--prefill-chunk", type=int, default=256,
-                    help="rows per chunk of the plain path's batch-1 prefill (rounded to a power of two, at most "
-                         "the cache): one compiled program, long prompts in few calls")
+                    help="rows per chunk of the plain path's batch-1 prefill (rounded down to a power of two, "
+                         "at most the cache): one compiled program, long prompts in few calls")
     ap.add_argument("--max-body-bytes", type=int, default=1 << 20)
     ap.add_argument("--shutdown-grace-s", type=float, default=10.0)
     ap.add_argument("--no-warmup", action="store_true")

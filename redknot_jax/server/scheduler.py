@@ -118,8 +118,7 @@ class Scheduler:
         self.eng, self.rt, self.metrics = engine, runtime, metrics
         # one compiled prefill program: prompts run in chunks of this many rows (the last one
         # padded), the largest power of two within both the flag and the cache's capacity
-        cap = min(prefill_chunk, getattr(engine, "capacity", prefill_chunk))
-        self.prefill_chunk = 1 << (cap.bit_length() - 1)
+        self.prefill_chunk = 1 << (min(prefill_chunk, engine.capacity).bit_length() - 1)
         self.store_root, self._stores = store_root, {}
         self.slots_n, self.max_queue, self.fp = slots, max_queue, checkpoint_fingerprint
         self._cond = threading.Condition()

@@ -41,7 +41,7 @@ class ServeConfig:
     slots: int = 8  # decode batch size (continuous batching)
     max_queue: int = 64
     max_model_len: int = 2048  # prompt (documents included) + max_tokens
-    prefill_chunk: int = 256  # rows per chunk of the plain path's prefill (power of two; <= the cache)
+    prefill_chunk: int = 256  # plain-path prefill chunk (rounded down to a power of two within the cache)
     max_tokens_limit: int = 256
     max_body_bytes: int = 1 << 20
     shutdown_grace_s: float = 10.0

@@ -472,9 +472,8 @@ class ArtifactStore:
             tok_meta = {"file": "tokens.bin", "dtype": tokens.dtype.name, "shape": list(tokens.shape),
                         "sha256": sha256_of(tokens)}
             slices_meta = {}
-            tiles = [t for p in prepared for t in p.tiles.values()]  # tile checksums on the io threads
-            tile_sha = dict(zip(map(id, (a for _, _, a in tiles)), self._get_pool().map(lambda t: sha256_of(t[2]), tiles)))
             for p in prepared:
+                sha = dict(zip(p.tiles, self._get_pool().map(lambda t: sha256_of(t[2]), p.tiles.values())))  # io threads
                 name = slice_name(p.cert.tp)
                 sdir = tmp / name
                 sdir.mkdir()
@@ -486,7 +485,7 @@ class ArtifactStore:
                                               self.durable, write)
                     for n, (l, k, a) in group_tiles.items():
                         entries[n] = {"layer": l, "keys": list(k), "group": g, "dtype": a.dtype.name,
-                                      "shape": list(a.shape), "nbytes": int(a.nbytes), "sha256": tile_sha[id(a)],
+                                      "shape": list(a.shape), "nbytes": int(a.nbytes), "sha256": sha[n],
                                       **files[tile_stem(l, k)]}
                         written += int(a.nbytes)
                 slices_meta[name] = (p, groups, entries)

@@ -407,6 +407,8 @@ def test_zz_graceful_shutdown_on_sigterm(server):
 
 # ------------------------------------------------------------------ in-process scheduler units
 class _StubEngine:
+    capacity = 4096
+
     def new_cache(self, b):
         return {}
 
@@ -454,6 +456,7 @@ def test_prefill_chunk_is_one_power_of_two_within_the_cache():
 
     chunk = lambda eng, n: Scheduler(eng, None, Metrics(CertCounters()), slots=1, prefill_chunk=n).prefill_chunk
     assert chunk(_StubEngine(), 256) == 256 and chunk(_StubEngine(), 300) == 256 and chunk(_StubEngine(), 16) == 16
+    assert chunk(_StubEngine(), 8192) == 4096
     assert chunk(Eng(), 256) == 64 and chunk(Eng(), 48) == 32
     with pytest.raises(ValueError, match="prefill_chunk: expected a positive int, got 0"):
         ServeConfig(prefill_chunk=0)
