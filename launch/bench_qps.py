@@ -9,16 +9,19 @@ Server: without --url, `launch/serve.py` is started here as a subprocess on a fr
 compilation) and stopped at the end (SIGTERM); its log goes to OUT.server.log. With --url a
 running server is used as it is.
 
-Workload (seeded, identical for both arms): --docs documents of --doc-chars characters of
-seeded words, registered once (`POST /v1/documents {"text": ...}`). Every request is a
-non-streaming `/v1/completions` call citing --docs-per-request of them, a seeded random subset
-in a random order (`documents`: the extension field), then a prompt of --prompt-chars
-characters, `max_tokens` = --output-len, temperature 0. `ignore_eos` does not exist on this
-server, so a request may end early on EOS: output tokens are the server's
-`usage.completion_tokens`, never assumed. The arms differ only in `arm` ("redknot" /
-"recompute"); request i of client c at concurrency level L cites the same documents with the
-same prompt in both arms. Equal document and prompt lengths keep every request of an arm at
-one set of shapes, so the warm-up requests compile everything the window runs.
+Workload (seeded, identical for both arms): --docs documents of about --doc-chars characters of
+seeded words, each turned into token ids by the server (`POST /tokenize`) and cut to the
+shortest one's length, registered once (`POST /v1/documents {"token_ids": ...}`), so every
+document has the same number of tokens. Prompts likewise: a pool of PROMPT_POOL seeded texts
+of about --prompt-chars characters, tokenized and cut to one length. Every request is a
+non-streaming `/v1/completions` call citing --docs-per-request documents, a seeded random
+subset in a random order (`documents`: the extension field), then a prompt drawn from the pool
+(sent as token ids), `max_tokens` = --output-len, `ignore_eos` true (vLLM's extension: a fixed
+output length), temperature 0. Output tokens are still the server's `usage.completion_tokens`,
+never assumed. The arms differ only in `arm` ("redknot" / "recompute"); request i of client c
+at concurrency level L cites the same documents with the same prompt in both arms. Equal
+token lengths keep every request of an arm at one set of shapes, so the warm-up requests
+compile everything the window runs.
 
 Arrival policy: closed loop, zero think time. Each of the L clients (one thread, one keep-alive
 HTTP connection) sends its next request as soon as the previous one finished, from the window
@@ -82,6 +85,7 @@ ARMS = ("redknot", "recompute")
 WORDS = ("alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike november oscar papa "
          "quebec romeo sierra tango uniform victor whiskey xray yankee zulu north south east west river "
          "stone cloud field light ember frost amber cedar maple harbor lantern meadow summit valley").split()
+PROMPT_POOL = 32  # distinct prompts a run draws from
 ARRIVAL_POLICY = ("closed loop, zero think time: each of L clients (one thread, one keep-alive HTTP/1.1 "
                   "connection) sends its next non-streaming request when the previous one finished, from the "
                   "window start until --duration-s later; requests started before the deadline are waited for "
@@ -324,18 +328,32 @@ def make_text(rng: np.random.Generator, n_chars: int) -> str:
     return " ".join(words)[:n_chars].rstrip().ljust(n_chars, ".")
 
 
-def request_stream(seed: int, level: int, client: int, n_docs: int, k: int, prompt_chars: int):
+def request_stream(seed: int, level: int, client: int, n_docs: int, k: int, prompts: list):
     """Endless seeded (document order, prompt) pairs of one client at one level: the same in both arms."""
     rng = np.random.default_rng([seed, level, client])
     while True:
         docs = [int(i) for i in rng.permutation(n_docs)[:k]]
-        prompt = "Q: " + make_text(rng, prompt_chars - 3) if prompt_chars > 3 else make_text(rng, prompt_chars)
-        yield docs, prompt
+        yield docs, prompts[int(rng.integers(len(prompts)))]
+
+
+def equal_length_ids(admin, texts: list[str], what: str) -> list[list[int]]:
+    """The texts as the server's token ids (`POST /tokenize`), each cut to the shortest one's length."""
+    ids = []
+    for i, text in enumerate(texts):
+        st, r = admin.request("POST", "/tokenize", {"prompt": text})
+        if st != 200 or not isinstance(r, dict) or not isinstance(r.get("tokens"), list):
+            raise SystemExit(f"bench_qps: POST /tokenize ({what} {i}) answered {st}: {r!r} (the server must "
+                             "tokenize, so every request of an arm has the same shapes)")
+        ids.append(r["tokens"])
+    n = min(len(t) for t in ids)
+    if n < 1:
+        raise SystemExit(f"bench_qps: a {what} tokenizes to no tokens; raise its --*-chars")
+    return [t[:n] for t in ids]
 
 
 def one_request(client: Client, model: str, doc_ids: list[str], order: list[int], prompt: str, arm: str,
                 output_len: int, t0: float, cid: int, seq: int) -> dict:
-    body = {"model": model, "prompt": prompt, "max_tokens": output_len, "temperature": 0,
+    body = {"model": model, "prompt": prompt, "max_tokens": output_len, "temperature": 0, "ignore_eos": True,
             "documents": [doc_ids[i] for i in order], "arm": arm}
     start = time.perf_counter()
     status, resp = client.request("POST", "/v1/completions", body)
@@ -353,10 +371,10 @@ def one_request(client: Client, model: str, doc_ids: list[str], order: list[int]
     return rec
 
 
-def run_cell(url, api_key, model, doc_ids, arm, level, args) -> dict:
+def run_cell(url, api_key, model, doc_ids, prompts, arm, level, args) -> dict:
     """Warm-up then one measured window of `level` closed-loop clients in `arm`."""
     clients = [Client(url, api_key, args.request_timeout_s) for _ in range(level)]
-    streams = [request_stream(args.seed, level, c, len(doc_ids), args.docs_per_request, args.prompt_chars)
+    streams = [request_stream(args.seed, level, c, len(doc_ids), args.docs_per_request, prompts)
                for c in range(level)]
     warm: list[dict] = []
     lock = threading.Lock()
@@ -372,7 +390,7 @@ def run_cell(url, api_key, model, doc_ids, arm, level, args) -> dict:
                     left[0] -= 1
                     seq = args.warmup_requests - left[0] - 1
                 order, prompt = next(request_stream(args.seed + 10_007, level, seq, len(doc_ids),
-                                                    args.docs_per_request, args.prompt_chars))
+                                                    args.docs_per_request, prompts))
                 r = one_request(clients[c], model, doc_ids, order, prompt, arm, args.output_len, t_warm, c, seq)
                 with lock:
                     warm.append(r)
@@ -432,9 +450,10 @@ def parse_args(argv):
     ap.add_argument("--warmup-requests", type=int, default=4, help="per arm and level, before the window")
     ap.add_argument("--docs", type=int, default=6, help="documents registered")
     ap.add_argument("--docs-per-request", type=int, default=2)
-    ap.add_argument("--doc-chars", type=int, default=96)
-    ap.add_argument("--prompt-chars", type=int, default=32)
-    ap.add_argument("--output-len", type=int, default=16, help="max_tokens of every request")
+    ap.add_argument("--doc-chars", type=int, default=96,
+                    help="characters per document text (token ids then cut to the shortest document's length)")
+    ap.add_argument("--prompt-chars", type=int, default=32, help="characters per prompt text (cut likewise)")
+    ap.add_argument("--output-len", type=int, default=16, help="max_tokens of every request (ignore_eos: exact)")
     ap.add_argument("--request-timeout-s", type=float, default=600.0)
     ap.add_argument("--bootstrap", type=int, default=2000, help="bootstrap resamples per interval")
     ap.add_argument("--seed", type=int, default=0)
@@ -514,7 +533,7 @@ def main(argv=None) -> dict:
            "policies": {"arrival": ARRIVAL_POLICY, "server_batching": BATCHING_POLICY, "ci": CI_METHOD},
            "workload": {"seed": args.seed, "docs": args.docs, "docs_per_request": args.docs_per_request,
                         "doc_chars": args.doc_chars, "prompt_chars": args.prompt_chars,
-                        "output_len": args.output_len, "temperature": 0, "stream": False,
+                        "output_len": args.output_len, "ignore_eos": True, "temperature": 0, "stream": False,
                         "endpoint": "/v1/completions", "duration_s": args.duration_s,
                         "warmup_requests": args.warmup_requests, "concurrency": args.concurrency_levels,
                         "arms": args.arm_list, "bootstrap": args.bootstrap},
@@ -548,18 +567,19 @@ def main(argv=None) -> dict:
         texts = [f"Document {i}: " + make_text(rng, max(args.doc_chars - len(f"Document {i}: "), 1))
                  for i in range(args.docs)]
         texts = [t[:args.doc_chars] for t in texts]
-        docs = []
         t0 = time.perf_counter()
-        for i, text in enumerate(texts):
-            st, d = admin.request("POST", "/v1/documents", {"text": text})
+        docs = []
+        for i, ids in enumerate(equal_length_ids(admin, texts, "document")):
+            st, d = admin.request("POST", "/v1/documents", {"token_ids": ids})
             if st not in (200, 201) or not isinstance(d, dict) or "id" not in d:
                 raise SystemExit(f"bench_qps: POST /v1/documents (document {i}) answered {st}: {d!r}")
-            docs.append({"id": d["id"], "tokens": d.get("tokens"), "chars": len(text)})
+            docs.append({"id": d["id"], "tokens": d.get("tokens"), "chars": len(texts[i])})
         out["workload"]["registration_s"] = time.perf_counter() - t0
         out["workload"]["documents"] = docs
-        if len({d["tokens"] for d in docs}) > 1:
-            print(f"bench_qps: note: document token lengths differ {sorted({d['tokens'] for d in docs})}: "
-                  "requests of one arm may compile more than one shape", file=sys.stderr)
+        prng = np.random.default_rng([args.seed, 2])
+        prompts = equal_length_ids(admin, ["Q: " + make_text(prng, max(args.prompt_chars - 3, 1))
+                                           for _ in range(PROMPT_POOL)], "prompt")
+        out["workload"]["prompt_tokens"] = len(prompts[0])
         doc_ids = [d["id"] for d in docs]
 
         def save():
@@ -571,7 +591,7 @@ def main(argv=None) -> dict:
         for level in args.concurrency_levels:
             for arm in args.arm_list:
                 _, m0 = admin.request("GET", "/metrics")
-                cell = run_cell(url, args.api_key, model, doc_ids, arm, level, args)
+                cell = run_cell(url, args.api_key, model, doc_ids, prompts, arm, level, args)
                 _, m1 = admin.request("GET", "/metrics")
                 c0, c1 = parse_counters(m0 if isinstance(m0, str) else ""), parse_counters(
                     m1 if isinstance(m1, str) else "")

@@ -10,7 +10,11 @@ OpenAI extension fields (both completion endpoints):
 * `documents`: ["<64-hex id>", ...] cites registered documents, laid out in order before the
   prompt: Request([Segment(doc tokens, artifact), ...] + [Segment(prompt tokens)]);
 * `arm`: "redknot" (default) or "recompute" (the Recomputed arm: the same token ids run natively
-  through the batched engine, no artifacts).
+  through the batched engine, no artifacts);
+* `ignore_eos` (vLLM's extension): true keeps generating past the end-of-sequence token until
+  `max_tokens` (stop strings still apply), so a benchmark gets a fixed output length.
+`POST /tokenize` (vLLM's shape): {"prompt": str} -> {"tokens": [...], "count", "max_model_len"},
+the ids the completion endpoints would see for that text.
 Responses carry a `redknot` object (arm that ran, fallback reason, generated token ids, cached
 rows, ledgers) and `usage.prompt_tokens_details.cached_tokens` = document rows restored from
 artifacts (candidate rows not protected).
@@ -124,7 +128,8 @@ def _is_num(v) -> bool:
 # Accepted OpenAI fields. Fields that change results but are not implemented are accepted only
 # at their neutral value (rejected otherwise, never silently ignored); anything unknown is a 400.
 COMMON = {"model", "max_tokens", "temperature", "top_p", "n", "stream", "stream_options", "seed", "stop",
-          "user", "presence_penalty", "frequency_penalty", "logprobs", "logit_bias", "documents", "arm"}
+          "user", "presence_penalty", "frequency_penalty", "logprobs", "logit_bias", "documents", "arm",
+          "ignore_eos"}
 COMPLETION_FIELDS = COMMON | {"prompt", "echo", "suffix", "best_of"}
 CHAT_FIELDS = COMMON | {"messages", "max_completion_tokens", "top_logprobs", "response_format", "tools",
                         "tool_choice", "parallel_tool_calls"}
@@ -143,6 +148,13 @@ class Parsed:
     include_usage: bool
     arm: str
     stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+
+
+def check_served(state, model) -> None:
+    if model != state.model_name:
+        raise ApiError(404, f"model: '{model}' is not served here; available: ['{state.model_name}']",
+                       code="model_not_found", param="model")
 
 
 def parse_common(state, body: dict, allowed: set, tenant: str, prompt_tokens: list[int]) -> Parsed:
@@ -153,9 +165,7 @@ def parse_common(state, body: dict, allowed: set, tenant: str, prompt_tokens: li
     model = body.get("model")
     if not isinstance(model, str):
         raise bad("model", f"expected a string, got {model!r}")
-    if model != state.model_name:
-        raise ApiError(404, f"model: '{model}' is not served here; available: ['{state.model_name}']",
-                       code="model_not_found", param="model")
+    check_served(state, model)
     for k, want in NEUTRAL.items():
         if k in body:
             wants = want if isinstance(want, tuple) else (want,)
@@ -193,6 +203,9 @@ def parse_common(state, body: dict, allowed: set, tenant: str, prompt_tokens: li
     if not isinstance(stop, list) or len(stop) > 4 or not all(isinstance(x, str) and 0 < len(x) <= 64 for x in stop):
         raise bad("stop", f"expected a string or a list of up to 4 non-empty strings of <= 64 characters, "
                           f"got {body.get('stop')!r}")
+    ignore_eos = body.get("ignore_eos", False)
+    if not isinstance(ignore_eos, bool):
+        raise bad("ignore_eos", f"expected a boolean, got {ignore_eos!r}")
     arm = body.get("arm", "redknot")
     if arm not in ("redknot", "recompute"):
         raise bad("arm", f"expected 'redknot' or 'recompute', got {arm!r}")
@@ -217,7 +230,7 @@ def parse_common(state, body: dict, allowed: set, tenant: str, prompt_tokens: li
                   f"{total} prompt tokens (documents included) + {mt} max_tokens exceed the context limit "
                   f"{state.capacity}", "context_length_exceeded")
     return Parsed(prompt_tokens, docs, Sampling(float(temp), float(top_p), int(mt), seed), stream,
-                  bool(so.get("include_usage", False)), arm, tuple(stop))
+                  bool(so.get("include_usage", False)), arm, tuple(stop), ignore_eos)
 
 
 def parse_prompt(state, body: dict) -> list[int]:
@@ -271,7 +284,7 @@ def submit(state, job: Job) -> None:
 
 def make_job(state, p: Parsed) -> Job:
     loop = asyncio.get_running_loop()
-    stop = frozenset({state.eos_id})
+    stop = frozenset() if p.ignore_eos else frozenset({state.eos_id})
     if p.docs and p.arm == "redknot":
         return Job("reuse", loop, tokens=p.prompt_tokens, docs=p.docs, sampling=p.sampling, arm="redknot",
                    stop_ids=stop)
@@ -468,6 +481,21 @@ async def chat_completions(state, request):
 
 
 @endpoint
+async def tokenize(state, request):
+    tenant_of(state, request)
+    body = await read_json(state, request)
+    unknown = sorted(set(body) - {"model", "prompt"})
+    if unknown:
+        raise bad(unknown[0], "unknown field (accepted: model, prompt)", "unknown_field")
+    if "model" in body:
+        check_served(state, body["model"])
+    if not isinstance(body.get("prompt"), str):
+        raise bad("prompt", f"expected a string, got {type(body.get('prompt')).__name__}")
+    toks = [int(t) for t in state.tokenizer.encode(body["prompt"])]
+    return JSONResponse({"tokens": toks, "count": len(toks), "max_model_len": state.capacity})
+
+
+@endpoint
 async def create_document(state, request):
     tenant = tenant_of(state, request)
     body = await read_json(state, request)
@@ -588,6 +616,7 @@ def create_app(state) -> Starlette:
     routes = [
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+        Route("/tokenize", tokenize, methods=["POST"]),
         Route("/v1/documents", create_document, methods=["POST"]),
         Route("/v1/documents", list_documents, methods=["GET"]),
         Route("/v1/documents/{doc_id:path}", get_document, methods=["GET"]),

@@ -102,7 +102,10 @@ def test_bench_against_real_server(tmp_path, monkeypatch, capsys):
         assert {r["client"] for r in recs} == set(range(cell["concurrency"]))
         assert all(0 <= r["start_s"] < dur < s["window_s"] for r in recs)  # started before the deadline
         assert max(r["end_s"] for r in recs) == pytest.approx(s["window_s"])
-        assert all(1 <= r["completion_tokens"] <= 4 and len(r["docs"]) == 2 for r in recs)
+        # a fixed output length (ignore_eos) and one prompt length: every request at one set of shapes
+        assert all(r["completion_tokens"] == 4 and r["finish_reason"] == "length" and len(r["docs"]) == 2
+                   for r in recs)
+        assert {r["prompt_tokens"] for r in recs} == {2 * 48 + data["workload"]["prompt_tokens"]}
         assert s["output_tokens"] == sum(r["completion_tokens"] for r in recs)
         if cell["arm"] == "redknot":
             assert all(r["cached_tokens"] > 0 for r in recs)

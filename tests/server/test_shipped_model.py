@@ -83,3 +83,25 @@ def test_default_server_answers_held_out_questions(default_server):
         assert chat["choices"][0]["message"]["content"].strip() == expected
         right += expected == gold
     assert right >= 2, f"the shipped model answered {right} of {len(ep.qas)} held-out questions"
+
+
+def test_ignore_eos_and_tokenize(default_server):
+    """`ignore_eos` (vLLM's extension) generates past the answer's <eos> up to max_tokens in both
+    arms; `/tokenize` gives the ids the completion endpoints see."""
+    srv = default_server
+    (ep,) = D.eval_episodes("test", 1, seed=SEED, n_docs=2, per_doc=4, questions_per_type=1)
+    text = D.decode(ep.docs[0])
+    status, tok = srv.request("POST", "/tokenize", {"model": SHIPPED_MODEL.name, "prompt": text}, key=None)
+    assert status == 200 and tok["tokens"] == [int(t) for t in ep.docs[0]] and tok["count"] == len(ep.docs[0])
+    assert tok["max_model_len"] >= tok["count"]
+    ids = [srv.request("POST", "/v1/documents", {"text": D.decode(d)}, key=None)[1]["id"] for d in ep.docs]
+    body = {"model": SHIPPED_MODEL.name, "prompt": D.decode(ep.qas[0].question), "max_tokens": 6,
+            "temperature": 0, "documents": ids}
+    for arm in ("recompute", "redknot"):
+        status, plain = srv.request("POST", "/v1/completions", {**body, "arm": arm}, key=None)
+        assert status == 200 and plain["choices"][0]["finish_reason"] == "stop", plain  # a short answer, then <eos>
+        assert plain["usage"]["completion_tokens"] < 6
+        status, full = srv.request("POST", "/v1/completions", {**body, "arm": arm, "ignore_eos": True}, key=None)
+        assert status == 200 and full["choices"][0]["finish_reason"] == "length", full
+        assert full["usage"]["completion_tokens"] == 6
+        assert full["redknot"]["token_ids"][:len(plain["redknot"]["token_ids"])] == plain["redknot"]["token_ids"]
