@@ -38,10 +38,13 @@ def load_ttft(paths) -> tuple[list[dict], list[str]]:
         if "lengths" not in d:
             raise SystemExit(f"--ttft {p}: not a bench_ttft.py result (no 'lengths')")
         complete = [r for r in d["lengths"] if "recompute_s" in r and "redknot_s" in r]
+        src = f"{pathlib.Path(p).name}: {d.get('device', '?')}, {d.get('date', '?')}"
         if complete:  # files of complete rows only (not a --build-only run)
-            prov.append(f"{pathlib.Path(p).name}: {d.get('device', '?')}, {d.get('date', '?')}")
+            prov.append(src)
         for r in complete:
             r = {**r, "profile_name": d.get("profile", {}).get("name"), "kernel_set": _kernel_set(d)}
+            if r.get("layer_times"):
+                r["layer_times_src"] = src
             was = rows.get(int(r["length"]))
             same = ("records_sha256", "profile_name", "kernel_set")
             if was and all(was[k] == r[k] for k in same):
@@ -76,7 +79,8 @@ def _pool(a: dict, b: dict) -> dict:
         out[f"{arm}_median_s"] = statistics.median(out[f"{arm}_s"])
     out["ratio_per_repeat"] = a["ratio_per_repeat"] + b["ratio_per_repeat"]
     out["speedup_median"] = statistics.median(out["ratio_per_repeat"])
-    out.setdefault("layer_times", a.get("layer_times"))
+    if not out.get("layer_times"):
+        out["layer_times"], out["layer_times_src"] = a.get("layer_times"), a.get("layer_times_src")
     return out
 
 
@@ -153,7 +157,7 @@ def plot_ttft(rows, prov, out: pathlib.Path, plt) -> list[pathlib.Path]:
     return files
 
 
-def plot_layers(rows, prov, out: pathlib.Path, plt) -> list[pathlib.Path]:
+def plot_layers(rows, out: pathlib.Path, plt) -> list[pathlib.Path]:
     """`layer_times_<length>.png` for each row with a per-layer profile (bench_ttft --layer-times)."""
     files = []
     for r in rows:
@@ -171,7 +175,8 @@ def plot_layers(rows, prov, out: pathlib.Path, plt) -> list[pathlib.Path]:
         ax.set_xlabel("layer (S sliding, C CSA, H HCA; * fence, native in both arms)")
         ax.set_ylabel("seconds (each layer waited for)")
         ax.legend()
-        ax.set_title(f"Per-layer time of both arms at {_kfmt(r['length'])}\n" + _prov(prov), fontsize=8)
+        ax.set_title(f"Per-layer time of both arms at {_kfmt(r['length'])}\n" + _prov([r["layer_times_src"]]),
+                     fontsize=8)
         files.append(_save(fig, out / f"layer_times_{_kfmt(r['length'])}.png", plt))
     return files
 
@@ -219,7 +224,7 @@ def main(argv=None):
     out.mkdir(parents=True, exist_ok=True)
     paths = args.ttft if args.ttft else sorted(glob.glob(str(ROOT / "docs" / "results" / "ttft_*_h200.json")))
     rows, prov = load_ttft(paths)
-    files = plot_ttft(rows, prov, out, plt) + plot_layers(rows, prov, out, plt)
+    files = plot_ttft(rows, prov, out, plt) + plot_layers(rows, out, plt)
     if args.qps:
         files.append(plot_qps(args.qps, out, plt))
     for f in files:

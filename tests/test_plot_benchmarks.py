@@ -21,18 +21,22 @@ def test_plots_from_committed_results(tmp_path):
     (tmp_path / "qps.json").write_text(json.dumps(qps))
     files = pb.main(["--qps", str(tmp_path / "qps.json"), "--out", str(tmp_path / "plots")])
     names = sorted(f.name for f in files)
-    assert names == ["layer_times_64K.png", "ledgers_per_length.png", "qps_vs_concurrency.png",
+    assert names == ["layer_times_128K.png", "layer_times_64K.png", "ledgers_per_length.png", "qps_vs_concurrency.png",
                      "speedup_vs_length.png", "ttft_vs_length.png"]
     for f in files:
         assert f.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and f.stat().st_size > 5000
 
 
-def test_runs_of_the_same_requests_are_pooled():
-    """The two committed 64K runs (same records and profile) become one row with both repeats."""
+@pytest.mark.parametrize("length, layers_file", [(65536, "ttft_64k_layers_h200.json"),
+                                                 (131072, "ttft_128k_host_layers_h200.json")])
+def test_runs_of_the_same_requests_are_pooled(length, layers_file):
+    """The two committed runs of 64K (and of 128K; same records and profile) become one row with
+    both repeats; its per-layer profile names the one file it came from."""
     rows, _ = pb.load_ttft(sorted((ROOT / "docs" / "results").glob("ttft_*_h200.json")))
-    row = {r["length"]: r for r in rows}[65536]
+    row = {r["length"]: r for r in rows}[length]
     assert len(row["recompute_s"]) == len(row["redknot_s"]) == len(row["ratio_per_repeat"]) == 2
     assert row["layer_times"] and min(row["ratio_per_repeat"]) <= row["speedup_median"] <= max(row["ratio_per_repeat"])
+    assert row["layer_times_src"].startswith(layers_file + ":")
 
 
 def test_a_profile_variant_does_not_replace_the_default_profile():
