@@ -18,6 +18,7 @@ is rejected (require_reuse).
     python launch/bench_ttft.py --lengths 131072 --resident host --repeats 1 --out ttft_128k_host.json
     python launch/bench_ttft.py --lengths 32768 --cold --out ttft_32k_cold.json
     python launch/bench_ttft.py --lengths 65536 --repeats 1 --layer-times --out ttft_64k_layers.json  # profile
+    python launch/bench_ttft.py --lengths 65536 --repeats 1 --op-profile 3,4 --out ttft_64k_ops.json  # op level
 
 --store DIR keeps the built artifacts in an artifact store (raw codec) and reads them back on a
 later run with the same records, profile and model (content ids): a run too long for one call
@@ -32,6 +33,7 @@ import dataclasses
 import datetime
 import hashlib
 import json
+import pathlib
 import platform
 import statistics
 import time
@@ -39,7 +41,7 @@ import time
 import numpy as np
 import jax
 
-from redknot_jax import config
+from redknot_jax import config, op_profile
 from redknot_jax.init import random_model
 from redknot_jax.reuse import ledger as ledgers
 from redknot_jax.reuse.artifact import build_artifact
@@ -76,6 +78,17 @@ def check_record_args(ap, args) -> list[int]:
     return lengths
 
 
+def op_profile_layers(ap, spec: str, num_layers: int) -> list[int]:
+    """--op-profile's layer indices, checked against the preset's layer count."""
+    try:
+        layers = sorted({int(x) for x in spec.split(",")})
+    except ValueError:
+        ap.error(f"--op-profile: expected comma-separated layer indices, got {spec!r}")
+    if not layers or layers[0] < 0 or layers[-1] >= num_layers:
+        ap.error(f"--op-profile: layer indices must lie in [0, {num_layers}), got {spec!r}")
+    return layers
+
+
 def profile_variant(prof, **over):
     """The profile with the given fields overridden (None: kept), renamed after them: a named
     variant whose digest differs, so artifacts are certified for it."""
@@ -109,6 +122,10 @@ def main(argv=None):
                          "and the first named fills the row's main fields")
     ap.add_argument("--layer-times", action="store_true",
                     help="after the timed runs, one profile run per arm that waits for every layer: per-layer seconds")
+    ap.add_argument("--op-profile", metavar="LAYERS",
+                    help="comma-separated layer indices: after the timed runs, one more run per arm in which each "
+                         "of these layers runs inside a jax.profiler trace of its own (OUT.traces/); the JSON gets "
+                         "each traced layer's device time by op category and its top ops (redknot_jax.op_profile)")
     ap.add_argument("--build-only", action="store_true", help="with --store: build and publish, time nothing")
     args = ap.parse_args(argv)
     if args.tail_rows is not None and args.tail_rows < 0:
@@ -118,12 +135,13 @@ def main(argv=None):
     if args.build_only and args.cold:
         ap.error("--build-only times nothing; drop --cold")
     lengths = check_record_args(ap, args)
+    cfg = config.PRESETS[args.preset]()
+    traced = op_profile_layers(ap, args.op_profile, cfg.num_layers) if args.op_profile else []
     kernel_sets = args.kernels.split(",")
     modes = ("auto", "xla", "mosaic", "indexer", "restore")
     if any(k not in modes for k in kernel_sets) or len(set(kernel_sets)) < len(kernel_sets):
         ap.error(f"--kernels: expected one or several distinct of {modes}, got {args.kernels!r}")
 
-    cfg = config.PRESETS[args.preset]()
     t0 = time.perf_counter()
     model = random_model(cfg, seed=0)
     jax.block_until_ready(jax.tree.leaves(model))
@@ -252,6 +270,20 @@ def main(argv=None):
                 "recompute_s": rec_lt, "redknot_s": red_lt,
                 "note": "one run per arm with a wait after every layer (serialised, so sums exceed the TTFT); "
                         "the first reusable layer of RedKnot includes the controller and the layout"}
+        if traced:  # op-level: each chosen layer traced on its own, both arms
+            base = pathlib.Path(args.out + ".traces") / str(length)
+            rt.consumer.recompute(req.tokens, plan_request(req, prof).query_rows, layer_times=[],
+                                  layer_traces=(str(base / "recompute"), traced))
+            rt.consumer.redknot(plan_request(req, prof), req.tokens, pool, layer_times=[],
+                                layer_traces=(str(base / "redknot"), traced))
+            n = cfg.num_layers
+            row["op_profile"] = {
+                "traces": str(base),
+                "layers": {str(i): {"kind": str(cfg.layer_types[i]),
+                                    "role": "fence" if prof.is_fence(i, n) else "reusable"} for i in traced},
+                **{arm: {str(i): op_profile.summarize(base / arm / f"layer_{i:02d}") for i in traced}
+                   for arm in ("recompute", "redknot")}}
+            save()
         if args.cold:  # after the hot runs, with their pool gone: construction + admission + prefill
             del pool
             cold_t = []

@@ -34,7 +34,9 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 import time
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -491,20 +493,33 @@ def reusable_attention(blk, x, tab, pool_layer, *, freqs, glob, block, reduce=No
 
 class _LayerClock:
     """Per-layer wall time for a profile run: when given a list, waits for each layer's output
-    (which serialises host and device, so only profile runs pass one) and appends its seconds."""
+    (which serialises host and device, so only profile runs pass one) and appends its seconds.
+    `traces` (directory, layer indices): those layers also run inside a `jax.profiler` trace of
+    their own, `directory/layer_NN` (started once the previous layer is done, stopped once this
+    one is: the trace holds that layer's work only; `redknot_jax.op_profile` summarises it)."""
 
-    def __init__(self, times: list | None, x):
-        self.times = times
+    def __init__(self, times: list | None, x, traces: tuple[str, Sequence[int]] | None = None):
+        if traces is not None and times is None:
+            raise ValueError("layer traces are taken in a profile run: pass layer_times too")
+        self.times, self.i = times, 0
+        self.dir, self.traced = (traces[0], set(traces[1])) if traces is not None else (None, set())
         if times is not None:
             jax.block_until_ready(x)
-            self.t0 = time.perf_counter()
+            self._start()
+
+    def _start(self) -> None:
+        if self.i in self.traced:
+            jax.profiler.start_trace(os.path.join(self.dir, f"layer_{self.i:02d}"))
+        self.t0 = time.perf_counter()
 
     def lap(self, x) -> None:
         if self.times is not None:
             jax.block_until_ready(x)
-            now = time.perf_counter()
-            self.times.append(now - self.t0)
-            self.t0 = now
+            self.times.append(time.perf_counter() - self.t0)
+            if self.i in self.traced:
+                jax.profiler.stop_trace()
+            self.i += 1
+            self._start()
 
 
 def _put_rows(a, rows, t0, n: int):
@@ -731,12 +746,14 @@ class Consumer:
         return _logits_jit(self.top_state, x, jnp.asarray(rows, jnp.int32)[None], graphdef=self.top_def)[0]
 
     # -------------------------------------------------------------- arms
-    def recompute(self, tokens, query_rows, layer_times: list | None = None) -> jax.Array:
+    def recompute(self, tokens, query_rows, layer_times: list | None = None,
+                  layer_traces: tuple[str, Sequence[int]] | None = None) -> jax.Array:
         """The Recomputed arm: every layer native over the whole request (logits [q, vocab]).
-        `layer_times`: a profile; each layer is waited for and its seconds appended."""
+        `layer_times`: a profile; each layer is waited for and its seconds appended;
+        `layer_traces` (directory, layers): those layers traced on their own (`_LayerClock`)."""
         ids, t, t_real = self._pad(tokens)
         x = self._embed(ids)
-        clock = _LayerClock(layer_times, x)
+        clock = _LayerClock(layer_times, x, layer_traces)
         for i in range(self.cfg.num_layers):
             x = self._native(i, x, ids, t_real, t)
             clock.lap(x)
@@ -772,17 +789,19 @@ class Consumer:
         fill_itop(plan, scores, budget, row_risk(plan, self.reusable))
 
     def redknot(self, plan: Plan, tokens, pool: DocPool, timings: dict | None = None, frozen: bool = False,
-                decode_rows: int = 0, layer_times: list | None = None):
+                decode_rows: int = 0, layer_times: list | None = None,
+                layer_traces: tuple[str, Sequence[int]] | None = None):
         """The RedKnot arm for a planned request whose artifacts are in `pool`; fills Itop
         (unless the plan is `frozen`: decode continuation keeps the prompt's protected set).
         Returns (logits [q, vocab], fan-out histogram [k+1] over reusable layers and rows), and
         with `decode_rows` > 0 a `DecodeState` for that many generated rows (`redknot_step`).
         `layer_times`: a profile; each layer is waited for and its seconds appended (the first
-        reusable layer's include the controller and the layout)."""
+        reusable layer's include the controller and the layout); `layer_traces` (directory,
+        layers): those layers traced on their own (`_LayerClock`)."""
         cfg, prof = self.cfg, self.profile
         ids, t, t_real = self._pad(tokens)
         x = self._embed(ids)
-        clock = _LayerClock(layer_times, x)
+        clock = _LayerClock(layer_times, x, layer_traces)
         hist, layout = None, None
         state = DecodeState(t_real, _ceil(t_real + decode_rows, cfg.hca_rate), pool) if decode_rows else None
         for i in range(cfg.num_layers):

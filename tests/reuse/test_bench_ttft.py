@@ -23,7 +23,7 @@ def test_bench_ttft_store_host_resident_cold_layers(monkeypatch, tmp_path):
     assert built["artifacts"] == "built" and built["build_s"] > 0 and "recompute_s" not in built
     out = tmp_path / "ttft.json"
     res = bench_ttft.main(common + ["--resident", "host", "--cold", "--layer-times", "--kernels", "xla,auto",
-                                    "--out", str(out)])
+                                    "--op-profile", "0,2", "--out", str(out)])
     assert json.loads(out.read_text()) == json.loads(json.dumps(res)) and res["resident"] == "host"
     row = res["lengths"][0]
     # the same records, their artifacts read back from the store (content ids), not rebuilt
@@ -42,6 +42,17 @@ def test_bench_ttft_store_host_resident_cold_layers(monkeypatch, tmp_path):
     lt = row["layer_times"]  # the per-layer profile: every layer of both arms, fences named
     assert len(lt["recompute_s"]) == len(lt["redknot_s"]) == len(lt["role"]) == len(lt["kind"])
     assert min(lt["recompute_s"] + lt["redknot_s"]) > 0 and {"fence", "reusable"} == set(lt["role"])
+    ops = row["op_profile"]  # a fence and a reusable layer traced on their own, both arms
+    assert ops["layers"] == {"0": {"kind": "sliding_attention", "role": "fence"},
+                             "2": {"kind": "heavily_compressed_attention", "role": "reusable"}}
+    for arm in ("recompute", "redknot"):
+        for layer in ("0", "2"):
+            s = ops[arm][layer]
+            assert s["ops"] > 0 and s["ops_ms"] > 0 and s["top"], (arm, layer)
+            assert sum(s["by_category"].values()) == pytest.approx(s["ops_ms"])
+            assert "matmul" in s["by_category"]
+    assert sorted(p.name for p in (tmp_path / "ttft.json.traces" / "96" / "redknot").iterdir()) == ["layer_00",
+                                                                                                      "layer_02"]
 
 
 @pytest.mark.parametrize("flags,named", [
@@ -49,7 +60,9 @@ def test_bench_ttft_store_host_resident_cold_layers(monkeypatch, tmp_path):
     (["--kernels", "triton"], "--kernels"), (["--kernels", "xla,xla"], "--kernels"),
     (["--docs", "0"], "--docs: expected >= 1, got 0"), (["--repeats", "0"], "--repeats: expected >= 1, got 0"),
     (["--lengths", "abc"], "--lengths: expected comma-separated integers"),
-    (["--lengths", "1000", "--question", "2000"], r"--lengths \[1000\]: a request needs")])
+    (["--lengths", "1000", "--question", "2000"], r"--lengths \[1000\]: a request needs"),
+    (["--op-profile", "99"], r"--op-profile: layer indices must lie in \[0, 6\)"),
+    (["--op-profile", "a"], "--op-profile: expected comma-separated layer indices")])
 def test_bench_ttft_rejects_bad_flags(tmp_path, capsys, flags, named):
     """Each bad flag is refused before any work, with a message naming it."""
     with pytest.raises(SystemExit):
