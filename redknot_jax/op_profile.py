@@ -2,8 +2,9 @@
 
 `summarize(trace_dir)` reads the trace's XSpace (`*.xplane.pb`) through `jax.profiler.ProfileData`
 and sums the executed XLA ops' durations:
-* on a GPU, the events of each device plane's "XLA Ops" line (one event per executed HLO op;
-  the kernels under it are not counted again);
+* on a GPU, only the device planes: a plane's "XLA Ops" line where the trace has one (a line
+  xprof derives, one event per executed HLO op), else the kernel events of its stream lines
+  that carry an `hlo_op` statistic (each kernel's time goes to the op that launched it);
 * on a CPU (no device plane), the host events that carry an `hlo_op` statistic (the thunk
   executor's, one per executed op).
 Control-flow ops (`while`, `conditional`, `call`) are left out: their bodies' ops are counted
@@ -60,21 +61,20 @@ def op_events(trace_dir) -> list[tuple[str, str, str, float]]:
     from jax.profiler import ProfileData
 
     data = ProfileData.from_file(str(_xplane(trace_dir)))
-    device = [ln for p in data.planes if p.name.startswith("/device:") for ln in p.lines if ln.name == "XLA Ops"]
+    devices = [p for p in data.planes if p.name.startswith("/device:")]
+    lines = []
+    for plane in devices or data.planes:
+        ops_line = [ln for ln in plane.lines if ln.name == "XLA Ops"]
+        lines += ops_line or list(plane.lines)
     out = []
-    if device:
-        for line in device:
-            for e in line.events:
-                st = dict(e.stats)
+    for line in lines:
+        for e in line.events:
+            st = dict(e.stats)
+            if line.name == "XLA Ops":
                 out.append((e.name, str(st.get("hlo_module", "")), str(st.get("long_name", e.name)),
                             e.duration_ns / 1e6))
-        return out
-    for p in data.planes:
-        for line in p.lines:
-            for e in line.events:
-                st = dict(e.stats)
-                if "hlo_op" in st:
-                    out.append((str(st["hlo_op"]), str(st.get("hlo_module", "")), e.name, e.duration_ns / 1e6))
+            elif "hlo_op" in st:
+                out.append((str(st["hlo_op"]), str(st.get("hlo_module", "")), e.name, e.duration_ns / 1e6))
     return out
 
 
