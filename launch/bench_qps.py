@@ -36,8 +36,8 @@ tokens become ordinary prompt tokens) share one continuous decode batch of `--sl
 sequences, each joining after a batch-1 chunked prefill (`--prefill-chunk` rows, default 256);
 requests citing documents in the RedKnot arm run one at a time through the reuse runtime's
 jitted consumer (the prompt in one pass, then one row per generated token over its cached
-keys, plan frozen), pausing the batch; the device pools of the last 4 distinct citation lists
-stay hot. So at L > 1 the RedKnot arm queues while the recompute arm batches its decode steps.
+keys, plan frozen), pausing the batch; the device pools of the last 4 distinct cited document sets
+(in any order) stay hot. So at L > 1 the RedKnot arm queues while the recompute arm batches its decode steps.
 
 Statistics per (arm, level), over the records of the window W = t_end - t0 (seconds):
 requests/s = completed / W (completed = HTTP 200), output tokens/s = sum of their
@@ -96,7 +96,7 @@ BATCHING_POLICY = ("server (README 'Serving'): plain completions and arm=recompu
                    "documents in the RedKnot arm run one at a time through the reuse runtime's jitted consumer "
                    "(the prompt in one pass, then one row per generated token over its cached keys), pausing "
                    "the batch; device pools of the last 4 "
-                   "citation lists stay hot")
+                   "cited document sets (any order) stay hot")
 CI_METHOD = ("bootstrap over per-request records: each record's cycle time (its client's previous boundary to "
              "its next start, or window end) tiles the window, rate = L * sum(ok or tokens) / sum(cycle); "
              "resampled with replacement, 2.5/97.5 percentiles; requests treated as independent")

@@ -324,10 +324,12 @@ class Scheduler:
 
     def _hot_pool(self, docs, keep: int = 4):
         """The device pool of these documents' artifacts (the hot tier): reused while the same
-        documents are cited (and through decode), built otherwise; the `keep` most recent pools
-        stay resident. Every cited artifact is counted by the tier it came from."""
+        documents are cited, in any order (a pool finds each artifact's rows by identity, so
+        its packing order is not the request's), and through decode; built otherwise; the
+        `keep` most recent pools stay resident. Every cited artifact is counted by the tier it
+        came from."""
         fetched = [self._ensure_artifact(d) for d in docs]
-        key = tuple(id(d.artifact) for d in docs)
+        key = frozenset(id(d.artifact) for d in docs)
         pool = self._pools.get(key)
         if pool is not None:
             self._pools.move_to_end(key)

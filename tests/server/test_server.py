@@ -236,6 +236,17 @@ def test_document_reuse_first_token_equals_recompute(server):
     assert tier("host") == host0 + 1 and tier("device") == dev0
     c.completions.create(model=MODEL, prompt=QUESTION, max_tokens=1, extra_body={"documents": [doc["id"]]})
     assert tier("device") == dev0 + 1 and tier("host") == host0 + 1
+    # a pool serves its documents cited in any order: [doc, other] packs one, [other, doc] finds it
+    other = server.request("POST", "/v1/documents", {"token_ids": [21, 22, 23, 24, 25, 26]})[1]["id"]
+    first = c.completions.create(model=MODEL, prompt=QUESTION, max_tokens=2,
+                                 extra_body={"documents": [doc["id"], other]})
+    assert tier("host") == host0 + 3 and tier("device") == dev0 + 1
+    swapped = c.completions.create(model=MODEL, prompt=QUESTION, max_tokens=2,
+                                   extra_body={"documents": [other, doc["id"]]})
+    assert tier("host") == host0 + 3 and tier("device") == dev0 + 3
+    for r in (first, swapped):
+        assert _ext(r)["arm"] == "redknot" and _ext(r)["fallback"] is None
+        assert r.usage.prompt_tokens_details.cached_tokens > 0
 
 
 def test_tenant_isolation_and_document_crud(server):
