@@ -9,9 +9,11 @@ and sums the executed XLA ops' durations:
   executor's, one per executed op).
 Control-flow ops (`while`, `conditional`, `call`) are left out: their bodies' ops are counted
 on their own, so the sum covers each executed op once.
-Each op goes to a category by the first keyword of CATEGORIES found in its name or HLO text
-(`long_name`), e.g. a cuBLAS or gemm fusion is `matmul`, XLA's TopK/sort is `sort / top-k`, a
-Mosaic GPU custom call is `custom kernel`. Categories are a reading aid; `top` lists the ops
+Each op goes to a category by the first keyword of CATEGORIES found in its name (e.g.
+`gemm_fusion_dot.2` is `matmul`, `sort.1` is `sort / top-k`); a name that says nothing (a
+`custom-call.N`) is read through its custom-call target in the HLO text (`long_name`), or the
+kernel's name (`__cublas$gemm` is `matmul`, a Mosaic GPU call is `custom kernel`). Operand
+names in the HLO text are never read: a fusion that consumes a dot is not a matmul. Categories are a reading aid; `top` lists the ops
 by their own names, which is what to look up in the HLO.
 """
 
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import collections
 import pathlib
+import re
 
 CATEGORIES = (  # (category, keywords): the first category with a keyword in the op's text wins
     ("collective", ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute", "nccl")),
@@ -39,6 +42,16 @@ def category(text: str) -> str:
         if any(k in t for k in keys):
             return name
     return "other"
+
+
+def op_category(op: str, text: str) -> str:
+    """An executed op's category from its name, else (a custom call, an unnamed kernel) from its
+    custom-call target in the HLO text, or the text itself when that is a kernel's name."""
+    cat = category(op)
+    if cat != "other":
+        return cat
+    target = re.search(r'custom_call_target="([^"]+)"', text)
+    return category(target.group(1) if target else text if "=" not in text else "")
 
 
 CONTAINERS = ("while", "conditional", "call")  # ops whose time is their bodies' ops'
@@ -85,7 +98,7 @@ def summarize(trace_dir, top: int = 15) -> dict:
     by_cat: dict[str, float] = collections.defaultdict(float)
     by_op: dict[tuple[str, str], list] = {}
     for name, module, text, ms in evs:
-        cat = category(name + " " + text)
+        cat = op_category(name, text)
         by_cat[cat] += ms
         acc = by_op.setdefault((name, module), [0.0, 0, cat])
         acc[0] += ms

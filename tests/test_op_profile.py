@@ -34,6 +34,16 @@ def test_categories(text, cat):
     assert op_profile.category(text) == cat
 
 
+@pytest.mark.parametrize("op, text, cat", [
+    ("custom-call.3", '%custom-call.3 = bf16[8,8] custom-call(%a, %b), custom_call_target="__cublas$gemm"', "matmul"),
+    ("custom-call.9", "sm90_xmma_gemm_bf16bf16_bf16f32", "matmul"),  # a stream kernel's name
+    ("fusion.4", "%fusion.4 = bf16[8] fusion(%dot.2), kind=kLoop", "elementwise fusion"),  # not its operand's kind
+    ("custom-call.5", '%custom-call.5 = f32[8] custom-call(%x), custom_call_target="mosaic_gpu"', "custom kernel"),
+    ("thing.1", "%thing.1 = f32[8] thing(%dot.1)", "other")])
+def test_op_category_reads_names_not_operands(op, text, cat):
+    assert op_profile.op_category(op, text) == cat
+
+
 def test_control_flow_is_not_counted_twice(tmp_path):
     """A while loop's event spans its body's ops, which are counted on their own."""
     @jax.jit
