@@ -13,8 +13,9 @@ Each op goes to a category by the first keyword of CATEGORIES found in its name 
 `gemm_fusion_dot.2` is `matmul`, `sort.1` is `sort / top-k`); a name that says nothing (a
 `custom-call.N`) is read through its custom-call target in the HLO text (`long_name`), or the
 kernel's name (`__cublas$gemm` is `matmul`, a Mosaic GPU call is `custom kernel`). Operand
-names in the HLO text are never read: a fusion that consumes a dot is not a matmul. Categories are a reading aid; `top` lists the ops
-by their own names, which is what to look up in the HLO.
+names in the HLO text are never read: a fusion that consumes a dot is not a matmul.
+Categories are a reading aid; `top` lists the ops by their own names, which is what to look
+up in the HLO.
 """
 
 from __future__ import annotations
@@ -51,7 +52,9 @@ def op_category(op: str, text: str) -> str:
     if cat != "other":
         return cat
     target = re.search(r'custom_call_target="([^"]+)"', text)
-    return category(target.group(1) if target else text if "=" not in text else "")
+    if target:
+        return category(target.group(1))
+    return "other" if "=" in text else category(text)  # HLO text names only operands; a kernel name is read
 
 
 CONTAINERS = ("while", "conditional", "call")  # ops whose time is their bodies' ops'

@@ -26,8 +26,13 @@ the fan-out rule.
 Relocation in this XLA path: a frame's canonical keys are turned by R(D) while they are read
 (the orthogonal twin of turning the query by R(-D): <R(-D) q, k> = <q, R(D) k>), so the
 output needs no phase restore before the native inverse output RoPE. The artifact itself is
-never written. The Mosaic GPU kernel (issue #7) rotates queries per segment instead; both are
-tested against the reference's per-frame rotated-query form.
+never written. (`pallas/seg_attention.py` rotates queries per segment instead; it is not used
+here, docs/kernels.md says why. Both are tested against the reference's rotated-query form.)
+
+Sections below: pool (`DocPool`, `HostPool`: host-resident, packed a layer ahead on a worker
+thread), layout (`build_layout`, `common_sizes`), layer math (pass A / pass B, restoration,
+decode attention), jitted layers, and `Consumer`: pieces, the arms (`recompute`, `redknot`,
+`redknot_step`; `layer_times` / `layer_traces` profile runs through `_LayerClock`), batches.
 """
 
 from __future__ import annotations
@@ -142,11 +147,11 @@ class _Streamed:
         if i not in self.order:
             raise KeyError(f"HostPool: layer {i} is not a reusable layer of this pool ({self.order})")
         ahead = self.ahead.pop(i, None)
-        d = self.pack(i) if ahead is None else None  # the first layer read: packed here
+        d = ahead.result() if ahead is not None else self.pack(i)  # the first layer read: packed here
         k = self.order.index(i) + 1
         if k < len(self.order) and self.order[k] not in self.ahead:  # started now, read by the next layer
             self.ahead[self.order[k]] = self._worker.submit(self.pack, self.order[k])
-        return ahead.result() if ahead is not None else d
+        return d
 
     def __iter__(self):
         return iter(self.order)
