@@ -43,6 +43,7 @@ import jax
 
 from redknot_jax import config, op_profile
 from redknot_jax.init import random_model
+from redknot_jax.pallas import KERNELS
 from redknot_jax.reuse import ledger as ledgers
 from redknot_jax.reuse.artifact import build_artifact
 from redknot_jax.reuse.planner import Request, Segment, plan_request
@@ -117,9 +118,10 @@ def main(argv=None):
                                     "else build and publish them")
     ap.add_argument("--kernels", default="auto",
                     help="the consumer's kernel set (Consumer(kernels=)): auto (on a GPU the kernels measured faster "
-                         "than XLA), xla (the references), mosaic (every Mosaic GPU kernel), indexer or restore (that "
-                         "one); several as 'xla,mosaic': each repeat then times both arms under each, side by side, "
-                         "and the first named fills the row's main fields")
+                         "than XLA), xla (the references), mosaic (every Mosaic GPU kernel), or kernels of "
+                         "redknot_jax.pallas.KERNELS joined by '+' (indexer+ragged_dot); several sets as "
+                         "'xla,indexer+ragged_dot': each repeat then times both arms under each, side by side, and "
+                         "the first named fills the row's main fields")
     ap.add_argument("--layer-times", action="store_true",
                     help="after the timed runs, one profile run per arm that waits for every layer: per-layer seconds")
     ap.add_argument("--op-profile", metavar="LAYERS",
@@ -138,9 +140,11 @@ def main(argv=None):
     cfg = config.PRESETS[args.preset]()
     traced = op_profile_layers(ap, args.op_profile, cfg.num_layers) if args.op_profile else []
     kernel_sets = args.kernels.split(",")
-    modes = ("auto", "xla", "mosaic", "indexer", "restore")
-    if any(k not in modes for k in kernel_sets) or len(set(kernel_sets)) < len(kernel_sets):
-        ap.error(f"--kernels: expected one or several distinct of {modes}, got {args.kernels!r}")
+    modes = ("auto", "xla", "mosaic")
+    if (any(k not in modes and not set(k.split("+")) <= set(KERNELS) for k in kernel_sets)
+            or len(set(kernel_sets)) < len(kernel_sets)):
+        ap.error(f"--kernels: expected one or several distinct sets, each one of {modes} or kernels of {KERNELS} "
+                 f"joined by '+', got {args.kernels!r}")
 
     t0 = time.perf_counter()
     model = random_model(cfg, seed=0)
@@ -148,7 +152,7 @@ def main(argv=None):
     init_s = time.perf_counter() - t0
     prof = flash_profile() if cfg.num_layers == 43 else tiny_profile(cfg.num_layers)
     prof = profile_variant(prof, tail_rows=args.tail_rows, fanout_mode=args.fanout, budget_override=args.budget)
-    rts = {k: ReuseRuntime(model, prof, checkpoint_fingerprint=f"random-{args.preset}-seed-0", kernels=k)
+    rts = {k: ReuseRuntime(model, prof, checkpoint_fingerprint=f"random-{args.preset}-seed-0", kernels=k.replace("+", ","))
            for k in kernel_sets}
     rt = rts[kernel_sets[0]]
     out = {"device": str(jax.devices()[0].device_kind), "date": datetime.date.today().isoformat(),

@@ -16,6 +16,7 @@ from redknot_jax.attention import Attention
 from redknot_jax.config import SLIDING, ModelConfig
 from redknot_jax.mhc import HyperConnection, HyperHead
 from redknot_jax.moe import MoE
+from redknot_jax.pallas import kernel_mode
 from redknot_jax.norms import RMSNorm
 from redknot_jax.rope import inv_freq
 
@@ -36,20 +37,24 @@ class Block(nnx.Module):
         self.compressed = cfg.layer_types[layer] != SLIDING
 
     def __call__(self, x, ids, pos0, n_new, cache, freqs, block, trace: bool = False, keep_fn=None,
-                 kernels: str = "xla"):
-        """x [b, t, n, d] streams -> (streams, cache[, trace]); see `Attention.__call__`."""
+                 kernels: str = ""):
+        """x [b, t, n, d] streams -> (streams, cache[, trace]); see `Attention.__call__`.
+        kernels: the Mosaic GPU kernels to run, a comma list of `redknot_jax.pallas.KERNELS`
+        ("": the XLA references); the block uses "indexer" and "ragged_dot"."""
         u, post, comb = self.hc_attn.pre(x)
-        out = self.attn(self.attn_norm(u), pos0, n_new, cache, freqs, block, trace=trace, kernels=kernels)
+        out = self.attn(self.attn_norm(u), pos0, n_new, cache, freqs, block, trace=trace,
+                        kernels=kernel_mode(kernels, "indexer"))
         a, cache = out[0], out[1]
         x = HyperConnection.post(x, a, post, comb)
-        x = self.ffn_residual(x, ids, keep_fn)
+        x = self.ffn_residual(x, ids, keep_fn, kernels=kernels)
         return (x, cache, out[2]) if trace else (x, cache)
 
-    def ffn_residual(self, x, ids, keep_fn=None, with_keep: bool = False):
+    def ffn_residual(self, x, ids, keep_fn=None, with_keep: bool = False, kernels: str = ""):
         """The MoE half of the block: mHC pre, ffn_norm, MoE (optional fan-out), mHC post.
         With `with_keep`, also the expert keep mask [b, t, k] the MoE applied."""
         u, post, comb = self.hc_ffn.pre(x)
-        y, keep = self.ffn(self.ffn_norm(u), ids, keep_fn=keep_fn, with_keep=True)
+        y, keep = self.ffn(self.ffn_norm(u), ids, keep_fn=keep_fn, with_keep=True,
+                           kernels=kernel_mode(kernels, "ragged_dot"))
         x = HyperConnection.post(x, y, post, comb)
         return (x, keep) if with_keep else x
 

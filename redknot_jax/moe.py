@@ -6,8 +6,10 @@ Experts run as grouped matmuls over assignments sorted by expert, so only the ch
 experts' FLOPs are spent: `grouped_matmul` walks fixed-size row tiles, each tile inside one
 expert's group (at most rows/tile + experts tiles), one dense matmul per tile. It replaces
 `jax.lax.ragged_dot`, its reference, which XLA runs 13x slower than a dense matmul on an H200
-(47 vs 624 TFLOP/s, `launch/bench_gmm_probe.py`, 2026-11-29). An optional `keep` mask drops assignments (the
-RedKnot fan-out rule) without renormalising the kept weights.
+(47 vs 624 TFLOP/s, `launch/bench_gmm_probe.py`, 2026-11-29). With `kernels="mosaic"` the three
+expert matmuls run as one Mosaic GPU grouped-matmul kernel each (`redknot_jax.pallas.ragged_dot`)
+instead: the scan's per-tile ops were most of a long prefill layer's launches. An optional `keep`
+mask drops assignments (the RedKnot fan-out rule) without renormalising the kept weights.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from redknot_jax.config import ModelConfig
+from redknot_jax.pallas.ragged_dot import ragged_dot as ragged_dot_kernel
 
 HIGHEST = jax.lax.Precision.HIGHEST
 
@@ -101,8 +104,9 @@ class MoE(nnx.Module):
         wts = wts / (jnp.sum(wts, -1, keepdims=True) + 1e-20)
         return sel.astype(jnp.int32), wts * self.scale, scores
 
-    def experts(self, x, sel, wts, keep=None):
-        """Sum over kept assignments of w * expert(x): x [n, d], sel/wts/keep [n, k] -> [n, d] fp32."""
+    def experts(self, x, sel, wts, keep=None, kernels: str = "xla"):
+        """Sum over kept assignments of w * expert(x): x [n, d], sel/wts/keep [n, k] -> [n, d] fp32.
+        kernels: the grouped matmuls by XLA ("xla") or the Mosaic GPU kernel ("mosaic")."""
         n, k = sel.shape
         eid = sel.reshape(-1)
         if keep is not None:
@@ -111,7 +115,11 @@ class MoE(nnx.Module):
         tok = order // k
         sizes = jnp.bincount(eid, length=self.e + 1)[: self.e].astype(jnp.int32)
         xs = x[tok]
-        if n * k >= 64 * self.e:  # long chunks: tiled scan (a few dense tiles per expert)
+        if kernels == "mosaic":
+            gmm = lambda a, w, **kw: ragged_dot_kernel(a, w, sizes, **kw)
+        elif kernels != "xla":
+            raise ValueError(f"MoE.experts: kernels must be 'xla' or 'mosaic', got {kernels!r}")
+        elif n * k >= 64 * self.e:  # long chunks: tiled scan (a few dense tiles per expert)
             tile = self.tile(n * k)
             gmm = lambda a, w, **kw: grouped_matmul(a, w, sizes, tile, **kw)
         else:  # decode-sized: ragged_dot (the scan's per-tile launches dominate at a few rows;
@@ -130,8 +138,9 @@ class MoE(nnx.Module):
         return jnp.einsum("nf,df->nd", swiglu(g, u, self.limit).astype(x.dtype), self.s2[...],
                           preferred_element_type=jnp.float32, precision=HIGHEST)
 
-    def __call__(self, x, ids, keep_fn=None, chunk: int = 4096, with_keep: bool = False):
-        """x [b, t, d], ids [b, t] -> [b, t, d]. Tokens are processed `chunk` at a time.
+    def __call__(self, x, ids, keep_fn=None, chunk: int = 4096, with_keep: bool = False, kernels: str = "xla"):
+        """x [b, t, d], ids [b, t] -> [b, t, d]. Tokens are processed `chunk` at a time; `kernels`
+        as in `experts`.
 
         keep_fn(sel, wts, scores) -> keep mask [n, k] or None (fan-out trimming). With
         `with_keep`, also returns the mask applied, [b, t, k] (all True without keep_fn).
@@ -142,7 +151,7 @@ class MoE(nnx.Module):
         def run(xc, ic):
             sel, wts, scores = self.route(xc, ic)
             keep = None if keep_fn is None else keep_fn(sel, wts, scores)
-            y = (self.experts(xc, sel, wts, keep) + self.shared(xc)).astype(x.dtype)
+            y = (self.experts(xc, sel, wts, keep, kernels) + self.shared(xc)).astype(x.dtype)
             return y, jnp.ones(sel.shape, bool) if keep is None else keep
 
         n = b * t

@@ -160,7 +160,6 @@ def main(argv=None):
     """Kernel vs the XLA reference at CSA shapes (per 256-query block, and 4096 queries); TFLOP/s
     against a bf16 matmul measured in the same run."""
     import argparse
-    import sys
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--json", default=None)
@@ -191,8 +190,7 @@ def main(argv=None):
                              xla_tflops=flops / tr / 1e12, kernel_frac_of_peak=flops / tk / 1e12 / peak))
             print(f"{t}x{s} block_s={bs} err {err:.1e} kernel {tk * 1e3:.3f} ms xla {tr * 1e3:.3f} ms x{tr / tk:.2f} "
                   f"{flops / tk / 1e12:.0f} TFLOP/s ({flops / tk / 1e12 / peak:.0%} of {peak:.0f})", flush=True)
-    return record("indexer_scores", a.json, matmul_tflops=peak, rows=rows,
-                  command="python -m redknot_jax.pallas.indexer_scores " + " ".join(argv if argv is not None else sys.argv[1:]))
+    return record("indexer_scores", a.json, argv, matmul_tflops=peak, rows=rows)
 
 
 if __name__ == "__main__":

@@ -291,8 +291,7 @@ def main(argv=None):
             print(f"t={t:6d} block_n={bn:3d} {ix} err {err:.1e} kernel {tk * 1e3:7.3f} ms xla {tr * 1e3:7.3f} ms "
                   f"x{tr / tk:4.2f} {nbytes / tk / 1e9:6.0f} GB/s ({nbytes / tk / 1e9 / copy_gbs:.0%} of copy "
                   f"{copy_gbs:.0f})", flush=True)
-    return record("restore", a.json, copy_gbs=copy_gbs, rows=rows,
-                  command="python -m redknot_jax.pallas.restore " + " ".join(argv or []))
+    return record("restore", a.json, argv, copy_gbs=copy_gbs, rows=rows)
 
 
 if __name__ == "__main__":

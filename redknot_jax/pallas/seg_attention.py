@@ -558,8 +558,7 @@ def main(argv=None):
         print(f"{name:42s} err {err:.2e} lse {lerr:.1e} kernel {tk * 1e3:8.3f} ms  xla {tr * 1e3:8.3f} ms  "
               f"x{tr / tk:5.2f}  {fl / tk / 1e12:6.1f} TFLOP/s ({fl / tk / 1e12 / peak:.0%} of {peak:.0f})",
               flush=True)
-    return record("seg_attention", a.json, bf16_matmul_peak_tflops=peak, rows=rows,
-                  command="python -m redknot_jax.pallas.seg_attention" + (" --quick" if a.quick else ""))
+    return record("seg_attention", a.json, argv, bf16_matmul_peak_tflops=peak, rows=rows)
 
 
 if __name__ == "__main__":

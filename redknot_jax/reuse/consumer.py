@@ -54,7 +54,9 @@ from redknot_jax.config import CSA, HCA
 from redknot_jax.indexer import index_scores, score_function, select_topk
 from redknot_jax.mhc import HyperConnection
 from redknot_jax.norms import rms_norm
+from redknot_jax.pallas import KERNELS, kernel_mode
 from redknot_jax.pallas.indexer_scores import scores_unsupported
+from redknot_jax.pallas.ragged_dot import ragged_dot_unsupported
 from redknot_jax.pallas.restore import restore_reference, restore_unsupported
 from redknot_jax.pallas.restore import restore as restore_kernel
 from redknot_jax.reuse.artifact import Artifact, local_head_mask
@@ -376,15 +378,15 @@ def reusable_layer(blk, x, ids, tab, pool_layer, *, freqs, glob, block, fan, red
     `ffn(x, ids, keep_fn) -> (x, keep)` is the rank's MoE half; by default both are local."""
     x = reusable_attention(blk, x, tab, pool_layer, freqs=freqs, glob=glob, block=block, reduce=reduce,
                            kernels=kernels)
-    return reusable_ffn(blk, x, ids, tab["pos"] < tab["n_real"], fan, ffn)
+    return reusable_ffn(blk, x, ids, tab["pos"] < tab["n_real"], fan, ffn, kernels)
 
 
-def reusable_ffn(blk, x, ids, real, fan, ffn=None):
+def reusable_ffn(blk, x, ids, real, fan, ffn=None, kernels: str = ""):
     """The MoE half of a reusable layer with the fan-out rule: (x, histogram of kept experts
-    over the `real` rows [.., t])."""
+    over the `real` rows [.., t]). `kernels`: the resolved set (its "ragged_dot"), local MoE only."""
     keep_fn = lambda sel, wts, scores: fanout_keep(wts, fan[0], fan[1], fan[2])
     if ffn is None:
-        x, keep = blk.ffn_residual(x, ids, keep_fn, with_keep=True)
+        x, keep = blk.ffn_residual(x, ids, keep_fn, with_keep=True, kernels=kernels)
     else:
         x, keep = ffn(x, ids, keep_fn)
     kept = jnp.sum(keep, -1)
@@ -566,7 +568,7 @@ def decode_attention(blk, x, tab, pool_layer, keys, t0, *, freqs):
 
 # ---------------------------------------------------------------------------------- jitted layers
 @functools.partial(jax.jit, static_argnames=("graphdef", "freqs", "block", "cap", "kernels"))
-def _native_jit(state, x, ids, n_real, *, graphdef, freqs, block, cap, kernels="xla"):
+def _native_jit(state, x, ids, n_real, *, graphdef, freqs, block, cap, kernels=""):
     """One native layer over a batch of b padded requests (n_real [b] real rows each)."""
     blk = nnx.merge(graphdef, state)
     b = x.shape[0]
@@ -576,7 +578,7 @@ def _native_jit(state, x, ids, n_real, *, graphdef, freqs, block, cap, kernels="
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "freqs", "block", "cap", "kernels"))
-def _native_cache_jit(state, x, ids, n_real, *, graphdef, freqs, block, cap, kernels="xla"):
+def _native_cache_jit(state, x, ids, n_real, *, graphdef, freqs, block, cap, kernels=""):
     """A native layer over one request, keeping its cache (capacity `cap` rows) for decoding."""
     blk = nnx.merge(graphdef, state)
     return blk(x, ids, jnp.zeros((1,), jnp.int32), n_real, blk.attn.init_cache(1, cap, x.dtype), freqs, block,
@@ -597,7 +599,7 @@ def _reusable_keys_jit(state, x, ids, tab, pool_layer, *, graphdef, freqs, glob,
     blk = nnx.merge(graphdef, state)
     x, keys = reusable_attention(blk, x, tab, pool_layer, freqs=freqs, glob=np.asarray(glob), block=block,
                                  keep_keys=True, kernels=kernels)
-    x, hist = reusable_ffn(blk, x, ids, tab["pos"] < tab["n_real"], fan)
+    x, hist = reusable_ffn(blk, x, ids, tab["pos"] < tab["n_real"], fan, kernels=kernels)
     return x, hist, keys
 
 
@@ -671,8 +673,7 @@ class DecodeState:
     layers: dict = dataclasses.field(default_factory=dict)
 
 
-KERNELS = ("indexer", "restore")  # the consumer's Mosaic GPU kernels (redknot_jax/pallas)
-FASTER = ("indexer",)  # measured faster than their XLA references on the H200 (docs/kernels.md)
+FASTER = ("indexer", "ragged_dot")  # measured faster than their XLA references on the H200 (docs/kernels.md)
 
 
 def resolve_kernels(kernels: str, model, n_global: int) -> str:
@@ -685,7 +686,11 @@ def resolve_kernels(kernels: str, model, n_global: int) -> str:
     cfg = model.cfg
     why = {"restore": restore_unsupported(cfg.head_dim, cfg.o_lora_rank, n_global, model.dtype),
            "indexer": scores_unsupported(cfg.index_n_heads, cfg.index_head_dim, model.dtype)
-           if CSA in cfg.layer_types else None}
+           if CSA in cfg.layer_types else None,
+           "ragged_dot": "JAX's kernel has no interpret mode: it runs on a GPU only"
+           if jax.default_backend() != "gpu" else
+           ragged_dot_unsupported(cfg.hidden_size, cfg.moe_inter_dim, model.dtype)
+           or ragged_dot_unsupported(cfg.moe_inter_dim, cfg.hidden_size, model.dtype)}
     if kernels == "auto":
         return ",".join(k for k in FASTER if why[k] is None) if jax.default_backend() == "gpu" else ""
     names = {"xla": [], "mosaic": list(KERNELS)}.get(kernels, kernels.split(","))
@@ -696,11 +701,6 @@ def resolve_kernels(kernels: str, model, n_global: int) -> str:
         if why[k]:
             raise ValueError(f"kernels={kernels!r}: the {k} kernel cannot run this model: {why[k]}")
     return ",".join(k for k in KERNELS if k in names)
-
-
-def kernel_mode(kernels: str, name: str) -> str:
-    """"mosaic" if the resolved set runs kernel `name`, else "xla"."""
-    return "mosaic" if name in kernels.split(",") else "xla"
 
 
 class Consumer:
@@ -742,7 +742,7 @@ class Consumer:
         cap = _ceil(t, self.cfg.hca_rate)
         return _native_jit(st, x, ids, jnp.asarray(np.reshape(t_real, -1), jnp.int32), graphdef=gd,
                            freqs=self.model.freqs(i), block=min(self.block, t), cap=cap,
-                           kernels=kernel_mode(self.kernels, "indexer") if x.shape[0] == 1 else "xla")
+                           kernels=self.kernels if x.shape[0] == 1 else "")
 
     def _embed(self, ids):
         return _embed_jit(self.top_state, ids, graphdef=self.top_def)
@@ -818,7 +818,7 @@ class Consumer:
                     x, state.layers[i] = _native_cache_jit(
                         st, x, ids, jnp.full((1,), t_real, jnp.int32), graphdef=gd, freqs=self.model.freqs(i),
                         block=min(self.block, t), cap=max(state.cap, _ceil(t, cfg.hca_rate)),
-                        kernels=kernel_mode(self.kernels, "indexer"))
+                        kernels=self.kernels)
                 clock.lap(x)
                 continue
             if layout is None:  # the controller reads the first reusable layer's input

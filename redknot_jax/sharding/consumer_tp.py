@@ -20,7 +20,9 @@ Per rank:
 
 Kernels: `kernels=` takes `Consumer`'s forms (default "auto": on a GPU the indexer-score
 kernel). Each rank runs them on its share: the indexer kernel over all indexer heads (the
-queries are all-gathered first), the restoration kernel over the rank's output groups.
+queries are all-gathered first), the restoration kernel over the rank's output groups. The
+MoE's grouped-matmul kernel ("ragged_dot") is not used here: the rank's expert range runs
+`tp._moe`'s XLA path.
 
 Embedding and LM head are vocabulary-parallel as in `TPForward` (each rank its slice of the
 table; COLLECTIVE: psum of the looked-up rows, t*d; all-gather of the logits along vocab,
@@ -40,7 +42,8 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from redknot_jax.mhc import HyperConnection
-from redknot_jax.reuse.consumer import Consumer, DocPool, build_layout, kernel_mode, reusable_layer
+from redknot_jax.pallas import kernel_mode
+from redknot_jax.reuse.consumer import Consumer, DocPool, build_layout, reusable_layer
 from redknot_jax.reuse.planner import Plan
 from redknot_jax.sharding import tp as tpmod
 from redknot_jax.sharding.table import AXIS, check_tp, param_spec

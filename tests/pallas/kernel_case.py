@@ -1,5 +1,6 @@
 """The small bf16 model and request the consumer-level kernel tests share: head dims and output
-rank widened to the kernels' tiles (64), two documents and a question, 20 % budget."""
+rank widened to the kernels' tiles (64; optionally the MoE's to 128), two documents and a
+question, 20 % budget."""
 
 import dataclasses
 
@@ -13,9 +14,12 @@ from redknot_jax.reuse.planner import Request, Segment
 from redknot_jax.reuse.profile import tiny_profile
 
 
-def kernel_case():
-    """(cfg, model, profile, artifacts, request); the vocabulary (96) divides tp = 2."""
-    cfg = dataclasses.replace(config.tiny("csa"), head_dim=64, o_lora_rank=64, index_head_dim=64, vocab_size=96)
+def kernel_case(moe_tiles: bool = False):
+    """(cfg, model, profile, artifacts, request); the vocabulary (96) divides tp = 2.
+    moe_tiles: hidden size and expert width 128 too (the grouped-matmul kernel's tiles)."""
+    wide = dict(hidden_size=128, moe_inter_dim=128) if moe_tiles else {}
+    cfg = dataclasses.replace(config.tiny("csa"), head_dim=64, o_lora_rank=64, index_head_dim=64, vocab_size=96,
+                              **wide)
     model = random_model(cfg, seed=5, dtype=jnp.bfloat16)
     prof = dataclasses.replace(tiny_profile(cfg.num_layers), budget_override=0.2, tail_rows=8)
     rng = np.random.default_rng(0)

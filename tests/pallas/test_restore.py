@@ -128,7 +128,7 @@ def test_kernel_matches_reference_gpu(seed, t, bn, indices):
 
 
 def test_consumer_runs_the_kernel(monkeypatch):
-    """Both arms with kernels="mosaic" (the restoration and indexer-score kernels, interpret mode
+    """Both arms with kernels="indexer,restore" (the restoration and indexer-score kernels, interpret mode
     on CPU) give the logits of kernels="xla" on a bf16 tiny model (head dims and output rank
     widened to the kernels' tiles); a model the kernels cannot run is refused at construction."""
     import dataclasses
@@ -142,7 +142,7 @@ def test_consumer_runs_the_kernel(monkeypatch):
     traced = []  # indexer kernel calls traced into the mosaic programs
     kernel = ix.indexer_scores
     monkeypatch.setattr(ix, "indexer_scores", lambda *a, **k: traced.append(a[0].shape) or kernel(*a, **k))
-    xla, mosaic = ReuseRuntime(model, prof, "fp"), ReuseRuntime(model, prof, "fp", kernels="mosaic")
+    xla, mosaic = ReuseRuntime(model, prof, "fp"), ReuseRuntime(model, prof, "fp", kernels="indexer,restore")
     a = xla.prefill(req, "redknot", require_reuse=True)
     b = mosaic.prefill(req, "redknot", require_reuse=True)
     assert 0 < b.plan.fraction_protected() < 1 and (a.plan.protected == b.plan.protected).all()
@@ -153,10 +153,10 @@ def test_consumer_runs_the_kernel(monkeypatch):
     b = mosaic.prefill(req, "recompute")
     assert rel_err(b.logits, a.logits) < TOL["kernel_bf16_o"][0]
     assert len(traced) > n_redknot
-    with pytest.raises(ValueError, match="mosaic.*indexer head dim 16"):
+    with pytest.raises(ValueError, match="indexer,restore.*indexer head dim 16"):
         ReuseRuntime(random_model(dataclasses.replace(cfg, index_head_dim=16), seed=5, dtype=jnp.bfloat16), prof,
-                     "fp", kernels="mosaic")
-    with pytest.raises(ValueError, match="mosaic.*bf16"):
-        ReuseRuntime(random_model(cfg, seed=5, dtype=jnp.float32), prof, "fp", kernels="mosaic")
+                     "fp", kernels="indexer,restore")
+    with pytest.raises(ValueError, match="indexer,restore.*bf16"):
+        ReuseRuntime(random_model(cfg, seed=5, dtype=jnp.float32), prof, "fp", kernels="indexer,restore")
     with pytest.raises(ValueError, match="kernels"):
         ReuseRuntime(model, prof, "fp", kernels="triton")

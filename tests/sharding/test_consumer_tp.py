@@ -56,7 +56,7 @@ def test_tp_consumer_equals_single_device(setup, tp):
 
 @pytest.mark.parametrize("tp", [1, pytest.param(2, marks=pytest.mark.gpu)])
 def test_tp_consumer_runs_the_kernels(monkeypatch, tp):
-    """kernels="mosaic" (indexer-score and restoration kernels inside shard_map) gives the logits
+    """kernels="indexer,restore" (indexer-score and restoration kernels inside shard_map) gives the logits
     of the XLA references, and both kinds of rank program (native: the fences, which are the
     Recomputed arm's programs; reusable: pass B) really call the indexer kernel.
     On CPU the kernels run in Mosaic GPU interpret mode, whose simulated shared memory is one
@@ -79,7 +79,7 @@ def test_tp_consumer_runs_the_kernels(monkeypatch, tp):
         f = getattr(mod, name)
         monkeypatch.setattr(mod, name, lambda *a, _f=f, _n=name, **k: kinds.append((_n, k["kernels"])) or _f(*a, **k))
     mesh = make_mesh(tp)
-    xla, mosaic = TPConsumer(model, prof, mesh, kernels="xla"), TPConsumer(model, prof, mesh, kernels="mosaic")
+    xla, mosaic = TPConsumer(model, prof, mesh, kernels="xla"), TPConsumer(model, prof, mesh, kernels="indexer,restore")
     assert xla.kernels == "" and mosaic.kernels == "indexer,restore"
     plan = plan_request(req, prof)
     assert 0 < plan.fraction_protected() < 1

@@ -1,0 +1,186 @@
+"""The MoE experts' grouped matmul (spec §5) as a Mosaic GPU kernel, beside its reference.
+
+    out[r] = x[r] @ w[g(r)]   for the rows r of group g (rows sorted by group, sizes [e]);
+    rows past sum(sizes) are zero.
+
+That is `jax.lax.ragged_dot`'s contract, and `ragged_dot_reference` is `jax.lax.ragged_dot`.
+Why a kernel: the per-layer op profile of a 64K prefill on the H200
+(`docs/results/ttft_64k_ops_h200.json`) showed the MoE's XLA path (`moe.grouped_matmul`, a
+scan of one dense matmul per 512-row tile) issuing ~100K device ops per layer (3 matmuls x 64
+tiles x 16 token chunks, each tile a handful of ops, plus a copy of the expert's weight matrix
+per tile), so a layer spent about half its wall time between kernels; XLA's own `ragged_dot`
+runs at 47 TFLOP/s there. This is one launch per matmul.
+
+The kernel is JAX's (`jax.experimental.pallas.ops.gpu.ragged_dot_mgpu`, Hopper): a persistent
+grid over (row tile, column tile) pairs, each row tile inside one group, a pipelined wgmma over
+k, and stores of only the group's rows (a ladder of power-of-two TMA boxes). This module adds
+what the MoE needs around it: the contract's zero rows past sum(sizes) (the kernel leaves them
+unwritten; the fan-out rule sends dropped assignments there), `preferred_element_type` (the
+kernel writes the operands' dtype; a wider type is a cast of that), a validated tiling
+(`RaggedDotConfig`, tuned on the H200), `ragged_dot_unsupported` (why a shape cannot run) and
+`main()`, the benchmark against the XLA paths.
+
+Limits: bf16 operands, k % block_k == 0, n % block_n == 0. Anything else raises ValueError;
+`Consumer(kernels=)` refuses such a model at construction. The kernel has no interpret mode
+(JAX builds it without one), so CPU CI checks the reference's contract and the CUDA lowering;
+the numerics are a GPU test (`tests/pallas/test_ragged_dot.py -m gpu`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import numpy as np
+import jax
+import jax.numpy as jnp
+
+from redknot_jax.pallas.timing import median_time, record
+
+HIGHEST = jax.lax.Precision.HIGHEST
+SMEM_LIMIT = 227 * 1024
+
+
+@dataclasses.dataclass(frozen=True)
+class RaggedDotConfig:
+    """Tiling: block_m rows x block_n columns per tile (one warpgroup's wgmma; the fp32
+    accumulator takes block_m * block_n / 128 registers per thread, so at most 128 x 128),
+    block_k the contraction step, steps the pipeline's depth, grid_block_n how many column
+    tiles in a row of the persistent grid's snake order (weight-tile reuse in L2)."""
+
+    block_m: int = 128
+    block_n: int = 128
+    block_k: int = 64
+    steps: int = 4
+    grid_block_n: int = 4
+
+    def __post_init__(self):
+        if self.block_m not in (64, 128):
+            raise ValueError(f"RaggedDotConfig.block_m: expected 64 or 128, got {self.block_m}")
+        if self.block_n not in (64, 128, 256):
+            raise ValueError(f"RaggedDotConfig.block_n: expected 64, 128 or 256, got {self.block_n}")
+        if self.block_m * self.block_n > 128 * 128:
+            raise ValueError(f"RaggedDotConfig: a {self.block_m} x {self.block_n} fp32 accumulator does not fit "
+                             "one warpgroup's registers (at most 128 x 128)")
+        if self.block_k != 64:  # one 128-byte swizzle row of bf16
+            raise ValueError(f"RaggedDotConfig.block_k: expected 64, got {self.block_k}")
+        if not 2 <= self.steps <= 6:
+            raise ValueError(f"RaggedDotConfig.steps: expected 2..6, got {self.steps}")
+        if self.grid_block_n not in (1, 2, 4, 8, 16):
+            raise ValueError(f"RaggedDotConfig.grid_block_n: expected 1, 2, 4, 8 or 16, got {self.grid_block_n}")
+        if self.smem_bytes() > SMEM_LIMIT:
+            raise ValueError(f"RaggedDotConfig: {self.smem_bytes()} bytes of shared memory > {SMEM_LIMIT}")
+
+    def smem_bytes(self) -> int:
+        """Operand pipeline plus the output staging tile (bf16)."""
+        return self.steps * (self.block_m + self.block_n) * self.block_k * 2 + self.block_m * self.block_n * 2 + 1024
+
+
+def ragged_dot_unsupported(k: int, n: int, dtype, config: RaggedDotConfig | None = None) -> str | None:
+    """Why the kernel cannot multiply [m, k] rows by [e, k, n] weights in `dtype` (None: it can)."""
+    cfg = config or RaggedDotConfig()
+    if isinstance(dtype, str) or jnp.dtype(dtype) != jnp.bfloat16:
+        return f"bf16 operands expected, got {dtype}"
+    if k % cfg.block_k or n % cfg.block_n:
+        return f"k={k} must divide by block_k={cfg.block_k} and n={n} by block_n={cfg.block_n}"
+    return None
+
+
+def _check(x, w, sizes):
+    if x.ndim != 2 or w.ndim != 3 or x.shape[1] != w.shape[1]:
+        raise ValueError(f"ragged_dot: expected x [m, k] and w [e, k, n], got {x.shape} and {w.shape}")
+    if sizes.shape != (w.shape[0],) or not jnp.issubdtype(sizes.dtype, jnp.integer):
+        raise ValueError(f"ragged_dot: expected integer sizes [{w.shape[0]}], got {sizes.dtype}{sizes.shape}")
+
+
+def ragged_dot_reference(x, w, sizes, preferred_element_type=None, config=None):
+    """XLA's `jax.lax.ragged_dot` (fp32 accumulation), the contract the kernel meets."""
+    del config
+    _check(x, w, sizes)
+    return jax.lax.ragged_dot(x, w, sizes, precision=HIGHEST, preferred_element_type=preferred_element_type)
+
+
+def ragged_dot(x, w, sizes, preferred_element_type=None, config: RaggedDotConfig | None = None):
+    """Mosaic GPU grouped matmul; same signature and result as `ragged_dot_reference` (up to
+    bf16 rounding of the output: the kernel accumulates in fp32 and writes bf16, which a wider
+    `preferred_element_type` then widens). Unsupported shapes or dtypes raise ValueError."""
+    from jax.experimental.pallas.ops.gpu.ragged_dot_mgpu import ragged_dot as mgpu_ragged_dot
+
+    _check(x, w, sizes)
+    cfg = config or RaggedDotConfig()
+    why = ragged_dot_unsupported(x.shape[1], w.shape[2], x.dtype if x.dtype == w.dtype else "mixed dtypes", cfg)
+    if why:
+        raise ValueError(f"ragged_dot kernel: {why}")
+    sizes = sizes.astype(jnp.int32)
+    out = mgpu_ragged_dot(x, w, group_sizes=sizes, block_m=cfg.block_m, block_n=cfg.block_n, block_k=cfg.block_k,
+                          max_concurrent_steps=cfg.steps, grid_block_n=cfg.grid_block_n)
+    # rows past the last group are never written by the kernel: the contract says zero
+    valid = jnp.arange(x.shape[0]) < jnp.sum(sizes)
+    return jnp.where(valid[:, None], out, 0).astype(preferred_element_type or x.dtype)
+
+
+# ----------------------------------------------------------------------------- problems, benchmark
+def make_problem(key, *, m: int, e: int = 16, k: int = 4096, n: int = 2048, used: float = 1.0, dtype=jnp.bfloat16):
+    """An MoE-shaped random problem (Flash's hidden 4096 and expert width 2048 by default): m
+    rows sorted by group, random group sizes summing to `used` * m (the rest: dropped rows)."""
+    kx, kw, ks = jax.random.split(key, 3)
+    x = jax.random.normal(kx, (m, k), jnp.float32).astype(dtype)
+    w = (jax.random.normal(kw, (e, k, n), jnp.float32) * k ** -0.5).astype(dtype)
+    cuts = np.sort(np.asarray(jax.random.randint(ks, (e - 1,), 0, int(m * used) + 1)))
+    sizes = np.diff(np.concatenate([[0], cuts, [int(m * used)]])).astype(np.int32)
+    return x, w, jnp.asarray(sizes)
+
+
+def main(argv=None):
+    """Kernel vs the MoE's XLA paths (`moe.grouped_matmul`, the tiled scan the model runs, and
+    `jax.lax.ragged_dot`) at Flash MoE shapes; TFLOP/s against a bf16 matmul in the same run."""
+    import argparse
+    import itertools
+
+    from redknot_jax.moe import grouped_matmul as tiled_scan
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--rows", default="24576", help="assignment rows per call (Flash top-6 x 4096-token chunk)")
+    ap.add_argument("--shapes", default="4096x2048,2048x4096", help="k x n of the expert matmuls (w1/w3, w2)")
+    ap.add_argument("--block-m", default="64,128")
+    ap.add_argument("--block-n", default="64,128")
+    ap.add_argument("--steps", default="4")
+    ap.add_argument("--grid-block-n", default="1,4")
+    a = ap.parse_args(argv)
+    p = jnp.ones((8192, 8192), jnp.bfloat16)
+    peak = 2 * 8192 ** 3 / median_time(jax.jit(lambda u: u @ u), p, iters=10) / 1e12
+    print(f"bf16 matmul peak (8192^3) in this run: {peak:.0f} TFLOP/s", flush=True)
+    rows = []
+    for m, shape in itertools.product([int(v) for v in a.rows.split(",")], a.shapes.split(",")):
+        k, n = (int(v) for v in shape.split("x"))
+        x, w, sizes = make_problem(jax.random.key(m + k), m=m, k=k, n=n, used=0.95)
+        flop = 2 * int(jnp.sum(sizes)) * k * n
+        ref = jax.jit(ragged_dot_reference)
+        yr = ref(x, w, sizes).astype(jnp.float32)
+        t_ragged = median_time(ref, x, w, sizes, iters=5)
+        scan = jax.jit(lambda x, w, s: tiled_scan(x, w, s, 512))
+        t_scan = median_time(scan, x, w, sizes, iters=10)
+        for bm, bn, st, gbn in itertools.product(*[[int(v) for v in s.split(",")] for s in
+                                                   (a.block_m, a.block_n, a.steps, a.grid_block_n)]):
+            try:
+                cfg = RaggedDotConfig(block_m=bm, block_n=bn, steps=st, grid_block_n=gbn)
+            except ValueError as err:
+                print(f"skip {bm}x{bn} steps {st}: {err}")
+                continue
+            ker = jax.jit(functools.partial(ragged_dot, config=cfg))
+            yk = ker(x, w, sizes).astype(jnp.float32)
+            err = float(jnp.linalg.norm((yk - yr).ravel()) / jnp.linalg.norm(yr.ravel()))
+            tk = median_time(ker, x, w, sizes, iters=10)
+            rows.append(dict(rows=m, k=k, n=n, config=dataclasses.asdict(cfg), rel_err=err, kernel_ms=tk * 1e3,
+                             scan_ms=t_scan * 1e3, ragged_dot_ms=t_ragged * 1e3, kernel_tflops=flop / tk / 1e12,
+                             scan_tflops=flop / t_scan / 1e12, ragged_dot_tflops=flop / t_ragged / 1e12,
+                             kernel_frac_of_peak=flop / tk / 1e12 / peak))
+            print(f"m={m} {k}x{n} {bm}x{bn} steps {st} gbn {gbn}: err {err:.1e} kernel {tk * 1e3:.3f} ms "
+                  f"({flop / tk / 1e12:.0f} TFLOP/s, {flop / tk / 1e12 / peak:.0%}) scan {t_scan * 1e3:.3f} ms "
+                  f"ragged_dot {t_ragged * 1e3:.3f} ms", flush=True)
+    return record("ragged_dot", a.json, argv, matmul_peak_tflops=peak, rows=rows)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,148 @@
+"""The MoE grouped-matmul kernel (redknot_jax/pallas/ragged_dot.py): in CPU CI the reference's
+contract against numpy, the configuration's validation, bad inputs and the CUDA lowering at
+Flash shapes (JAX's kernel has no interpret mode); on the H200 (-m gpu) the kernel against the
+reference and the consumer's logits with the kernel against those without it."""
+
+import numpy as np
+import pytest
+import jax
+import jax.numpy as jnp
+
+from redknot_jax.pallas import ragged_dot as rd
+from tests.tolerances import TOL, rel_err
+
+
+def _numpy_grouped(x, w, sizes):
+    """out[r] = x[r] @ w[group of r], rows past sum(sizes) zero, in float64."""
+    x, w = np.asarray(x, np.float64), np.asarray(w, np.float64)
+    out = np.zeros((x.shape[0], w.shape[2]))
+    start = 0
+    for g, s in enumerate(np.asarray(sizes)):
+        out[start:start + s] = x[start:start + s] @ w[g]
+        start += s
+    return out
+
+
+@pytest.mark.parametrize("sizes", [(5, 0, 7, 3), (0, 0, 15, 0), (2, 2, 2, 2)])
+def test_reference_contract(sizes):
+    """Per group a dense matmul; empty groups and rows past the last group (dropped
+    assignments) give zero rows; a wider preferred_element_type is honoured."""
+    x = jax.random.normal(jax.random.key(0), (17, 8), jnp.float32)
+    w = jax.random.normal(jax.random.key(1), (4, 8, 6), jnp.float32)
+    s = jnp.asarray(sizes, jnp.int32)
+    got = rd.ragged_dot_reference(x, w, s)
+    np.testing.assert_allclose(np.asarray(got), _numpy_grouped(x, w, s), rtol=1e-5, atol=1e-5)
+    wide = rd.ragged_dot_reference(x.astype(jnp.bfloat16), w.astype(jnp.bfloat16), s,
+                                   preferred_element_type=jnp.float32)
+    assert wide.dtype == jnp.float32 and not np.asarray(wide[sum(sizes):]).any()
+
+
+def test_config_validation():
+    assert rd.RaggedDotConfig().smem_bytes() <= rd.SMEM_LIMIT
+    for bad, match in ((dict(block_m=32), "block_m"), (dict(block_n=96), "block_n"),
+                       (dict(block_m=128, block_n=256), "registers"), (dict(block_k=128), "block_k"),
+                       (dict(steps=1), "steps"), (dict(grid_block_n=3), "grid_block_n"),
+                       (dict(block_n=256, block_m=64, steps=6), "shared memory")):
+        with pytest.raises(ValueError, match=match):
+            rd.RaggedDotConfig(**bad)
+    assert rd.ragged_dot_unsupported(4096, 2048, jnp.bfloat16) is None
+    assert "bf16" in rd.ragged_dot_unsupported(4096, 2048, jnp.float32)
+    assert "n=96" in rd.ragged_dot_unsupported(4096, 96, jnp.bfloat16)
+
+
+def test_bad_inputs_raise():
+    x = jnp.zeros((64, 128), jnp.bfloat16)
+    w = jnp.zeros((4, 128, 128), jnp.bfloat16)
+    s = jnp.full((4,), 16, jnp.int32)
+    with pytest.raises(ValueError, match=r"x \[m, k\] and w \[e, k, n\]"):
+        rd.ragged_dot(x, w[:, :64], s)
+    with pytest.raises(ValueError, match=r"integer sizes \[4\]"):
+        rd.ragged_dot(x, w, s[:3])
+    with pytest.raises(ValueError, match=r"integer sizes"):
+        rd.ragged_dot_reference(x, w, s.astype(jnp.float32))
+    with pytest.raises(ValueError, match="bf16 operands"):
+        rd.ragged_dot(x.astype(jnp.float32), w.astype(jnp.float32), s)
+    with pytest.raises(ValueError, match="mixed dtypes"):
+        rd.ragged_dot(x, w.astype(jnp.float32), s)
+    with pytest.raises(ValueError, match="n=96"):
+        rd.ragged_dot(x, jnp.zeros((4, 128, 96), jnp.bfloat16), s)
+
+
+def test_kernel_lowers_for_cuda():
+    """Flash's expert matmuls (24576 assignment rows of a 4096-token chunk, 16 experts): the
+    Mosaic GPU lowering (layout inference, TMA descriptors, shared memory) runs on CPU."""
+    x = jax.ShapeDtypeStruct((24576, 4096), jnp.bfloat16)
+    w = jax.ShapeDtypeStruct((16, 4096, 2048), jnp.bfloat16)
+    s = jax.ShapeDtypeStruct((16,), jnp.int32)
+    text = jax.jit(rd.ragged_dot).trace(x, w, s).lower(lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text
+
+
+def test_moe_refuses_unknown_kernel_mode():
+    from redknot_jax import config
+    from redknot_jax.init import random_model
+
+    model = random_model(config.tiny("csa"), seed=0, dtype=jnp.float32)
+    moe = model.layers[-1].ffn
+    x = jnp.zeros((1, 4, model.cfg.hidden_size), jnp.float32)
+    with pytest.raises(ValueError, match="kernels must be 'xla' or 'mosaic', got 'triton'"):
+        moe(x, jnp.zeros((1, 4), jnp.int32), kernels="triton")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,k,n,e,used,cfg", [
+    (24576, 4096, 2048, 16, 0.95, rd.RaggedDotConfig()),  # Flash w1 / w3, dropped rows at the end
+    (24576, 2048, 4096, 16, 1.0, rd.RaggedDotConfig(block_m=64, block_n=128)),  # Flash w2
+    (1000, 256, 128, 8, 0.7, rd.RaggedDotConfig(block_m=64, block_n=64, steps=2)),  # ragged everything
+    (6, 4096, 2048, 16, 1.0, rd.RaggedDotConfig()),  # one decode token's six assignments
+])
+def test_kernel_matches_reference_gpu(m, k, n, e, used, cfg):
+    if jax.default_backend() != "gpu":
+        pytest.skip("needs a GPU")
+    x, w, sizes = rd.make_problem(jax.random.key(m + n), m=m, e=e, k=k, n=n, used=used)
+    sizes = sizes.at[1].set(0).at[0].add(sizes[1]) if e > 2 else sizes  # an empty group
+    got = jax.jit(rd.ragged_dot, static_argnames="config")(x, w, sizes, config=cfg).astype(jnp.float32)
+    want = rd.ragged_dot_reference(x, w, sizes, preferred_element_type=jnp.float32)
+    assert bool(jnp.all(jnp.isfinite(got)))
+    assert rel_err(got, want) < TOL["kernel_bf16_o"][0]
+    assert not np.asarray(got[int(jnp.sum(sizes)):]).any()  # rows past the last group: zero
+
+
+@pytest.mark.gpu
+def test_consumer_runs_the_kernel_gpu():
+    """Both arms with kernels="ragged_dot" give the logits of kernels="xla" on a bf16 tiny
+    model whose expert matmuls are widened to the kernel's tiles."""
+    if jax.default_backend() != "gpu":
+        pytest.skip("needs a GPU")
+    from redknot_jax.reuse.runtime import ReuseRuntime
+    from tests.pallas.kernel_case import kernel_case
+
+    cfg, model, prof, arts, req = kernel_case(moe_tiles=True)
+    xla, ker = ReuseRuntime(model, prof, "fp", kernels="xla"), ReuseRuntime(model, prof, "fp", kernels="ragged_dot")
+    assert ker.consumer.kernels == "ragged_dot"
+    for arm in ("redknot", "recompute"):
+        a = xla.prefill(req, arm, require_reuse=arm == "redknot")
+        b = ker.prefill(req, arm, require_reuse=arm == "redknot")
+        assert rel_err(b.logits, a.logits) < TOL["kernel_bf16_o"][0], arm
+
+
+def test_moe_kernel_path_calls_it_as_ragged_dot(monkeypatch):
+    """MoE(kernels="mosaic") hands the kernel ragged_dot's arguments (rows sorted by expert,
+    the weights, the group sizes): with the reference in the kernel's place, the layer's output
+    and keep mask equal the XLA path's, dropped assignments (fan-out) included."""
+    from redknot_jax import config, moe
+    from redknot_jax.init import random_model
+
+    calls = []
+    monkeypatch.setattr(moe, "ragged_dot_kernel",
+                        lambda x, w, s, **kw: calls.append(x.shape) or rd.ragged_dot_reference(x, w, s, **kw))
+    model = random_model(config.tiny("csa"), seed=0, dtype=jnp.float32)
+    layer = model.layers[-1].ffn
+    x = jax.random.normal(jax.random.key(2), (1, 24, model.cfg.hidden_size), jnp.float32)
+    ids = jax.random.randint(jax.random.key(3), (1, 24), 0, model.cfg.vocab_size)
+    keep_fn = lambda sel, wts, scores: wts > jnp.median(wts)  # drops about half the assignments
+    for fn in (None, keep_fn):
+        want = layer(x, ids, keep_fn=fn, chunk=16, kernels="xla")
+        got = layer(x, ids, keep_fn=fn, chunk=16, kernels="mosaic")
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+    assert len(calls) == 3 * 2  # three matmuls in the chunk body (traced once by lax.map), two keep rules
