@@ -19,6 +19,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from redknot_jax.model import Model
+from redknot_jax.pallas import resolve_kernels
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,25 +72,32 @@ class Generation:
 class Engine:
     """Jitted batch prefill / decode for one model (the notebook-facing API)."""
 
-    def __init__(self, model: Model, capacity: int = 4096, block: int = 256):
+    def __init__(self, model: Model, capacity: int = 4096, block: int = 256, kernels: str = "auto"):
+        """kernels: the Mosaic GPU kernels prefill chunks run (`redknot_jax.pallas.resolve_kernels`:
+        "auto" = on a GPU those measured faster than XLA that the model allows, i.e. the indexer
+        scores and the MoE's grouped matmul; "xla"; or a comma list), resolved here into
+        `self.kernels`. Decode steps (one row per sequence) run XLA: the kernels are measured on
+        prefill shapes only."""
         cfg = model.cfg
         step = math.lcm(cfg.csa_rate, cfg.hca_rate)
         self.capacity = -(-capacity // step) * step
         self.block, self.model, self.cfg = block, model, cfg
+        self.kernels = resolve_kernels(kernels, model)
         self.graphdef, self.state = nnx.split(model)
-        self._fwd = jax.jit(self._forward, donate_argnums=(5,))
+        self._fwd = jax.jit(self._forward, donate_argnums=(5,), static_argnames=("kernels",))
 
-    def _forward(self, state, ids, pos0, n_new, rows, cache):
+    def _forward(self, state, ids, pos0, n_new, rows, cache, kernels=""):
         model = nnx.merge(self.graphdef, state)
-        return model.forward(ids, pos0, n_new, cache, rows, block=self.block)
+        return model.forward(ids, pos0, n_new, cache, rows, block=self.block, kernels=kernels)
 
     def new_cache(self, batch: int):
         return self.model.init_cache(batch, self.capacity)
 
     def forward(self, ids, pos0, n_new, rows, cache):
         """One jitted chunk (see `Model.forward`)."""
-        return self._fwd(self.state, jnp.asarray(ids, jnp.int32), jnp.asarray(pos0, jnp.int32),
-                         jnp.asarray(n_new, jnp.int32), jnp.asarray(rows, jnp.int32), cache)
+        ids = jnp.asarray(ids, jnp.int32)
+        return self._fwd(self.state, ids, jnp.asarray(pos0, jnp.int32), jnp.asarray(n_new, jnp.int32),
+                         jnp.asarray(rows, jnp.int32), cache, kernels=self.kernels if ids.shape[1] > 1 else "")
 
     def _check_prompts(self, prompts: Sequence[Sequence[int]], extra: int = 0) -> np.ndarray:
         if not prompts:

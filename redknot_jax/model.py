@@ -100,9 +100,10 @@ class Model(nnx.Module):
         """mHC head, final norm and LM head (fp32) for rows [b, r] of the chunk's streams x."""
         return lm_head(self.hc_head, self.norm, self.head[...], x, rows)
 
-    def forward(self, ids, pos0, n_new, cache, rows, block: int = 256):
+    def forward(self, ids, pos0, n_new, cache, rows, block: int = 256, kernels: str = ""):
         """Run a chunk. ids [b, t] int32, pos0/n_new [b] int32, rows [b, r] chunk indices whose
-        logits are wanted. Returns (logits [b, r, vocab] fp32, new cache)."""
+        logits are wanted. Returns (logits [b, r, vocab] fp32, new cache). kernels: a resolved
+        Mosaic GPU kernel set (`redknot_jax.pallas.resolve_kernels`; "" = XLA throughout)."""
         t = ids.shape[1]
         block = min(block, t)
         if t % block:
@@ -110,6 +111,6 @@ class Model(nnx.Module):
         x = self.embed_streams(ids)
         new_layers = []
         for i, blk in enumerate(self.layers):
-            x, c = blk(x, ids, pos0, n_new, cache["layers"][i], self.freqs(i), block)
+            x, c = blk(x, ids, pos0, n_new, cache["layers"][i], self.freqs(i), block, kernels=kernels)
             new_layers.append(c)
         return self.logits(x, rows), {"length": pos0 + n_new, "layers": new_layers}

@@ -1,12 +1,46 @@
 """Mosaic GPU kernels of the reuse runtime's hot spots, each beside its jnp reference:
 `seg_attention` (relocated segment latent attention), `restore` (fused restoration),
 `indexer_scores` (Lightning Indexer scores) and `ragged_dot` (the MoE experts' grouped matmul,
-JAX's Hopper kernel). `KERNELS` names those the runtime chooses among
-(`redknot_jax.reuse.consumer.resolve_kernels`); a resolved set is a comma list of them."""
+JAX's Hopper kernel). `KERNELS` names those the runtime chooses among (`resolve_kernels`, used by
+the consumer and `generate.Engine`); a resolved set is a comma list of them."""
 
 import jax
 
 KERNELS = ("indexer", "restore", "ragged_dot")
+FASTER = ("indexer", "ragged_dot")  # measured faster than their XLA references on the H200 (docs/kernels.md)
+
+
+def resolve_kernels(kernels: str, model, n_global: int | None = None) -> str:
+    """The Mosaic GPU kernels to run, as a canonical comma list of KERNELS ("" = none).
+
+    "xla": none (the references). "mosaic": all. A comma list of KERNELS: those. "auto" (the
+    default): on a GPU, those measured faster than XLA (`FASTER`) that this model can run; off a
+    GPU none (interpret mode is for tests). A kernel named explicitly that the model cannot run
+    (dtype, tiles, Global heads per group, no GPU) raises ValueError. n_global: the profile's
+    Global heads per output group (the restoration kernel's; None outside the RedKnot consumer)."""
+    from redknot_jax.config import CSA
+    from redknot_jax.pallas.indexer_scores import scores_unsupported
+    from redknot_jax.pallas.ragged_dot import ragged_dot_unsupported
+    from redknot_jax.pallas.restore import restore_unsupported
+
+    cfg, gpu = model.cfg, jax.default_backend() == "gpu"
+    why = {"restore": "it restores the RedKnot consumer's Local heads (no Global heads given)" if n_global is None
+           else restore_unsupported(cfg.head_dim, cfg.o_lora_rank, n_global, model.dtype),
+           "indexer": scores_unsupported(cfg.index_n_heads, cfg.index_head_dim, model.dtype)
+           if CSA in cfg.layer_types else None,
+           "ragged_dot": "JAX's kernel has no interpret mode: it runs on a GPU only" if not gpu else
+           ragged_dot_unsupported(cfg.hidden_size, cfg.moe_inter_dim, model.dtype)
+           or ragged_dot_unsupported(cfg.moe_inter_dim, cfg.hidden_size, model.dtype)}
+    if kernels == "auto":
+        return ",".join(k for k in FASTER if why[k] is None) if gpu else ""
+    names = {"xla": [], "mosaic": list(KERNELS)}.get(kernels, kernels.split(","))
+    bad = [k for k in names if k not in KERNELS]
+    if bad:
+        raise ValueError(f"kernels: expected 'auto', 'xla', 'mosaic' or a comma list of {KERNELS}, got {kernels!r}")
+    for k in names:
+        if why[k]:
+            raise ValueError(f"kernels={kernels!r}: the {k} kernel cannot run this model: {why[k]}")
+    return ",".join(k for k in KERNELS if k in names)
 
 
 def kernel_mode(kernels: str, name: str) -> str:

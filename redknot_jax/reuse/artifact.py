@@ -22,6 +22,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from redknot_jax.generate import bucket
+from redknot_jax.pallas import resolve_kernels
 from redknot_jax.model import Model
 from redknot_jax.reuse.certificate import FORMAT_VERSION, Certificate, TPGeometry, payload_digest, token_digest
 from redknot_jax.reuse.profile import RedKnotProfile
@@ -64,12 +65,12 @@ def project_heads(attn, o: jax.Array, heads: np.ndarray) -> jax.Array:
     return attn.wo_a_apply((o * jnp.asarray(heads, o.dtype)[None, :, None])[None])[0]
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "freqs", "block", "cap", "local", "keep"))
-def _layer(state, x, ids, n_new, *, graphdef, freqs, block, cap, local, keep):
+@functools.partial(jax.jit, static_argnames=("graphdef", "freqs", "block", "cap", "local", "keep", "kernels"))
+def _layer(state, x, ids, n_new, *, graphdef, freqs, block, cap, local, keep, kernels):
     """One layer of the document's native run; for a reusable layer also what it keeps."""
     blk = nnx.merge(graphdef, state)
     cache = blk.attn.init_cache(1, cap, x.dtype)
-    x, c, tr = blk(x, ids, jnp.zeros((1,), jnp.int32), n_new, cache, freqs, block, trace=True)
+    x, c, tr = blk(x, ids, jnp.zeros((1,), jnp.int32), n_new, cache, freqs, block, trace=True, kernels=kernels)
     if not keep:
         return x, None
     heads = np.asarray(local)
@@ -86,9 +87,12 @@ def _layer(state, x, ids, n_new, *, graphdef, freqs, block, cap, local, keep):
 
 
 def build_artifact(model: Model, profile: RedKnotProfile, tokens, *, checkpoint_fingerprint: str,
-                   generation: int = 1, tp: TPGeometry | None = None) -> Artifact:
-    """Run `tokens` alone at position 0 and keep what reusable layers need."""
+                   generation: int = 1, tp: TPGeometry | None = None, kernels: str = "auto") -> Artifact:
+    """Run `tokens` alone at position 0 and keep what reusable layers need. kernels: the Mosaic
+    GPU kernels the run uses (`redknot_jax.pallas.resolve_kernels`; "auto": on a GPU those
+    measured faster than XLA, as the Recomputed arm runs)."""
     cfg = model.cfg
+    kernels = resolve_kernels(kernels, model)
     tokens = np.asarray(tokens, np.int32)
     n = int(tokens.shape[0])
     if n < 1:
@@ -104,7 +108,7 @@ def build_artifact(model: Model, profile: RedKnotProfile, tokens, *, checkpoint_
     for i, blk in enumerate(model.layers):  # one jitted program per distinct layer structure
         graphdef, state = nnx.split(blk)
         x, d = _layer(state, x, ids, n_new, graphdef=graphdef, freqs=model.freqs(i), block=min(256, width),
-                      cap=cap, local=local, keep=i in reusable)
+                      cap=cap, local=local, keep=i in reusable, kernels=kernels)
         if d is None:
             continue
         m = blk.attn.compressor.m if blk.attn.compressor is not None else 1

@@ -54,10 +54,8 @@ from redknot_jax.config import CSA, HCA
 from redknot_jax.indexer import index_scores, score_function, select_topk
 from redknot_jax.mhc import HyperConnection
 from redknot_jax.norms import rms_norm
-from redknot_jax.pallas import KERNELS, kernel_mode
-from redknot_jax.pallas.indexer_scores import scores_unsupported
-from redknot_jax.pallas.ragged_dot import ragged_dot_unsupported
-from redknot_jax.pallas.restore import restore_reference, restore_unsupported
+from redknot_jax.pallas import kernel_mode, resolve_kernels
+from redknot_jax.pallas.restore import restore_reference
 from redknot_jax.pallas.restore import restore as restore_kernel
 from redknot_jax.reuse.artifact import Artifact, local_head_mask
 from redknot_jax.reuse.fanout import fanout_keep
@@ -673,34 +671,6 @@ class DecodeState:
     layers: dict = dataclasses.field(default_factory=dict)
 
 
-FASTER = ("indexer", "ragged_dot")  # measured faster than their XLA references on the H200 (docs/kernels.md)
-
-
-def resolve_kernels(kernels: str, model, n_global: int) -> str:
-    """The Mosaic GPU kernels to run, as a canonical comma list of KERNELS ("" = none).
-
-    "xla": none (the references). "mosaic": all. A comma list of KERNELS: those. "auto" (the
-    default): on a GPU, those measured faster than XLA (`FASTER`) that this model can run; off a
-    GPU none (interpret mode is for tests). A kernel named explicitly that the model cannot run
-    (dtype, tiles, Global heads per group) raises ValueError."""
-    cfg = model.cfg
-    why = {"restore": restore_unsupported(cfg.head_dim, cfg.o_lora_rank, n_global, model.dtype),
-           "indexer": scores_unsupported(cfg.index_n_heads, cfg.index_head_dim, model.dtype)
-           if CSA in cfg.layer_types else None,
-           "ragged_dot": "JAX's kernel has no interpret mode: it runs on a GPU only"
-           if jax.default_backend() != "gpu" else
-           ragged_dot_unsupported(cfg.hidden_size, cfg.moe_inter_dim, model.dtype)
-           or ragged_dot_unsupported(cfg.moe_inter_dim, cfg.hidden_size, model.dtype)}
-    if kernels == "auto":
-        return ",".join(k for k in FASTER if why[k] is None) if jax.default_backend() == "gpu" else ""
-    names = {"xla": [], "mosaic": list(KERNELS)}.get(kernels, kernels.split(","))
-    bad = [k for k in names if k not in KERNELS]
-    if bad:
-        raise ValueError(f"kernels: expected 'auto', 'xla', 'mosaic' or a comma list of {KERNELS}, got {kernels!r}")
-    for k in names:
-        if why[k]:
-            raise ValueError(f"kernels={kernels!r}: the {k} kernel cannot run this model: {why[k]}")
-    return ",".join(k for k in KERNELS if k in names)
 
 
 class Consumer:

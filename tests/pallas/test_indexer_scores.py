@@ -83,7 +83,7 @@ def test_consumer_kernel_sets():
 
     from redknot_jax import config
     from redknot_jax.init import random_model
-    from redknot_jax.reuse.consumer import resolve_kernels
+    from redknot_jax.pallas import resolve_kernels
 
     cfg = dataclasses.replace(config.tiny("csa"), head_dim=64, o_lora_rank=64, index_head_dim=64)
     model = random_model(cfg, seed=0, dtype=jnp.bfloat16)
@@ -96,7 +96,42 @@ def test_consumer_kernel_sets():
         resolve_kernels("indexer,triton", model, 1)
     with pytest.raises(ValueError, match="restore kernel cannot run.*Global head"):
         resolve_kernels("restore", model, 2)
+    with pytest.raises(ValueError, match="restore kernel cannot run.*no Global heads given"):
+        resolve_kernels("restore", model)  # outside the consumer (generate.Engine)
+    assert resolve_kernels("indexer", model) == "indexer"
     fp32 = random_model(cfg, seed=0, dtype=jnp.float32)
     assert resolve_kernels("auto", fp32, 1) == ""  # auto picks only what the model can run
     with pytest.raises(ValueError, match="indexer kernel cannot run.*bf16"):
         resolve_kernels("indexer", fp32, 1)
+
+
+def test_engine_and_builder_run_the_kernel_in_prefill(monkeypatch):
+    """generate.Engine(kernels="indexer") (the notebook API) runs the indexer kernel in its
+    prefill chunks, interpret mode on CPU, and gives the prefill logits and decode tokens of
+    kernels="xla"; decode steps run XLA. build_artifact(kernels="indexer") keeps the same
+    artifact payload as "xla" up to the kernel's fp32 rounding."""
+    from redknot_jax.generate import Engine, SamplingParams
+    from redknot_jax.reuse.artifact import build_artifact
+    from tests.pallas.kernel_case import kernel_case
+    from tests.tolerances import TOL, rel_err
+
+    cfg, model, prof, _, req = kernel_case()
+    traced = []
+    kernel = ix.indexer_scores
+    monkeypatch.setattr(ix, "indexer_scores", lambda *a, **k: traced.append(a[0].shape) or kernel(*a, **k))
+    prompts = [list(map(int, req.tokens[:50])), list(map(int, req.tokens[10:41]))]
+    xla, ker = Engine(model, capacity=128, kernels="xla"), Engine(model, capacity=128, kernels="indexer")
+    assert (xla.kernels, ker.kernels) == ("", "indexer")
+    params = SamplingParams(max_new_tokens=4)
+    a, b = xla.generate(prompts, params), ker.generate(prompts, params)
+    assert traced and all(shape[1] > 1 for shape in traced)  # prefill chunks only
+    assert rel_err(b.first_logits, a.first_logits) < TOL["kernel_bf16_o"][0]
+    assert a.tokens == b.tokens
+    doc = req.tokens[:40]
+    pa = build_artifact(model, prof, doc, checkpoint_fingerprint="fp", kernels="xla").payload()
+    n = len(traced)
+    pb = build_artifact(model, prof, doc, checkpoint_fingerprint="fp", kernels="indexer").payload()
+    assert len(traced) > n and pa.keys() == pb.keys()
+    for k in pa:
+        if jnp.issubdtype(pa[k].dtype, jnp.floating):
+            assert rel_err(np.asarray(pb[k], np.float32), np.asarray(pa[k], np.float32)) < TOL["kernel_bf16_o"][0], k
