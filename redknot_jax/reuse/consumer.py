@@ -610,8 +610,8 @@ def _reusable_step_jit(state, x, ids, tab, pool_layer, keys, t0, *, graphdef, fr
     return x, keys
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "freqs", "glob", "block", "fan"))
-def _reusable_batch_jit(state, x, ids, tab, pool_layer, *, graphdef, freqs, glob, block, fan):
+@functools.partial(jax.jit, static_argnames=("graphdef", "freqs", "glob", "block", "fan", "kernels"))
+def _reusable_batch_jit(state, x, ids, tab, pool_layer, *, graphdef, freqs, glob, block, fan, kernels=""):
     """A reusable layer over a batch x [b, t, n, d]: the attention half vmapped over the
     requests (tables stacked on a leading axis, one shared pool), the MoE half once over all
     rows of the batch (tokens are independent there). Returns (x, histogram per request)."""
@@ -620,7 +620,7 @@ def _reusable_batch_jit(state, x, ids, tab, pool_layer, *, graphdef, freqs, glob
                                             block=block)[0]
     x = jax.vmap(one)(x, tab)
     keep_fn = lambda sel, wts, scores: fanout_keep(wts, fan[0], fan[1], fan[2])
-    x, keep = blk.ffn_residual(x, ids, keep_fn, with_keep=True)  # keep [b, t, k]
+    x, keep = blk.ffn_residual(x, ids, keep_fn, with_keep=True, kernels=kernels)  # keep [b, t, k]
     real = tab["pos"] < tab["n_real"][:, None]
     kept = jnp.sum(keep, -1)
     hist = jax.vmap(lambda kk, rr: jnp.zeros((keep.shape[-1] + 1,), jnp.int32).at[kk].add(rr.astype(jnp.int32)))(
@@ -677,9 +677,10 @@ class Consumer:
     """Both arms of a model at serving scale: `recompute(req)` and `redknot(req, pool)`."""
 
     def __init__(self, model, profile, block: int | None = None, kernels: str = "auto"):
-        """kernels: which Mosaic GPU kernels single requests run (batches run the references):
-        see `resolve_kernels`; `self.kernels` is the resolved set. A kernel named explicitly that
-        the model cannot run is refused here, not silently replaced by its reference."""
+        """kernels: which Mosaic GPU kernels single requests run (batches run only the MoE's,
+        `batch_kernels`): see `resolve_kernels`; `self.kernels` is the resolved set. A kernel
+        named explicitly that the model cannot run is refused here, not silently replaced by its
+        reference."""
         # query block: 256 rows at model scale; 32 for the small test models (fewer padded rows)
         block = block or (256 if model.cfg.hidden_size >= 1024 else 32)
         self.model, self.profile, self.cfg, self.block = model, profile, model.cfg, block
@@ -690,6 +691,14 @@ class Consumer:
         self.reusable = list(profile.reusable_layers(self.cfg.num_layers))
         self.fan = (profile.fanout_mode, float(profile.tau), int(profile.fanout_min))
         self.kernels = resolve_kernels(kernels, model, len(self.glob) // self.cfg.o_groups)
+
+    @property
+    def batch_kernels(self) -> str:
+        """The kernels of `self.kernels` that batches run: the MoE's grouped matmul (the MoE
+        flattens a batch's rows, so it is the single-request program); the indexer and
+        restoration kernels are validated on single requests only, and the RedKnot arm's
+        attention half is vmapped over the batch."""
+        return "ragged_dot" if "ragged_dot" in self.kernels.split(",") else ""
 
     def pool(self, artifacts, resident: str = "device") -> DocPool:
         """The documents' artifacts packed for the RedKnot arm: "device" (hot: every layer on the
@@ -712,7 +721,7 @@ class Consumer:
         cap = _ceil(t, self.cfg.hca_rate)
         return _native_jit(st, x, ids, jnp.asarray(np.reshape(t_real, -1), jnp.int32), graphdef=gd,
                            freqs=self.model.freqs(i), block=min(self.block, t), cap=cap,
-                           kernels=self.kernels if x.shape[0] == 1 else "")
+                           kernels=self.kernels if x.shape[0] == 1 else self.batch_kernels)
 
     def _embed(self, ids):
         return _embed_jit(self.top_state, ids, graphdef=self.top_def)
@@ -887,8 +896,8 @@ class Consumer:
                 tabs = jax.tree.map(lambda *a: jnp.stack(a), *[
                     build_layout(plan, pool, prof, cfg, self.block, sizes).tables for plan in plans])
             gd, st = self.defs[i]
-            x, hb = _reusable_batch_jit(st, x, ids, tabs, pool.layers[i], graphdef=gd,
-                                        freqs=self.model.freqs(i), glob=self.glob, block=self.block, fan=self.fan)
+            x, hb = _reusable_batch_jit(st, x, ids, tabs, pool.layers[i], graphdef=gd, freqs=self.model.freqs(i),
+                                        glob=self.glob, block=self.block, fan=self.fan, kernels=self.batch_kernels)
             hist = hb if hist is None else hist + hb
         logits = self._logits_batch(x, [p.query_rows for p in plans])
         return [(lg, None if hist is None else hist[b]) for b, lg in enumerate(logits)]

@@ -20,9 +20,8 @@ Per rank:
 
 Kernels: `kernels=` takes `Consumer`'s forms (default "auto": on a GPU the indexer-score
 kernel). Each rank runs them on its share: the indexer kernel over all indexer heads (the
-queries are all-gathered first), the restoration kernel over the rank's output groups. The
-MoE's grouped-matmul kernel ("ragged_dot") is not used here: the rank's expert range runs
-`tp._moe`'s XLA path.
+queries are all-gathered first), the restoration kernel over the rank's output groups, the
+MoE's grouped-matmul kernel ("ragged_dot") over the rank's expert range (`tp._moe`).
 
 Embedding and LM head are vocabulary-parallel as in `TPForward` (each rank its slice of the
 table; COLLECTIVE: psum of the looked-up rows, t*d; all-gather of the logits along vocab,
@@ -49,11 +48,11 @@ from redknot_jax.sharding import tp as tpmod
 from redknot_jax.sharding.table import AXIS, check_tp, param_spec
 
 
-def _ffn_tp(blk, tp, x, ids, keep_fn):
+def _ffn_tp(blk, tp, x, ids, keep_fn, kernels: str = ""):
     """The MoE half of a block with the rank's experts; returns (x, keep mask [1, t, k])."""
     u, post, comb = blk.hc_ffn.pre(x)
     xn = blk.ffn_norm(u)
-    y = tpmod._moe(blk.ffn, xn, ids, tp, keep_fn)
+    y = tpmod._moe(blk.ffn, xn, ids, tp, keep_fn, kernels=kernel_mode(kernels, "ragged_dot"))
     sel, wts, scores = blk.ffn.route(xn.reshape(-1, xn.shape[-1]), ids.reshape(-1))  # replicated router
     return HyperConnection.post(x, y, post, comb), keep_fn(sel, wts, scores)[None]
 
@@ -132,7 +131,7 @@ class TPConsumer:
                 tpmod.localize_block(blk, cfg, tp)
                 cache = blk.attn.init_cache(1, cap, x.dtype)
                 x, _ = tpmod._block(blk, x, ids, jnp.zeros((1,), jnp.int32), n_real[None], cache, freqs, block, tp,
-                                    kernels=kernel_mode(self.kernels, "indexer"))
+                                    kernels=self.kernels)
                 return x
 
             f = jax.shard_map(body, mesh=self.mesh, check_vma=False, in_specs=(spec_tree, P(), P(), P()),
@@ -145,7 +144,8 @@ class TPConsumer:
                 tpmod.localize_block(blk, cfg, tp)
                 return reusable_layer(blk, x, ids, tab, pool_layer, freqs=freqs, glob=glob, block=self.block,
                                       fan=fan, reduce=_psum if tp > 1 else None,
-                                      ffn=functools.partial(_ffn_tp, blk, tp), kernels=self.kernels)
+                                      ffn=functools.partial(_ffn_tp, blk, tp, kernels=self.kernels),
+                                      kernels=self.kernels)
 
             f = jax.shard_map(body, mesh=self.mesh, check_vma=False,
                               in_specs=(spec_tree, P(), P(), jax.tree.map(lambda _: P(), tab),

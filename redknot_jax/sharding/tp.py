@@ -35,6 +35,7 @@ from jax.sharding import NamedSharding
 
 from redknot_jax.config import CSA, ModelConfig
 from redknot_jax.mhc import HyperConnection
+from redknot_jax.pallas import kernel_mode
 from redknot_jax.model import Model, lm_head
 from redknot_jax.sharding.table import AXIS, DP_AXIS, batch_spec, check_tp, param_spec
 
@@ -96,8 +97,9 @@ def vocab_embed(table, ids, hc_mult: int, tp: int):
     return jnp.broadcast_to(e[:, :, None, :], (*e.shape[:2], hc_mult, e.shape[-1]))
 
 
-def _moe(moe, x, ids, tp: int, keep_fn=None, chunk: int = 4096):
-    """`MoE.__call__` with the rank's expert index range: x [b, t, d] -> [b, t, d]."""
+def _moe(moe, x, ids, tp: int, keep_fn=None, chunk: int = 4096, kernels: str = "xla"):
+    """`MoE.__call__` with the rank's expert index range: x [b, t, d] -> [b, t, d]. kernels:
+    the rank's grouped matmuls by XLA or the Mosaic GPU kernel (`MoE.experts`)."""
     b, t, d = x.shape
     lo = _rank(tp) * moe.e  # moe.e is the per-rank expert count here
 
@@ -106,7 +108,7 @@ def _moe(moe, x, ids, tp: int, keep_fn=None, chunk: int = 4096):
         keep = (sel >= lo) & (sel < lo + moe.e)
         if keep_fn is not None:
             keep = keep & keep_fn(sel, wts, scores)
-        routed = moe.experts(xc, sel - lo, wts, keep)  # [n, d] fp32, this rank's experts only
+        routed = moe.experts(xc, sel - lo, wts, keep, kernels)  # [n, d] fp32, this rank's experts only
         if tp > 1:
             # COLLECTIVE: psum over tp of the routed-expert sums: n*d fp32 per chunk of n tokens
             # (each token's <= top-k experts live on <= top-k ranks; the rest add zeros).
@@ -125,19 +127,20 @@ def _moe(moe, x, ids, tp: int, keep_fn=None, chunk: int = 4096):
     return y.reshape(b, t, d)
 
 
-def _block(blk, x, ids, pos0, n_new, cache, freqs, block: int, tp: int, keep_fn=None, kernels: str = "xla"):
-    """`Block.__call__` with the two reductions of a tensor-parallel layer. `kernels`: the
-    indexer's scores by XLA or the Mosaic GPU kernel (every rank holds all indexer heads after
-    the all-gather, so the kernel runs per rank unchanged)."""
+def _block(blk, x, ids, pos0, n_new, cache, freqs, block: int, tp: int, keep_fn=None, kernels: str = ""):
+    """`Block.__call__` with the two reductions of a tensor-parallel layer. `kernels`: a resolved
+    kernel set, as `Block`'s: the indexer's scores (every rank holds all indexer heads after the
+    all-gather, so the kernel runs per rank unchanged) and the rank's expert matmuls."""
     u, post, comb = blk.hc_attn.pre(x)
-    y, cache = blk.attn(blk.attn_norm(u), pos0, n_new, cache, freqs, block, kernels=kernels)  # rank's heads only
+    y, cache = blk.attn(blk.attn_norm(u), pos0, n_new, cache, freqs, block,
+                        kernels=kernel_mode(kernels, "indexer"))  # rank's heads only
     if tp > 1:
         # COLLECTIVE: psum over tp of the row-parallel wo_b outputs (each rank projected its g/tp
         # groups' o_lora_rank channels): b*t*d elements in the activation dtype.
         y = jax.lax.psum(y, AXIS)
     x = HyperConnection.post(x, y, post, comb)
     u, post, comb = blk.hc_ffn.pre(x)
-    y = _moe(blk.ffn, blk.ffn_norm(u), ids, tp, keep_fn)
+    y = _moe(blk.ffn, blk.ffn_norm(u), ids, tp, keep_fn, kernels=kernel_mode(kernels, "ragged_dot"))
     return HyperConnection.post(x, y, post, comb), cache
 
 

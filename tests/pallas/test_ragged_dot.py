@@ -146,3 +146,55 @@ def test_moe_kernel_path_calls_it_as_ragged_dot(monkeypatch):
         got = layer(x, ids, keep_fn=fn, chunk=16, kernels="mosaic")
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
     assert len(calls) == 3 * 2  # three matmuls in the chunk body (traced once by lax.map), two keep rules
+
+
+def test_every_prefill_path_hands_the_moe_to_the_kernel(monkeypatch):
+    """With "ragged_dot" in the resolved set (set by hand: the kernel needs a GPU) and the
+    reference in the kernel's place, the kernel is called, and the logits are the XLA path's, in
+    both arms single and batched (`prefill_batch`), at tp = 2 (`TPConsumer`: the rank's expert
+    range), in `generate.Engine`'s prefill and in `build_artifact`."""
+    from redknot_jax import moe
+    from redknot_jax.generate import Engine
+    from redknot_jax.reuse import artifact
+    from redknot_jax.reuse.planner import plan_request
+    from redknot_jax.reuse.runtime import ReuseRuntime
+    from redknot_jax.sharding.consumer_tp import TPConsumer
+    from redknot_jax.sharding.table import make_mesh
+    from tests.pallas.kernel_case import kernel_case
+
+    calls = []
+    monkeypatch.setattr(moe, "ragged_dot_kernel",
+                        lambda x, w, s, **kw: calls.append(x.shape) or rd.ragged_dot_reference(x, w, s, **kw))
+    cfg, model, prof, arts, req = kernel_case()
+    xla, ker = ReuseRuntime(model, prof, "fp", kernels="xla"), ReuseRuntime(model, prof, "fp", kernels="xla")
+    ker.consumer.kernels = "ragged_dot"
+    assert ker.consumer.batch_kernels == "ragged_dot"
+
+    def same(f, what):
+        n = len(calls)
+        a, b = f(xla), f(ker)
+        assert len(calls) > n, what
+        for u, v in zip(a, b):
+            assert rel_err(np.asarray(v, np.float32), np.asarray(u, np.float32)) < TOL["kernel_bf16_o"][0], what
+
+    same(lambda rt: [rt.prefill(req, "redknot", require_reuse=True).logits], "redknot")
+    same(lambda rt: [rt.prefill(req, "recompute").logits], "recompute")
+    for arm in ("redknot", "recompute"):
+        same(lambda rt: [r.logits for r in rt.prefill_batch([req, req], arm)], f"{arm} batch")
+    mesh = make_mesh(2)
+    tps = {k: TPConsumer(model, prof, mesh, kernels="xla") for k in ("xla", "ker")}
+    tps["ker"].kernels = "ragged_dot"
+    same(lambda rt: [tps["xla" if rt is xla else "ker"].redknot(plan_request(req, prof), req.tokens,
+                                                               tps["xla" if rt is xla else "ker"].pool(arts))[0]],
+         "redknot tp=2")
+    engines = {"xla": Engine(model, capacity=128, kernels="xla"), "ker": Engine(model, capacity=128, kernels="xla")}
+    engines["ker"].kernels = "ragged_dot"
+    prompts = [list(map(int, req.tokens[:50]))]
+    same(lambda rt: [engines["xla" if rt is xla else "ker"].prefill(prompts)[0]], "engine prefill")
+    monkeypatch.setattr(artifact, "resolve_kernels", lambda kernels, model: kernels)
+    def payload(rt):
+        p = artifact.build_artifact(model, prof, req.tokens[:40], checkpoint_fingerprint="fp",
+                                    kernels="" if rt is xla else "ragged_dot").payload()
+        return [p[k].astype(np.float32) for k in sorted(p) if jnp.issubdtype(p[k].dtype, jnp.floating)]
+
+    same(payload, "build_artifact")
