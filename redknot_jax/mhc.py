@@ -62,10 +62,15 @@ class HyperConnection(nnx.Module):
 
     @staticmethod
     def post(x: jax.Array, y: jax.Array, post: jax.Array, comb: jax.Array) -> jax.Array:
-        """X'[k] = post_k * y + sum_j comb[j, k] X[j], in x's dtype as the reference does."""
+        """X'[k] = post_k * y + sum_j comb[j, k] X[j], in x's dtype as the reference does (its
+        [n, n] x [n, d] matmul per token accumulates in fp32 and rounds once; so does this).
+        The sum over the n streams is written out, so XLA can fuse it into one elementwise pass
+        instead of a batched matmul of n-row operands per token (`launch/bench_mhc.py` times
+        both forms side by side)."""
         dt = x.dtype
-        mixed = jnp.einsum("btjk,btjd->btkd", comb.astype(dt), x, precision=jax.lax.Precision.HIGHEST)
-        return post.astype(dt)[..., None] * y[..., None, :] + mixed
+        c, xf = comb.astype(dt).astype(jnp.float32), x.astype(jnp.float32)
+        mixed = sum(c[..., j, :, None] * xf[..., j, None, :] for j in range(x.shape[-2]))
+        return post.astype(dt)[..., None] * y[..., None, :] + mixed.astype(dt)
 
 
 class HyperHead(nnx.Module):

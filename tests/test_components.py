@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 
 from redknot_jax import config
-from redknot_jax.mhc import sinkhorn
+from redknot_jax.mhc import HyperConnection, sinkhorn
 from redknot_jax.rope import apply_rope, inv_freq
 from redknot_jax.ring import ring_read, ring_write
 
@@ -53,3 +53,27 @@ def test_ring_round_trip(r, pos0, n):
     ring = ring_write(ext, jnp.full((b,), start), jnp.full((b,), pos0 + n), r)
     got = ring_read(ring, jnp.full((b,), pos0 + n))
     np.testing.assert_array_equal(got[0, :, 0], np.arange(pos0 + n - r, pos0 + n))
+
+
+def test_mhc_post_streams_form_equals_batched_matmul_form():
+    """`HyperConnection.post` (the stream sum written out) equals the batched-matmul form it
+    replaced, in fp32 exactly up to summation order and in bf16 within one rounding;
+    `launch/bench_mhc.py` (which times both) runs."""
+    import importlib.util
+    import pathlib
+
+    spec = importlib.util.spec_from_file_location("bench_mhc", pathlib.Path(__file__).parents[1] / "launch/bench_mhc.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    ks = jax.random.split(jax.random.key(7), 4)
+    for dt, tol in ((jnp.float32, 1e-6), (jnp.bfloat16, 1e-2)):
+        x = jax.random.normal(ks[0], (2, 5, 4, 32), dt)
+        y = jax.random.normal(ks[1], (2, 5, 32), dt)
+        post = jax.random.uniform(ks[2], (2, 5, 4))
+        comb = jax.nn.softmax(jax.random.normal(ks[3], (2, 5, 4, 4)), -1)
+        got = HyperConnection.post(x, y, post, comb)
+        want = bench.post_matmul(x, y, post, comb)
+        assert got.dtype == want.dtype == dt
+        np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=tol, atol=tol)
+    res = bench.main(["--rows", "16", "--hidden", "64", "--iters", "2"])
+    assert res["post_streams_max_rel_diff"] < 1e-2 and res["pre_ms"] > 0

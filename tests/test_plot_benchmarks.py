@@ -27,11 +27,12 @@ def test_plots_from_committed_results(tmp_path):
         assert f.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and f.stat().st_size > 5000
 
 
-@pytest.mark.parametrize("length, layers_file", [(65536, "ttft_64k_layers_h200.json"),
+@pytest.mark.parametrize("length, layers_file", [(65536, "ttft_64k_ops_moe_kernel_h200.json"),
                                                  (131072, "ttft_128k_host_layers_h200.json")])
 def test_runs_of_the_same_requests_are_pooled(length, layers_file):
-    """The two committed runs of 64K (and of 128K; same records and profile) become one row with
-    both repeats; its per-layer profile names the one file it came from."""
+    """The two committed runs of 64K with today's default kernels (and of 128K; same records,
+    profile and kernels) become one row with both repeats, not the earlier runs with fewer
+    kernels; its per-layer profile names the one file it came from."""
     rows, _ = pb.load_ttft(sorted((ROOT / "docs" / "results").glob("ttft_*_h200.json")))
     row = {r["length"]: r for r in rows}[length]
     assert len(row["recompute_s"]) == len(row["redknot_s"]) == len(row["ratio_per_repeat"]) == 2
@@ -58,10 +59,11 @@ def test_wrong_inputs_are_named(tmp_path):
 
 
 def test_axis_labels_name_host_residency_and_kernels():
-    """128K ran with host-resident artifacts and the indexer kernel: its label says so; a
+    """128K ran with host-resident artifacts and the indexer kernel, 64K with the indexer and
+    MoE kernels: their labels say so; a
     --build-only result (no timed rows) is not named as a source."""
     paths = sorted((ROOT / "docs" / "results").glob("ttft_*_h200.json"))
     rows, prov = pb.load_ttft(paths)
     labels = {r["length"]: pb._tick(r) for r in rows}
-    assert labels[131072] == "128K\nhost\nindexer" and labels[65536] == "64K"
+    assert labels[131072] == "128K\nhost\nindexer" and labels[65536] == "64K\nindexer,ragged_dot"
     assert any("build" in p.name for p in paths) and not any("build" in line for line in prov)

@@ -1,0 +1,73 @@
+"""mHC at prefill scale on the device: the two forms of `HyperConnection.post`'s stream mix,
+side by side in one run, and the site's `pre` (flat RMS norm, the fp32 [t, n*d] x [n*d, (2+n)n]
+projection, Sinkhorn, the pre-weighted sum).
+
+    python launch/bench_mhc.py --rows 65536 --json mhc_64k.json
+
+Forms of X'[k] = post_k * y + sum_j comb[j, k] X[j] (x in bf16, Flash: n = 4, d = 4096):
+  * "matmul": the per-token [n, n] x [n, d] batched matmul (`einsum("btjk,btjd->btkd")`, the
+    form `redknot_jax.mhc` used until session 10);
+  * "streams": the sum over the n streams written out in fp32 (`HyperConnection.post` now).
+Bytes: x read once and X' written once (2 * t * n * d * 2) are what either form must move.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import sys
+
+import jax
+import jax.numpy as jnp
+
+from redknot_jax.mhc import HyperConnection
+from redknot_jax.pallas.timing import median_time
+
+
+def post_matmul(x, y, post, comb):
+    dt = x.dtype
+    mixed = jnp.einsum("btjk,btjd->btkd", comb.astype(dt), x, precision=jax.lax.Precision.HIGHEST)
+    return post.astype(dt)[..., None] * y[..., None, :] + mixed
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rows", type=int, default=65536)
+    ap.add_argument("--streams", type=int, default=4)
+    ap.add_argument("--hidden", type=int, default=4096)
+    ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--json")
+    a = ap.parse_args(argv)
+    t, n, d = a.rows, a.streams, a.hidden
+    ks = jax.random.split(jax.random.key(0), 5)
+    x = jax.random.normal(ks[0], (1, t, n, d), jnp.bfloat16)
+    y = jax.random.normal(ks[1], (1, t, d), jnp.bfloat16)
+    post = jax.random.uniform(ks[2], (1, t, n), jnp.float32)
+    comb = jax.nn.softmax(jax.random.normal(ks[3], (1, t, n, n), jnp.float32), -1)
+    site = HyperConnection(n, d, 20, 1e-6, 1e-6)
+    site.fn[...] = jax.random.normal(ks[4], site.fn.shape, jnp.float32) * d ** -0.5
+    copy = jax.jit(lambda u: u + 1)
+    t_copy = median_time(copy, x, iters=a.iters)
+    forms = {"matmul": jax.jit(post_matmul), "streams": jax.jit(HyperConnection.post)}
+    ref = forms["matmul"](x, y, post, comb).astype(jnp.float32)
+    rows = {"copy_ms": t_copy * 1e3, "copy_gbs": 2 * x.nbytes / t_copy / 1e9}
+    for name, f in forms.items():
+        out = f(x, y, post, comb).astype(jnp.float32)
+        err = float(jnp.max(jnp.abs(out - ref)) / jnp.max(jnp.abs(ref)))
+        rows[f"post_{name}_ms"] = median_time(f, x, y, post, comb, iters=a.iters) * 1e3
+        rows[f"post_{name}_max_rel_diff"] = err
+    rows["pre_ms"] = median_time(jax.jit(site.pre), x, iters=a.iters) * 1e3
+    res = dict(device=str(jax.devices()[0].device_kind), jax=jax.__version__, date=datetime.date.today().isoformat(),
+               command="python launch/bench_mhc.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+               rows=t, streams=n, hidden=d, **rows,
+               post_streams_over_matmul=rows["post_matmul_ms"] / rows["post_streams_ms"])
+    print(json.dumps(res, indent=1))
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(res, f, indent=1)
+    return res
+
+
+if __name__ == "__main__":
+    main()
