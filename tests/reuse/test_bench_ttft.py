@@ -58,6 +58,7 @@ def test_bench_ttft_store_host_resident_cold_layers(monkeypatch, tmp_path):
 @pytest.mark.parametrize("flags,named", [
     (["--resident", "disk"], "--resident"), (["--build-only"], "--build-only needs --store"),
     (["--kernels", "triton"], "--kernels"), (["--kernels", "xla,xla"], "--kernels"),
+    (["--kernels", "indexer+triton"], r"--kernels: .*joined by '\+', got 'indexer\+triton'"),
     (["--docs", "0"], "--docs: expected >= 1, got 0"), (["--repeats", "0"], "--repeats: expected >= 1, got 0"),
     (["--lengths", "abc"], "--lengths: expected comma-separated integers"),
     (["--lengths", "1000", "--question", "2000"], r"--lengths \[1000\]: a request needs"),
