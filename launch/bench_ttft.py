@@ -6,7 +6,8 @@ digests are saved with the results so a rerun can check it measured the same req
 length: build the artifacts (timed: the cold construction cost), admit them (--resident device:
 the hot tier, a device-resident `DocPool`; host: a `HostPool`, payloads in host memory, each
 layer copied to the device one layer ahead of the consumer, the copy the compute does not hide
-counted in TTFT; payload digests verified once), warm up both arms (compilation), then
+counted in TTFT; --host-kind: from pageable or pinned host memory, staged at admission;
+payload digests verified once), warm up both arms (compilation), then
 alternate the arms for --repeats. --cold adds, after them, RedKnot runs whose TTFT includes
 building every artifact from the documents' tokens (construction, packing, certification).
 TTFT = model-forward entry to the first token on the host; the RedKnot arm's boundary
@@ -113,6 +114,9 @@ def main(argv=None):
     ap.add_argument("--budget", type=float, help="fixed budget instead of the controller (budget_override)")
     ap.add_argument("--resident", choices=("device", "host"), default="device",
                     help="where the admitted artifacts live: device (hot) or host (prefetched, streamed per layer)")
+    ap.add_argument("--host-kind", choices=("auto", "numpy", "pinned"), default="auto",
+                    help="with --resident host: the payloads in pageable (numpy) or pinned host memory, staged at "
+                         "admission (HostPool; auto = pinned on a GPU)")
     ap.add_argument("--cold", action="store_true", help="also time RedKnot with artifact construction included")
     ap.add_argument("--store", help="artifact store directory: read the documents' artifacts from it when there, "
                                     "else build and publish them")
@@ -191,7 +195,7 @@ def main(argv=None):
             return arts
 
         def admit(arts):
-            pool = rt.consumer.pool(arts, resident=args.resident)
+            pool = rt.consumer.pool(arts, resident=args.resident, host_kind=args.host_kind)
             if args.resident == "device":
                 jax.block_until_ready(jax.tree.leaves(pool.layers))
             req = Request([Segment(d, a) for d, a in zip(docs, arts)] + [Segment(q)])
@@ -218,6 +222,8 @@ def main(argv=None):
         t0 = time.perf_counter()
         pool, req = admit(arts)
         row["admit_s"], row["pool_gb"], row["pool"] = time.perf_counter() - t0, pool.nbytes() / 1e9, type(pool).__name__
+        if args.resident == "host":
+            row["host_kind"] = pool.host_kind
         save()
 
         def recompute(rt):

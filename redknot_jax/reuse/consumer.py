@@ -61,6 +61,7 @@ from redknot_jax.reuse.artifact import Artifact, local_head_mask
 from redknot_jax.reuse.fanout import fanout_keep
 from redknot_jax.reuse.planner import Plan, concentration, fill_itop, row_risk
 from redknot_jax.rope import apply_rope
+from redknot_jax.store.tiers import host_memory_kind
 
 HIGHEST = jax.lax.Precision.HIGHEST
 NEVER = np.int32(2 ** 30)  # last position of a padding entry: never visible
@@ -77,16 +78,31 @@ def _pad_rows(a: jax.Array, m: int) -> jax.Array:
     return jnp.pad(a, [(0, _ceil(a.shape[0], m) - a.shape[0])] + [(0, 0)] * (a.ndim - 1))
 
 
-def _pack(per: list[dict], dtype) -> dict:
-    """One reusable layer of several documents' artifacts, packed into device arrays."""
-    d = {"kv": _pad_rows(jnp.concatenate([jnp.asarray(p["kv"], dtype) for p in per]), POOL_ROW_PAD),
-         "zl": _pad_rows(jnp.concatenate([jnp.asarray(p["zl"], dtype) for p in per]), POOL_ROW_PAD)}
+def _fields(p: dict, dtype, conv) -> dict:
+    """The fields of one document's layer payload a pool keeps, each through conv(array, its
+    pool dtype): rows and entries in `dtype`, compressor states fp32, top-k ids int32."""
+    d = {"kv": conv(p["kv"], dtype), "zl": conv(p["zl"], dtype)}
     for name, state in (("entries", "cmp"), ("idx_entries", "idx")):
-        if name in per[0]:
-            d[name] = _pad_rows(jnp.concatenate([jnp.asarray(p[name], dtype) for p in per]), ENTRY_PAD)
-            d[state] = {s: jnp.concatenate([jnp.asarray(p[state][s], jnp.float32) for p in per]) for s in ("kv", "gate")}
-    if "topk" in per[0]:
-        d["topk"] = _pad_rows(jnp.concatenate([jnp.asarray(p["topk"], jnp.int32) for p in per]), POOL_ROW_PAD)
+        if name in p:
+            d[name] = conv(p[name], dtype)
+            d[state] = {s: conv(p[state][s], jnp.float32) for s in ("kv", "gate")}
+    if "topk" in p:
+        d["topk"] = conv(p["topk"], jnp.int32)
+    return d
+
+
+def _pack(per: list[dict], dtype, put=lambda x, dt: jnp.asarray(x, dt)) -> dict:
+    """One reusable layer of several documents' artifacts, packed into device arrays; put(x, dt)
+    brings one document's array onto the device as dt."""
+    fs = [_fields(p, dtype, put) for p in per]
+    cat = lambda name: jnp.concatenate([f[name] for f in fs])
+    d = {"kv": _pad_rows(cat("kv"), POOL_ROW_PAD), "zl": _pad_rows(cat("zl"), POOL_ROW_PAD)}
+    for name, state in (("entries", "cmp"), ("idx_entries", "idx")):
+        if name in fs[0]:
+            d[name] = _pad_rows(cat(name), ENTRY_PAD)
+            d[state] = {s: jnp.concatenate([f[state][s] for f in fs]) for s in ("kv", "gate")}
+    if "topk" in fs[0]:
+        d["topk"] = _pad_rows(cat("topk"), POOL_ROW_PAD)
     return d
 
 
@@ -125,10 +141,28 @@ class HostPool(DocPool):
     has asked for the layer before it. So its host-to-device copy overlaps that layer's compute,
     and the dispatch of layer i never waits for the copy of layer i + 1 (a copy from pageable
     memory holds the thread that issues it). At most two layers of the pool are on the device at
-    a time; what a request pays is the copy the compute did not hide."""
+    a time; what a request pays is the copy the compute did not hide.
+
+    host_kind (`store.tiers.host_memory_kind`): "numpy" reads the artifacts' own (pageable)
+    arrays; "pinned" stages the kept fields once, here, in the pool's dtypes, into pinned host
+    memory, so each layer's copy is one DMA per array at link speed (52.7 vs 6.7 GB/s measured
+    on the H200, docs/store.md) at the price of a host copy of the payload; "auto": pinned on a
+    GPU."""
+
+    def __init__(self, artifacts: list[Artifact], layers, dtype, host_kind: str = "auto"):
+        self.device = jax.devices()[0]
+        self.host_kind = host_memory_kind(self.device, host_kind)
+        super().__init__(artifacts, layers, dtype)
 
     def _place(self, layers: list[int], dtype):
-        return _Streamed(lambda i: _pack([a.layers[i] for a in self.artifacts], dtype), layers)
+        if self.host_kind == "numpy":
+            return _Streamed(lambda i: _pack([a.layers[i] for a in self.artifacts], dtype), layers)
+        pinned = jax.sharding.SingleDeviceSharding(self.device, memory_kind="pinned_host")
+        to_device = jax.sharding.SingleDeviceSharding(self.device, memory_kind=self.device.default_memory().kind)
+        host = lambda x, dt: np.asarray(x).astype(dt, copy=False)
+        staged = jax.block_until_ready({i: [jax.device_put(_fields(a.layers[i], dtype, host), pinned)
+                                            for a in self.artifacts] for i in layers})  # admission pays it
+        return _Streamed(lambda i: _pack(staged[i], dtype, put=lambda x, dt: jax.device_put(x, to_device)), layers)
 
     def nbytes(self) -> int:  # host bytes of the layers it streams (unpadded)
         return int(sum(np.asarray(x).nbytes for a in self.artifacts for i in self.layers
@@ -700,13 +734,15 @@ class Consumer:
         attention half is vmapped over the batch."""
         return "ragged_dot" if "ragged_dot" in self.kernels.split(",") else ""
 
-    def pool(self, artifacts, resident: str = "device") -> DocPool:
+    def pool(self, artifacts, resident: str = "device", host_kind: str = "auto") -> DocPool:
         """The documents' artifacts packed for the RedKnot arm: "device" (hot: every layer on the
-        device now) or "host" (prefetched: payloads stay in host memory, streamed per layer)."""
-        kinds = {"device": DocPool, "host": HostPool}
-        if resident not in kinds:
-            raise ValueError(f"pool: resident must be one of {sorted(kinds)}, got {resident!r}")
-        return kinds[resident](artifacts, self.reusable, self.model.dtype)
+        device now) or "host" (prefetched: payloads stay in host memory, streamed per layer;
+        `host_kind` as `HostPool`'s)."""
+        if resident == "host":
+            return HostPool(artifacts, self.reusable, self.model.dtype, host_kind)
+        if resident != "device":
+            raise ValueError(f"pool: resident must be one of ['device', 'host'], got {resident!r}")
+        return DocPool(artifacts, self.reusable, self.model.dtype)
 
     # -------------------------------------------------------------- pieces
     def _pad(self, tokens):

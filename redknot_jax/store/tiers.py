@@ -102,6 +102,21 @@ class LRUTier:
         return key in self._d
 
 
+def host_memory_kind(device, host_kind: str) -> str:
+    """Where host-resident arrays for `device` live: "numpy" (pageable) or "pinned" (jax arrays
+    in the device's `pinned_host` memory space: the host-to-device copy is one DMA at link
+    speed, 52.7 vs 6.7 GB/s on the H200, docs/store.md). "auto": pinned where the device has
+    that memory space and is not a CPU."""
+    if host_kind not in ("auto", "numpy", "pinned"):
+        raise ValueError(f"host_kind: expected 'auto', 'numpy' or 'pinned', got {host_kind!r}")
+    kinds = {m.kind for m in device.addressable_memories()}
+    if host_kind == "auto":
+        return "pinned" if "pinned_host" in kinds and device.platform != "cpu" else "numpy"
+    if host_kind == "pinned" and "pinned_host" not in kinds:
+        raise ValueError(f"host_kind='pinned': device {device} has memories {sorted(kinds)}")
+    return host_kind
+
+
 def _nbytes(tiles: dict) -> int:
     return int(sum(np.dtype(a.dtype).itemsize * int(np.prod(a.shape)) for a in tiles.values()))
 
@@ -119,16 +134,9 @@ class TieredCache:
                  host_kind: str = "auto", workers: int = 2):
         import jax
 
-        if host_kind not in ("auto", "numpy", "pinned"):
-            raise ValueError(f"host_kind: expected 'auto', 'numpy' or 'pinned', got {host_kind!r}")
         self.store = store
         self.device = device or jax.devices()[0]
-        kinds = {m.kind for m in self.device.addressable_memories()}
-        if host_kind == "auto":
-            host_kind = "pinned" if "pinned_host" in kinds and self.device.platform != "cpu" else "numpy"
-        if host_kind == "pinned" and "pinned_host" not in kinds:
-            raise ValueError(f"host_kind='pinned': device {self.device} has memories {sorted(kinds)}")
-        self.host_kind = host_kind
+        self.host_kind = host_memory_kind(self.device, host_kind)
         # explicit memory kind: device_put(pinned_host array, device) keeps the source's kind
         self._to_device = jax.sharding.SingleDeviceSharding(self.device, memory_kind=self.device.default_memory().kind)
         self.device_tier, self.host_tier = LRUTier(device_bytes), LRUTier(host_bytes)

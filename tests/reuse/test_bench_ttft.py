@@ -22,7 +22,8 @@ def test_bench_ttft_store_host_resident_cold_layers(monkeypatch, tmp_path):
     built = bench_ttft.main(common + ["--build-only", "--out", str(tmp_path / "b.json")])["lengths"][0]
     assert built["artifacts"] == "built" and built["build_s"] > 0 and "recompute_s" not in built
     out = tmp_path / "ttft.json"
-    res = bench_ttft.main(common + ["--resident", "host", "--cold", "--layer-times", "--kernels", "xla,auto",
+    res = bench_ttft.main(common + ["--resident", "host", "--host-kind", "pinned", "--cold", "--layer-times",
+                                    "--kernels", "xla,auto",
                                     "--op-profile", "0,2", "--out", str(out)])
     assert json.loads(out.read_text()) == json.loads(json.dumps(res)) and res["resident"] == "host"
     row = res["lengths"][0]
@@ -30,6 +31,7 @@ def test_bench_ttft_store_host_resident_cold_layers(monkeypatch, tmp_path):
     assert row["records_sha256"] == built["records_sha256"]
     assert row["artifacts"] == "store" and row["load_s"] > 0 and "build_s" not in row
     assert 0 < row["protected_fraction"] < 1 and row["pool_gb"] > 0 and row["pool"] == "HostPool"
+    assert row["host_kind"] == "pinned"
     assert len(row["cold_redknot_s"]) == 1 and row["cold_redknot_median_s"] > 0
     # warm-up + 1 hot repeat + 1 cold run, each certified (the cold one on freshly built artifacts)
     assert row["cert"]["validated"] == 3 and not any(row["cert"]["fallback"].values())
@@ -57,6 +59,7 @@ def test_bench_ttft_store_host_resident_cold_layers(monkeypatch, tmp_path):
 
 @pytest.mark.parametrize("flags,named", [
     (["--resident", "disk"], "--resident"), (["--build-only"], "--build-only needs --store"),
+    (["--host-kind", "gpu"], "--host-kind"),
     (["--kernels", "triton"], "--kernels"), (["--kernels", "xla,xla"], "--kernels"),
     (["--kernels", "indexer+triton"], r"--kernels: .*joined by '\+', got 'indexer\+triton'"),
     (["--docs", "0"], "--docs: expected >= 1, got 0"), (["--repeats", "0"], "--repeats: expected >= 1, got 0"),

@@ -12,6 +12,7 @@ comparison can fail.
 import dataclasses
 
 import numpy as np
+import jax
 import pytest
 import jax.numpy as jnp
 
@@ -63,8 +64,20 @@ def test_consumer_equals_reference(kind, refresh, fan):
     np.testing.assert_array_equal(streamed.logits, fast.logits)
     assert packed == rt.consumer.reusable  # each layer packed once, in order (the next one while this one runs)
     assert not host.layers.ahead  # the last layer read nothing ahead
+    # staged once in pinned host memory (what "auto" picks on a GPU): the same packed layers
+    pinned = rt.consumer.pool(arts, resident="host", host_kind="pinned")
+    assert pinned.host_kind == "pinned" and host.host_kind == "numpy"  # "auto" on a CPU: pageable
+    for i in rt.consumer.reusable:
+        got, want = pinned.layers[i], host.layers[i]
+        assert jax.tree.structure(got) == jax.tree.structure(want)
+        for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+            assert g.dtype == w.dtype and g.sharding.memory_kind == w.sharding.memory_kind == "device"
+            np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+    np.testing.assert_array_equal(rt.prefill(req, "redknot", require_reuse=True, pool=pinned).logits, fast.logits)
     with pytest.raises(ValueError, match="resident"):
         rt.consumer.pool(arts, resident="disk")
+    with pytest.raises(ValueError, match="host_kind: expected 'auto', 'numpy' or 'pinned', got 'gpu'"):
+        rt.consumer.pool(arts, resident="host", host_kind="gpu")
     if fan == "tau":
         assert fast.fanout_hist[2] > 0 and fast.fanout_hist[3] > 0  # the rule really trimmed some rows
     rec = rt.prefill(req, "recompute")
