@@ -143,6 +143,8 @@ def main(argv=None):
     ap.add_argument("--json", default=None)
     ap.add_argument("--rows", default="24576", help="assignment rows per call (Flash top-6 x 4096-token chunk)")
     ap.add_argument("--shapes", default="4096x2048,2048x4096", help="k x n of the expert matmuls (w1/w3, w2)")
+    ap.add_argument("--experts", default="16", help="expert counts: 16 (flash-shaped), 256 (Flash), 32 (a "
+                                                    "Flash rank at tp = 8)")
     ap.add_argument("--block-m", default="64,128")
     ap.add_argument("--block-n", default="64,128")
     ap.add_argument("--steps", default="4")
@@ -152,9 +154,10 @@ def main(argv=None):
     peak = 2 * 8192 ** 3 / median_time(jax.jit(lambda u: u @ u), p, iters=10) / 1e12
     print(f"bf16 matmul peak (8192^3) in this run: {peak:.0f} TFLOP/s", flush=True)
     rows = []
-    for m, shape in itertools.product([int(v) for v in a.rows.split(",")], a.shapes.split(",")):
+    for m, shape, e in itertools.product([int(v) for v in a.rows.split(",")], a.shapes.split(","),
+                                         [int(v) for v in a.experts.split(",")]):
         k, n = (int(v) for v in shape.split("x"))
-        x, w, sizes = make_problem(jax.random.key(m + k), m=m, k=k, n=n, used=0.95)
+        x, w, sizes = make_problem(jax.random.key(m + k), m=m, e=e, k=k, n=n, used=0.95)
         flop = 2 * int(jnp.sum(sizes)) * k * n
         ref = jax.jit(ragged_dot_reference)
         yr = ref(x, w, sizes).astype(jnp.float32)
@@ -172,11 +175,11 @@ def main(argv=None):
             yk = ker(x, w, sizes).astype(jnp.float32)
             err = float(jnp.linalg.norm((yk - yr).ravel()) / jnp.linalg.norm(yr.ravel()))
             tk = median_time(ker, x, w, sizes, iters=10)
-            rows.append(dict(rows=m, k=k, n=n, config=dataclasses.asdict(cfg), rel_err=err, kernel_ms=tk * 1e3,
+            rows.append(dict(rows=m, experts=e, k=k, n=n, config=dataclasses.asdict(cfg), rel_err=err, kernel_ms=tk * 1e3,
                              scan_ms=t_scan * 1e3, ragged_dot_ms=t_ragged * 1e3, kernel_tflops=flop / tk / 1e12,
                              scan_tflops=flop / t_scan / 1e12, ragged_dot_tflops=flop / t_ragged / 1e12,
                              kernel_frac_of_peak=flop / tk / 1e12 / peak))
-            print(f"m={m} {k}x{n} {bm}x{bn} steps {st} gbn {gbn}: err {err:.1e} kernel {tk * 1e3:.3f} ms "
+            print(f"m={m} e={e} {k}x{n} {bm}x{bn} steps {st} gbn {gbn}: err {err:.1e} kernel {tk * 1e3:.3f} ms "
                   f"({flop / tk / 1e12:.0f} TFLOP/s, {flop / tk / 1e12 / peak:.0%}) scan {t_scan * 1e3:.3f} ms "
                   f"ragged_dot {t_ragged * 1e3:.3f} ms", flush=True)
     return record("ragged_dot", a.json, argv, matmul_peak_tflops=peak, rows=rows)
