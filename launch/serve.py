@@ -41,6 +41,9 @@ def main(argv=None):
     ap.add_argument("--max-body-bytes", type=int, default=1 << 20)
     ap.add_argument("--shutdown-grace-s", type=float, default=10.0)
     ap.add_argument("--no-warmup", action="store_true")
+    ap.add_argument("--kernels", default="auto",
+                    help="Mosaic GPU kernels: auto (on a GPU those measured faster than XLA that the model's shapes "
+                         "allow), xla (none), mosaic (all), or a comma list of indexer, restore, ragged_dot")
     ap.add_argument("--compilation-cache", default=os.path.expanduser("~/.cache/redknot_jax/xla"),
                     help="persistent XLA compilation cache ('' to disable): later starts skip most compiles")
     ap.add_argument("--log-level", default="info")
@@ -64,7 +67,7 @@ def main(argv=None):
                      max_queue=args.max_queue, max_model_len=args.max_model_len,
                      max_tokens_limit=args.max_tokens_limit, max_body_bytes=args.max_body_bytes,
                      prefill_chunk=args.prefill_chunk,
-                     shutdown_grace_s=args.shutdown_grace_s, warmup=not args.no_warmup)
+                     shutdown_grace_s=args.shutdown_grace_s, warmup=not args.no_warmup, kernels=args.kernels)
     state = build_state(sc)
     uvicorn.run(create_app(state), host=sc.host, port=sc.port, log_level=args.log_level,
                 timeout_graceful_shutdown=int(sc.shutdown_grace_s) + 1)

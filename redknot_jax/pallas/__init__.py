@@ -13,7 +13,8 @@ FASTER = ("indexer", "ragged_dot")  # measured faster than their XLA references 
 def resolve_kernels(kernels: str, model, n_global: int | None = None) -> str:
     """The Mosaic GPU kernels to run, as a canonical comma list of KERNELS ("" = none).
 
-    "xla": none (the references). "mosaic": all. A comma list of KERNELS: those. "auto" (the
+    "xla" or "": none (the references). "mosaic": all. A comma list of KERNELS: those (so a
+    resolved set resolves to itself). "auto" (the
     default): on a GPU, those measured faster than XLA (`FASTER`) that this model can run; off a
     GPU none (interpret mode is for tests). A kernel named explicitly that the model cannot run
     (dtype, tiles, Global heads per group, no GPU) raises ValueError. n_global: the profile's
@@ -33,7 +34,7 @@ def resolve_kernels(kernels: str, model, n_global: int | None = None) -> str:
            or ragged_dot_unsupported(cfg.moe_inter_dim, cfg.hidden_size, model.dtype)}
     if kernels == "auto":
         return ",".join(k for k in FASTER if why[k] is None) if gpu else ""
-    names = {"xla": [], "mosaic": list(KERNELS)}.get(kernels, kernels.split(","))
+    names = {"xla": [], "": [], "mosaic": list(KERNELS)}.get(kernels, kernels.split(","))
     bad = [k for k in names if k not in KERNELS]
     if bad:
         raise ValueError(f"kernels: expected 'auto', 'xla', 'mosaic' or a comma list of {KERNELS}, got {kernels!r}")

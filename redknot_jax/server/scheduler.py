@@ -305,7 +305,8 @@ class Scheduler:
                 return "disk"
             if got != FallbackReason.UNKNOWN_ARTIFACT:
                 log.warning("document %s: stored artifact unusable (%s); rebuilding", doc.id[:12], got.value)
-        doc.artifact = build_artifact(rt.model, rt.profile, doc.tokens, checkpoint_fingerprint=self.fp)
+        doc.artifact = build_artifact(rt.model, rt.profile, doc.tokens, checkpoint_fingerprint=self.fp,
+                                      kernels=rt.consumer.kernels)
         if store is not None:
             store.publish(doc.artifact)  # a new generation; readers of an older one are unaffected
         return "built"

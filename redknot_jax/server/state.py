@@ -46,6 +46,7 @@ class ServeConfig:
     max_body_bytes: int = 1 << 20
     shutdown_grace_s: float = 10.0
     warmup: bool = True
+    kernels: str = "auto"  # Mosaic GPU kernels (redknot_jax.pallas.resolve_kernels): auto | xla | mosaic | a list
 
     def __post_init__(self):
         for f in ("slots", "max_queue", "max_model_len", "max_tokens_limit", "max_body_bytes", "prefill_chunk"):
@@ -135,8 +136,8 @@ def build_state(sc: ServeConfig) -> ServerState:
         fp = f"embedded-random:{preset}:seed0:{sc.dtype}:{cfg.fingerprint()}"
         name = sc.model_name or f"redknot-{preset}-random"
     prof = make_profile(sc.profile, cfg, ckpt)
-    rt = ReuseRuntime(model, prof, fp)
-    eng = Engine(model, capacity=sc.max_model_len)
+    rt = ReuseRuntime(model, prof, fp, kernels=sc.kernels)
+    eng = Engine(model, capacity=sc.max_model_len, kernels=sc.kernels)
     metrics = Metrics(rt.counters)
     # artifacts persist in per-tenant artifact stores under the registry's directory
     store_root = os.path.join(sc.artifact_store, "artifacts") if sc.artifact_store else None
@@ -146,8 +147,8 @@ def build_state(sc: ServeConfig) -> ServerState:
     if sc.warmup:
         sched.warmup()
     keys = load_api_keys(sc.api_keys_file, os.environ.get(sc.api_keys_env))
-    log.info("model %s (%d layers), profile %s, %d API keys, ready in %.1fs", name, cfg.num_layers, prof.name,
-             len(keys), time.perf_counter() - t0)
+    log.info("model %s (%d layers), profile %s, kernels %r, %d API keys, ready in %.1fs", name, cfg.num_layers,
+             prof.name, rt.consumer.kernels or "none (XLA)", len(keys), time.perf_counter() - t0)
     return ServerState(cfg=sc, model_name=name, vocab_size=cfg.vocab_size, eos_id=cfg.eos_token_id,
                        capacity=sc.max_model_len, tokenizer=load_tokenizer(ckpt, cfg.vocab_size),
                        chat_template=load_chat_template(ckpt),

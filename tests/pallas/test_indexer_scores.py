@@ -88,7 +88,7 @@ def test_consumer_kernel_sets():
     cfg = dataclasses.replace(config.tiny("csa"), head_dim=64, o_lora_rank=64, index_head_dim=64)
     model = random_model(cfg, seed=0, dtype=jnp.bfloat16)
     assert resolve_kernels("auto", model, 1) == ("indexer" if jax.default_backend() == "gpu" else "")
-    assert resolve_kernels("xla", model, 1) == ""
+    assert resolve_kernels("xla", model, 1) == resolve_kernels("", model, 1) == ""  # a resolved set resolves to itself
     assert resolve_kernels("restore,indexer", model, 1) == "indexer,restore"
     with pytest.raises(ValueError, match="ragged_dot kernel cannot run"):  # "mosaic" is all three; the
         resolve_kernels("mosaic", model, 1)  # MoE kernel: a GPU and tile-sized expert matmuls

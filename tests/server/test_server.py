@@ -552,3 +552,15 @@ def test_artifacts_persist_in_per_tenant_stores(tmp_path):
     assert scheduler()._ensure_artifact(doc) == "disk"  # a restart reads it back, verified
     assert rt.certify(Request([Segment(toks, doc.artifact), Segment(toks[:5])])) is None
     assert scheduler()._ensure_artifact(Doc("b" * 64, "tenant-b", toks)) == "built"  # not a's store
+
+
+def test_kernels_flag_is_resolved_or_refused():
+    """ServeConfig.kernels (serve.py --kernels) reaches both the RedKnot runtime and the engine,
+    resolved (off a GPU "auto" runs none); a kernel name it does not know is refused at start-up."""
+    from redknot_jax.server.state import ServeConfig, build_state
+
+    for flag in ("auto", "xla"):
+        st = build_state(ServeConfig(preset="tiny", kernels=flag, warmup=False))
+        assert st.runtime.consumer.kernels == st.scheduler.eng.kernels == ""
+    with pytest.raises(ValueError, match="kernels: expected 'auto', 'xla', 'mosaic' or a comma list.*'triton'"):
+        build_state(ServeConfig(preset="tiny", kernels="triton", warmup=False))
