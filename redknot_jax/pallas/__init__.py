@@ -18,14 +18,16 @@ def resolve_kernels(kernels: str, model, n_global: int | None = None) -> str:
     default): on a GPU, those measured faster than XLA (`FASTER`) that this model can run; off a
     GPU none (interpret mode is for tests). A kernel named explicitly that the model cannot run
     (dtype, tiles, Global heads per group, no GPU) raises ValueError. n_global: the profile's
-    Global heads per output group (the restoration kernel's; None outside the RedKnot consumer)."""
+    Global heads per output group, for the restoration kernel; None outside the RedKnot consumer
+    (`generate.Engine`, `build_artifact`), where that kernel has nothing to run and is left out
+    of the set, so one `--kernels` value serves the consumer, the engine and the builds."""
     from redknot_jax.config import CSA
     from redknot_jax.pallas.indexer_scores import scores_unsupported
     from redknot_jax.pallas.ragged_dot import ragged_dot_unsupported
     from redknot_jax.pallas.restore import restore_unsupported
 
     cfg, gpu = model.cfg, jax.default_backend() == "gpu"
-    why = {"restore": "it restores the RedKnot consumer's Local heads (no Global heads given)" if n_global is None
+    why = {"restore": None if n_global is None
            else restore_unsupported(cfg.head_dim, cfg.o_lora_rank, n_global, model.dtype),
            "indexer": scores_unsupported(cfg.index_n_heads, cfg.index_head_dim, model.dtype)
            if CSA in cfg.layer_types else None,
@@ -41,7 +43,7 @@ def resolve_kernels(kernels: str, model, n_global: int | None = None) -> str:
     for k in names:
         if why[k]:
             raise ValueError(f"kernels={kernels!r}: the {k} kernel cannot run this model: {why[k]}")
-    return ",".join(k for k in KERNELS if k in names)
+    return ",".join(k for k in KERNELS if k in names and (k != "restore" or n_global is not None))
 
 
 def kernel_mode(kernels: str, name: str) -> str:

@@ -152,6 +152,7 @@ class HostPool(DocPool):
     def __init__(self, artifacts: list[Artifact], layers, dtype, host_kind: str = "auto"):
         self.device = jax.devices()[0]
         self.host_kind = host_memory_kind(self.device, host_kind)
+        self.staged = None  # pinned: layer -> the documents' kept fields in pinned host memory
         super().__init__(artifacts, layers, dtype)
 
     def _place(self, layers: list[int], dtype):
@@ -160,9 +161,10 @@ class HostPool(DocPool):
         pinned = jax.sharding.SingleDeviceSharding(self.device, memory_kind="pinned_host")
         to_device = jax.sharding.SingleDeviceSharding(self.device, memory_kind=self.device.default_memory().kind)
         host = lambda x, dt: np.asarray(x).astype(dt, copy=False)
-        staged = jax.block_until_ready({i: [jax.device_put(_fields(a.layers[i], dtype, host), pinned)
-                                            for a in self.artifacts] for i in layers})  # admission pays it
-        return _Streamed(lambda i: _pack(staged[i], dtype, put=lambda x, dt: jax.device_put(x, to_device)), layers)
+        self.staged = jax.block_until_ready({i: [jax.device_put(_fields(a.layers[i], dtype, host), pinned)
+                                                 for a in self.artifacts] for i in layers})  # admission pays it
+        put = lambda x, dt: jax.device_put(x, to_device)
+        return _Streamed(lambda i: _pack(self.staged[i], dtype, put=put), layers)
 
     def nbytes(self) -> int:  # host bytes of the layers it streams (unpadded)
         return int(sum(np.asarray(x).nbytes for a in self.artifacts for i in self.layers

@@ -66,7 +66,8 @@ def test_consumer_equals_reference(kind, refresh, fan):
     assert not host.layers.ahead  # the last layer read nothing ahead
     # staged once in pinned host memory (what "auto" picks on a GPU): the same packed layers
     pinned = rt.consumer.pool(arts, resident="host", host_kind="pinned")
-    assert pinned.host_kind == "pinned" and host.host_kind == "numpy"  # "auto" on a CPU: pageable
+    assert pinned.host_kind == "pinned" and host.host_kind == "numpy" and host.staged is None  # "auto" on a CPU
+    assert {leaf.sharding.memory_kind for leaf in jax.tree.leaves(pinned.staged)} == {"pinned_host"}
     for i in rt.consumer.reusable:
         got, want = pinned.layers[i], host.layers[i]
         assert jax.tree.structure(got) == jax.tree.structure(want)

@@ -562,5 +562,8 @@ def test_kernels_flag_is_resolved_or_refused():
     for flag in ("auto", "xla"):
         st = build_state(ServeConfig(preset="tiny", kernels=flag, warmup=False))
         assert st.runtime.consumer.kernels == st.scheduler.eng.kernels == ""
+    # the tiny model cannot run the restoration kernel: refused by the runtime, naming it
+    with pytest.raises(ValueError, match="restore kernel cannot run"):
+        build_state(ServeConfig(preset="tiny", kernels="restore", warmup=False))
     with pytest.raises(ValueError, match="kernels: expected 'auto', 'xla', 'mosaic' or a comma list.*'triton'"):
         build_state(ServeConfig(preset="tiny", kernels="triton", warmup=False))
