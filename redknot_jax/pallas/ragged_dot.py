@@ -112,11 +112,14 @@ def ragged_dot(x, w, sizes, preferred_element_type=None, config: RaggedDotConfig
     if why:
         raise ValueError(f"ragged_dot kernel: {why}")
     sizes = sizes.astype(jnp.int32)
+    m = x.shape[0]
+    if m % 8:  # the kernel's TMA descriptors tile rows by 8: pad with rows past the last group
+        x = jnp.pad(x, ((0, -m % 8), (0, 0)))
     out = mgpu_ragged_dot(x, w, group_sizes=sizes, block_m=cfg.block_m, block_n=cfg.block_n, block_k=cfg.block_k,
                           max_concurrent_steps=cfg.steps, grid_block_n=cfg.grid_block_n)
     # rows past the last group are never written by the kernel: the contract says zero
-    valid = jnp.arange(x.shape[0]) < jnp.sum(sizes)
-    return jnp.where(valid[:, None], out, 0).astype(preferred_element_type or x.dtype)
+    valid = jnp.arange(m) < jnp.sum(sizes)
+    return jnp.where(valid[:, None], out[:m], 0).astype(preferred_element_type or x.dtype)
 
 
 # ----------------------------------------------------------------------------- problems, benchmark

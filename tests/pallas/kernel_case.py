@@ -16,8 +16,13 @@ from redknot_jax.reuse.profile import tiny_profile
 
 def kernel_case(moe_tiles: bool = False):
     """(cfg, model, profile, artifacts, request); the vocabulary (96) divides tp = 2.
-    moe_tiles: hidden size and expert width 128 too (the grouped-matmul kernel's tiles)."""
-    wide = dict(hidden_size=128, moe_inter_dim=128) if moe_tiles else {}
+    moe_tiles: hidden size and expert width 128 too (the grouped-matmul kernel's tiles), and no
+    discrete choice that a last-bit difference can flip: every MoE layer hash-routed and the
+    indexer's top-k wider than the entries (all selected). With learned routing and top-3 of
+    ~20 entries, bf16 rounding alone moved a query row's logits by up to 10 % between two GPU
+    runs of the same comparison (H200, 2026-12-01): a test of the kernel must not see that."""
+    wide = dict(hidden_size=128, moe_inter_dim=128, index_topk=64,
+                mlp_layer_types=("hash_moe",) * config.tiny("csa").num_layers) if moe_tiles else {}
     cfg = dataclasses.replace(config.tiny("csa"), head_dim=64, o_lora_rank=64, index_head_dim=64, vocab_size=96,
                               **wide)
     model = random_model(cfg, seed=5, dtype=jnp.bfloat16)
