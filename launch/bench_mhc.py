@@ -14,15 +14,13 @@ Bytes: x read once and X' written once (2 * t * n * d * 2) are what either form 
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import sys
 
 import jax
 import jax.numpy as jnp
 
 from redknot_jax.mhc import HyperConnection
-from redknot_jax.pallas.timing import median_time
+from redknot_jax.pallas.timing import median_time, record
 
 
 def post_matmul(x, y, post, comb):
@@ -58,16 +56,10 @@ def main(argv=None):
         rows[f"post_{name}_ms"] = median_time(f, x, y, post, comb, iters=a.iters) * 1e3
         rows[f"post_{name}_max_rel_diff"] = err
     rows["pre_ms"] = median_time(jax.jit(site.pre), x, iters=a.iters) * 1e3
-    res = dict(device=str(jax.devices()[0].device_kind), jax=jax.__version__, date=datetime.date.today().isoformat(),
-               command="python launch/bench_mhc.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-               rows=t, streams=n, hidden=d, **rows,
-               post_streams_over_matmul=rows["post_matmul_ms"] / rows["post_streams_ms"])
+    res = record("mhc", a.json, argv, program="python launch/bench_mhc.py", rows=t, streams=n, hidden=d, **rows,
+                 post_streams_over_matmul=rows["post_matmul_ms"] / rows["post_streams_ms"])
     print(json.dumps(res, indent=1))
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(res, f, indent=1)
     return res
-
 
 if __name__ == "__main__":
     main()

@@ -49,7 +49,13 @@ def _draw(key, name: str, shape, dtype, n_experts: int):
 def random_model(cfg: ModelConfig, seed: int = 0, dtype=jnp.bfloat16, shardings=None) -> Model:
     """A `Model` of cfg with random weights drawn on the default device (or `shardings`,
     a pytree of NamedShardings matching the state)."""
-    abstract = nnx.eval_shape(lambda: Model(cfg, dtype))
+    return random_module(lambda: Model(cfg, dtype), cfg.n_routed_experts, seed, shardings)
+
+
+def random_module(make, n_experts: int, seed: int = 0, shardings=None):
+    """The module `make()` builds (a Model, or one block's MoE for a benchmark), its weights
+    drawn by the rules above without ever being built with zeros."""
+    abstract = nnx.eval_shape(make)
     graphdef, state = nnx.split(abstract)
     flat = nnx.to_flat_state(state)
     paths = [".".join(str(p) for p in path) for path, _ in flat]
@@ -58,6 +64,6 @@ def random_model(cfg: ModelConfig, seed: int = 0, dtype=jnp.bfloat16, shardings=
     keys = jax.random.split(jax.random.key(seed), len(paths))
     shardings = [None] * len(paths) if shardings is None else list(shardings)
     for (_, var), p, (s, d), k, sh in zip(flat, paths, specs, keys, shardings):
-        val = _draw(k, p.split(".")[-1], tuple(s), jnp.dtype(d), cfg.n_routed_experts)
+        val = _draw(k, p.split(".")[-1], tuple(s), jnp.dtype(d), n_experts)
         var.set_value(val if sh is None else jax.device_put(val, sh))
     return nnx.merge(graphdef, nnx.from_flat_state(flat))

@@ -60,6 +60,17 @@ def grouped_matmul(x: jax.Array, w: jax.Array, sizes: jax.Array, tile: int = 512
     return out[:m]
 
 
+def token_chunk(n_experts: int) -> int:
+    """Tokens per grouped-matmul call at prefill: 4096, or 64 per routed expert when that is more
+    (384 rows per expert at top 6), so each call reads every expert's weights for a few full
+    tiles of work. One Flash-sized MoE layer over 16384 tokens with the ragged_dot kernel, H200,
+    2026-12-01 (`launch/bench_moe.py`, docs/results/moe_chunk_h200.json): 256 experts 33.0 ms at
+    4096 tokens -> 18.5 ms at 16384 (1.8x). 16 experts went 11.5 -> 10.6 ms, and stay at 4096:
+    8 % of a MoE layer is not worth ~3 GB more transient memory at 128K, where the
+    flash-shaped preset's HBM is tightest (that trade is judged, not measured)."""
+    return max(4096, 64 * n_experts)
+
+
 def swiglu(gate, up, limit):
     """SiLU(min(gate, L)) * clip(up, -L, L), in fp32."""
     gate = jnp.minimum(gate.astype(jnp.float32), limit)
@@ -140,9 +151,10 @@ class MoE(nnx.Module):
         return jnp.einsum("nf,df->nd", swiglu(g, u, self.limit).astype(x.dtype), self.s2[...],
                           preferred_element_type=jnp.float32, precision=HIGHEST)
 
-    def __call__(self, x, ids, keep_fn=None, chunk: int = 4096, with_keep: bool = False, kernels: str = "xla"):
-        """x [b, t, d], ids [b, t] -> [b, t, d]. Tokens are processed `chunk` at a time; `kernels`
-        as in `experts`.
+    def __call__(self, x, ids, keep_fn=None, chunk: int | None = None, with_keep: bool = False,
+                 kernels: str = "xla"):
+        """x [b, t, d], ids [b, t] -> [b, t, d]. Tokens are processed `chunk` at a time (default
+        `token_chunk` of the expert count); `kernels` as in `experts`.
 
         keep_fn(sel, wts, scores) -> keep mask [n, k] or None (fan-out trimming). With
         `with_keep`, also returns the mask applied, [b, t, k] (all True without keep_fn).
@@ -156,7 +168,7 @@ class MoE(nnx.Module):
             y = (self.experts(xc, sel, wts, keep, kernels) + self.shared(xc)).astype(x.dtype)
             return y, jnp.ones(sel.shape, bool) if keep is None else keep
 
-        n = b * t
+        n, chunk = b * t, chunk or token_chunk(self.e)
         if n <= chunk:
             y, keep = run(xf, idf)
         else:

@@ -77,3 +77,20 @@ def test_mhc_post_streams_form_equals_batched_matmul_form():
         np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=tol, atol=tol)
     res = bench.main(["--rows", "16", "--hidden", "64", "--iters", "2"])
     assert res["post_streams_max_rel_diff"] < 1e-2 and res["pre_ms"] > 0
+    assert res["command"] == "python launch/bench_mhc.py --rows 16 --hidden 64 --iters 2"
+
+
+def test_bench_moe_runs_and_chunking_changes_nothing():
+    """`launch/bench_moe.py` times one routed MoE layer per token chunk; every chunk gives the
+    first chunk's output exactly (tokens are independent)."""
+    import importlib.util
+    import pathlib
+
+    spec = importlib.util.spec_from_file_location("bench_moe", pathlib.Path(__file__).parents[1] / "launch/bench_moe.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    res = bench.main(["--tokens", "48", "--experts", "8,16", "--chunks", "16,48", "--kernels", "xla", "--hidden", "64",
+                      "--inter", "32", "--iters", "1"])
+    assert [(r["experts"], r["chunk"]) for r in res["rows"]] == [(8, 16), (8, 48), (16, 16), (16, 48)]
+    assert all(r["max_rel_diff"] == 0.0 and r["ms"] > 0 for r in res["rows"])
+    assert res["command"].startswith("python launch/bench_moe.py --tokens 48")

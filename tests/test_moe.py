@@ -60,3 +60,19 @@ def test_keep_mask_comes_back_from_the_chunked_path():
     assert rel_err(y2, y1) < 1e-6
     _, none = moe(x, ids, with_keep=True)
     assert none.all()
+
+
+def test_token_chunk_grows_with_the_expert_count(monkeypatch):
+    """4096 tokens up to 64 experts, then 64 tokens per expert (Flash's 256: 16384, Pro's 384:
+    24576). `tp._moe` asks for the rank's count times tp (here tp = 1, outside shard_map)."""
+    from redknot_jax import moe as moe_mod
+    from redknot_jax.sharding import tp as tpmod
+
+    assert [moe_mod.token_chunk(e) for e in (8, 16, 64, 256, 384)] == [4096, 4096, 4096, 16384, 24576]
+    seen = []
+    monkeypatch.setattr(tpmod, "token_chunk", lambda e: seen.append(e) or moe_mod.token_chunk(e))
+    cfg = config.tiny("mixed")
+    layer = random_model(cfg, seed=1, dtype=jnp.float32).layers[4].ffn
+    x = jnp.zeros((1, 4, cfg.hidden_size))
+    tpmod._moe(layer, x, jnp.zeros((1, 4), jnp.int32), 1)
+    assert seen == [cfg.n_routed_experts]  # tp = 1: the rank holds every expert

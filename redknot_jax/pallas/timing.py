@@ -18,10 +18,11 @@ def median_time(f, *a, iters: int = 20, **kw) -> float:
     return float(np.median(ts))
 
 
-def record(kernel: str, json_path: str | None, argv: list[str] | None, **fields) -> dict:
-    """A benchmark's result with device, jax version, date and the command that ran it (module
-    `redknot_jax.pallas.<kernel>` with `argv`, or the process's arguments when None); written
-    as JSON when a path is given."""
+def record(kernel: str, json_path: str | None, argv: list[str] | None, program: str | None = None,
+           **fields) -> dict:
+    """A benchmark's result with device, jax version, date and the command that ran it
+    (`program`, by default the module `redknot_jax.pallas.<kernel>`, with `argv`, or the
+    process's arguments when None); written as JSON when a path is given."""
     import datetime
     import json
     import sys
@@ -29,7 +30,7 @@ def record(kernel: str, json_path: str | None, argv: list[str] | None, **fields)
     args = argv if argv is not None else sys.argv[1:]
     res = dict(kernel=kernel, device=str(jax.devices()[0].device_kind), jax=jax.__version__,
                date=datetime.date.today().isoformat(),
-               command=" ".join(["python -m redknot_jax.pallas." + kernel, *args]), **fields)
+               command=" ".join([program or "python -m redknot_jax.pallas." + kernel, *args]), **fields)
     if json_path:
         with open(json_path, "w") as f:
             json.dump(res, f, indent=1)

@@ -37,6 +37,7 @@ from redknot_jax.config import CSA, ModelConfig
 from redknot_jax.mhc import HyperConnection
 from redknot_jax.pallas import kernel_mode
 from redknot_jax.model import Model, lm_head
+from redknot_jax.moe import token_chunk
 from redknot_jax.sharding.table import AXIS, DP_AXIS, batch_spec, check_tp, param_spec
 
 
@@ -97,9 +98,10 @@ def vocab_embed(table, ids, hc_mult: int, tp: int):
     return jnp.broadcast_to(e[:, :, None, :], (*e.shape[:2], hc_mult, e.shape[-1]))
 
 
-def _moe(moe, x, ids, tp: int, keep_fn=None, chunk: int = 4096, kernels: str = "xla"):
+def _moe(moe, x, ids, tp: int, keep_fn=None, chunk: int | None = None, kernels: str = "xla"):
     """`MoE.__call__` with the rank's expert index range: x [b, t, d] -> [b, t, d]. kernels:
-    the rank's grouped matmuls by XLA or the Mosaic GPU kernel (`MoE.experts`)."""
+    the rank's grouped matmuls by XLA or the Mosaic GPU kernel (`MoE.experts`). The token
+    chunk defaults to `token_chunk` of the global expert count, as on one device."""
     b, t, d = x.shape
     lo = _rank(tp) * moe.e  # moe.e is the per-rank expert count here
 
@@ -115,7 +117,7 @@ def _moe(moe, x, ids, tp: int, keep_fn=None, chunk: int = 4096, kernels: str = "
             routed = jax.lax.psum(routed, AXIS)
         return (routed + moe.shared(xc)).astype(x.dtype)
 
-    n = b * t
+    n, chunk = b * t, chunk or token_chunk(moe.e * tp)
     xf, idf = x.reshape(n, d), ids.reshape(n)
     if n <= chunk:
         y = run(xf, idf)
