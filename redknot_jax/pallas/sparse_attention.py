@@ -1,0 +1,342 @@
+"""Gathered-key (sparse) latent attention as a Mosaic GPU kernel, beside its reference.
+
+Each query row i attends its own list of keys out of one packed latent table (K = V):
+
+    keys(i) = kv[idx[i, j]] for j < count[i]          (the first count[i] ids are real)
+    o[i], lse[i] = softmax attention of q[i] (64 heads) over keys(i), the sink entering once
+
+That is FlashMLA's sparse prefill shape. It is also how a consumer row sees its keys: 128
+window latents plus its CSA top-512 entries, or the visible HCA entries, all in the absolute
+frame (`reuse/consumer.py` turns keys, not queries). The XLA path gathers those keys into a
+[rows, 512, 512] tensor per query block and contracts it twice. The op trace of a 64K prefill
+puts that gather at 78 ms of a 286 ms CSA layer (`docs/benchmarks.md`). The kernel reads each
+selected row once, into shared memory, and never writes a gathered tensor.
+
+Kernel layout (one CTA = one query row):
+* the 64 heads are the wgmma M dimension; every head shares the key tile;
+* a producer warpgroup gathers a block of 64 keys. Each key is a one-row TMA copy into an
+  untiled staging buffer: Hopper's TMA has no gather (Mosaic GPU's gather TMA is the
+  Blackwell gather4), and a one-row box cannot land in the tiled, swizzled layout wgmma reads.
+  The producer then moves the block through registers into that layout, a 64 KB shared-memory
+  copy. The gather of block b + 1 runs while the consumers work on block b;
+* two consumer warpgroups each compute the whole [64, 64] logit tile (the 512-wide
+  contraction, done twice) and own half of the 512 output columns: a [64, 512] fp32
+  accumulator would need 256 registers per thread;
+* P goes through shared memory into the PV product, so the kernel has no register A operand
+  and runs in Mosaic GPU interpret mode: CPU CI runs the kernel itself. One line differs
+  there: interpret mode (jax 0.11.2) does not handle `pl.run_state`, so the PV product goes
+  into a fresh accumulator that is then added, instead of into the running one; the GPU keeps
+  the running accumulator (a second one would not fit the registers).
+
+The sink and the normalisation are merged in the wrapper (`relocation.merge_partials`,
+elementwise; XLA fuses it into its consumer).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from redknot_jax.pallas import interpret_params
+from redknot_jax.pallas.timing import median_time, record
+from redknot_jax.reuse.relocation import merge_partials, partial_attention
+
+LOG2E = math.log2(math.e)
+LN2 = math.log(2.0)
+HEADS = 64  # wgmma M: one row's heads
+HEAD_DIM = 512
+SMEM_LIMIT = 227 * 1024
+
+
+@dataclasses.dataclass(frozen=True)
+class SparseAttentionConfig:
+    """block_kv: keys per step (the logit tile's wgmma N and the PV product's K). Only 64 fits:
+    q, the key tile and the gather's staging buffer are 64 KB each at block_kv 64."""
+
+    block_kv: int = 64
+
+    def __post_init__(self):
+        if self.block_kv != 64:
+            raise ValueError(f"SparseAttentionConfig.block_kv: expected 64, got {self.block_kv}")
+        if self.smem_bytes() > SMEM_LIMIT:
+            raise ValueError(f"SparseAttentionConfig: {self.smem_bytes()} bytes of shared memory > {SMEM_LIMIT}")
+
+    def smem_bytes(self) -> int:
+        q = HEADS * HEAD_DIM * 2  # also the output staging buffer
+        keys = 2 * self.block_kv * HEAD_DIM * 2  # the wgmma tile and the gather's staging rows
+        p = 2 * HEADS * self.block_kv * 2  # one P tile per consumer
+        return q + keys + p + HEADS * 4 + 1024  # + lse, barriers
+
+
+def _check(q, kv, idx, count, sink):
+    if q.ndim != 3 or kv.ndim != 2 or kv.shape[1] != q.shape[2]:
+        raise ValueError(f"sparse_attention: expected q [t, h, k] and kv [s, k], got {q.shape} and {kv.shape}")
+    t, h, _ = q.shape
+    if idx.ndim != 2 or idx.shape[0] != t or not jnp.issubdtype(idx.dtype, jnp.integer):
+        raise ValueError(f"sparse_attention: expected integer idx [{t}, K], got {idx.dtype}{idx.shape}")
+    if count.shape != (t,) or not jnp.issubdtype(count.dtype, jnp.integer):
+        raise ValueError(f"sparse_attention: expected integer count [{t}], got {count.dtype}{count.shape}")
+    if sink.shape != (h,):
+        raise ValueError(f"sparse_attention: expected sink [{h}], got {sink.shape}")
+    if kv.shape[0] == 0:
+        raise ValueError("sparse_attention: empty kv table")
+
+
+def _clamped(kv, idx, count):
+    """Ids clamped into the table and counts into [0, K]: an out-of-range id reads the nearest
+    row (the kernel must never read outside kv), identically in reference and kernel."""
+    return jnp.clip(idx, 0, kv.shape[0] - 1).astype(jnp.int32), jnp.clip(count, 0, idx.shape[1]).astype(jnp.int32)
+
+
+def sparse_attention_reference(q, kv, idx, count, sink, *, scale, config=None):
+    """XLA: gather each row's keys ([t, K, k]), one partial attention per row
+    (relocation.partial_attention), merged with the sink. Returns (o [t, h, k] in q.dtype,
+    lse [t, h] fp32, sink included); a row with count 0 gets the sink alone (o = 0)."""
+    del config
+    _check(q, kv, idx, count, sink)
+    idx, count = _clamped(kv, idx, count)
+    ok = jnp.arange(idx.shape[1])[None, :] < count[:, None]  # [t, K]
+    keys = kv[idx].astype(q.dtype)
+    o, lse = jax.vmap(lambda qi, ki, mi: partial_attention(qi[None], ki, mi[None, None, :], scale))(q, keys, ok)
+    o, lse = merge_partials([(o[:, 0], lse[:, 0])], sink)
+    return o.astype(q.dtype), lse
+
+
+def sparse_attention_unsupported(h: int, k: int, dtype) -> str | None:
+    """Why the kernel cannot run q [t, h, k] in `dtype` (None: it can)."""
+    if (h, k) != (HEADS, HEAD_DIM):
+        return f"supports (heads, head dim) = {(HEADS, HEAD_DIM)}, got {(h, k)}"
+    if isinstance(dtype, str) or jnp.dtype(dtype) != jnp.bfloat16:
+        return f"bf16 q / kv expected, got {dtype}"
+    return None
+
+
+def _kernel_call(q, kv, idx, count, *, scale, cfg, interpret):
+    import jax.experimental.pallas as pl
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+
+    t, h, k = q.shape
+    bkv = cfg.block_kv
+    half = k // 2
+    dtype = q.dtype
+    sl2 = scale * LOG2E
+    tiled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+    simulated = interpret_params(interpret) is not None
+
+    def body(q_ref, kv_ref, idx_ref, cnt_ref, o_ref, lse_ref, scratch):
+        ((q_s, o_s), k_s, g_s, p_s, lse_s), (q_bar, g_bar, k_bar), (k_free, done) = scratch
+        row = lax.axis_index("t")
+        wg = lax.axis_index("wg")
+        cnt = cnt_ref[row]
+        nb = lax.div(cnt + (bkv - 1), jnp.int32(bkv))
+
+        def consumer(w):
+            plgpu.set_max_registers(232, action="increase")
+            plgpu.barrier_wait(q_bar)
+            m_i = plgpu.layout_cast(jnp.full((HEADS,), -jnp.inf, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+            l_i = plgpu.layout_cast(jnp.full((HEADS,), 0.0, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+            acc = plgpu.layout_cast(jnp.full((HEADS, half), 0.0, jnp.float32), plgpu.Layout.WGMMA)
+
+            def kv_step(b, carry):
+                acc, m_i, l_i = carry
+                plgpu.barrier_wait(k_bar)
+
+                def qk(acc_ref):
+                    plgpu.wgmma(acc_ref, q_s, k_s.T)
+                    return acc_ref[...]
+
+                s = pl.run_scoped(qk, plgpu.ACC((HEADS, bkv), jnp.float32))
+                kid = b * bkv + plgpu.broadcasted_iota(jnp.int32, (HEADS, bkv), 1, layout=plgpu.Layout.WGMMA)
+                s = jnp.where(kid < cnt, s * sl2, -jnp.inf)
+                m_new = jnp.maximum(m_i, s.max(axis=1))  # finite: every block holds a real key
+                alpha = jnp.exp2(m_i - m_new)
+                p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
+                l_i = l_i * alpha + p.sum(axis=1)
+                acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+                p_s.at[w][...] = p.astype(dtype)
+                plgpu.commit_smem()  # P's stores before the wgmma's (async proxy) reads
+
+                def pv(acc_ref):
+                    plgpu.wgmma(acc_ref, p_s.at[w], k_s.at[:, pl.ds(w * half, half)])
+                    return acc_ref[...]
+
+                if simulated:  # interpret mode has no run_state: a fresh accumulator, added
+                    acc = acc + pl.run_scoped(pv, plgpu.ACC((HEADS, half), jnp.float32))
+                else:  # the running accumulator itself (run_state awaits the wgmma)
+                    acc = pl.run_state(pv)(plgpu.ACC.init(acc))
+                plgpu.barrier_arrive(k_free)
+                return acc, m_new, l_i
+
+            acc, m_i, l_i = lax.fori_loop(0, nb, kv_step, (acc, m_i, l_i))
+            ok = l_i > 0
+            inv = jnp.where(ok, 1.0 / jnp.where(ok, l_i, 1.0), 0.0)
+            lse = jnp.where(ok, (m_i + jnp.log2(jnp.where(ok, l_i, 1.0))) * LN2, -jnp.inf)
+            # q_s becomes the output staging buffer once both consumers are past their last QK
+            plgpu.barrier_arrive(done)
+            plgpu.barrier_wait(done)
+            o_s.at[w][...] = (acc * lax.broadcast_in_dim(inv, acc.shape, [0])).astype(dtype)
+            if w == 0:
+                lse_s[...] = lse
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(o_s.at[w], o_ref.at[row, :, pl.ds(w * half, half)])
+            if w == 0:
+                plgpu.copy_smem_to_gmem(lse_s, lse_ref.at[row])
+            plgpu.wait_smem_to_gmem(0)
+
+        @pl.when(wg == 0)
+        def _c0():
+            consumer(0)
+
+        @pl.when(wg == 1)
+        def _c1():
+            consumer(1)
+
+        @pl.when(wg == 2)
+        def _producer():
+            plgpu.set_max_registers(40, action="decrease")
+            plgpu.copy_gmem_to_smem(q_ref.at[row], q_s, q_bar)
+
+            def gather(b):  # block b's 64 rows, one TMA row copy each, onto one barrier
+                for i in range(bkv):
+                    j = b * bkv + i
+                    r = jnp.where(j < cnt, idx_ref[row, j], 0)
+                    plgpu.copy_gmem_to_smem(kv_ref.at[pl.ds(r, 1)], g_s.at[pl.ds(i, 1)], g_bar)
+
+            @pl.when(nb > 0)
+            def _first():
+                gather(0)
+
+            @pl.loop(0, nb)
+            def _block(b):
+                plgpu.barrier_wait(g_bar)
+
+                @pl.when(b > 0)
+                def _():
+                    plgpu.barrier_wait(k_free)  # both consumers are done with block b - 1
+
+                for c in range(k // 64):  # staging rows -> the tiled, swizzled wgmma tile
+                    v = plgpu.load(g_s.at[:, pl.ds(c * 64, 64)], layout=plgpu.Layout.WGMMA, optimized=False)
+                    k_s.at[:, pl.ds(c * 64, 64)][...] = v
+                plgpu.commit_smem()
+                plgpu.barrier_arrive(k_bar)
+
+                @pl.when(b + 1 < nb)
+                def _next():
+                    gather(b + 1)
+
+            @pl.when(nb > 0)
+            def _last():  # observe the consumers' last release (every barrier phase is waited on)
+                plgpu.barrier_wait(k_free)
+
+    scratch = (
+        # q is dead once both consumers pass `done`: the output staging reuses it
+        (plgpu.RefUnion(plgpu.SMEM((HEADS, k), dtype, transforms=tiled),
+                        plgpu.SMEM((2, HEADS, half), dtype, transforms=tiled)),
+         plgpu.SMEM((bkv, k), dtype, transforms=tiled),
+         plgpu.SMEM((bkv, k), dtype),
+         plgpu.SMEM((2, HEADS, bkv), dtype, transforms=tiled),
+         plgpu.SMEM((HEADS,), jnp.float32)),
+        (plgpu.Barrier(), plgpu.Barrier(num_arrivals=bkv), plgpu.Barrier()),
+        (plgpu.Barrier(num_arrivals=2), plgpu.Barrier(num_arrivals=2)),
+    )
+    out_type = (jax.ShapeDtypeStruct((t, h, k), dtype), jax.ShapeDtypeStruct((t, h), jnp.float32))
+
+    def entry(q_ref, kv_ref, idx_ref, cnt_ref, o_ref, lse_ref):
+        pl.run_scoped(lambda *sc: body(q_ref, kv_ref, idx_ref, cnt_ref, o_ref, lse_ref, sc), *scratch,
+                      collective_axes="wg")
+
+    return plgpu.kernel(
+        entry, out_type=out_type, grid=(t,), grid_names=("t",), num_threads=3, thread_name="wg",
+        compiler_params=plgpu.CompilerParams(approx_math=True), interpret=interpret_params(interpret),
+    )(q, kv, idx, count)
+
+
+def sparse_attention(q, kv, idx, count, sink, *, scale, config: SparseAttentionConfig | None = None,
+                     interpret: bool | None = None):
+    """Mosaic GPU gathered-key latent attention; same signature and result as
+    `sparse_attention_reference`. Supported: 64 heads, head dim 512, bf16 q / kv; anything else
+    raises ValueError (the caller then uses the reference explicitly). interpret: Mosaic GPU
+    interpret mode; None = on when the default backend is not a GPU."""
+    _check(q, kv, idx, count, sink)
+    t, h, k = q.shape
+    why = sparse_attention_unsupported(h, k, q.dtype if q.dtype == kv.dtype else "mixed dtypes")
+    if why:
+        raise ValueError(f"sparse_attention kernel: {why}")
+    cfg = config or SparseAttentionConfig()
+    idx, count = _clamped(kv, idx, count)
+    if idx.shape[1] % cfg.block_kv:  # the last block's ids are read whole (past count: unused)
+        idx = jnp.pad(idx, ((0, 0), (0, -idx.shape[1] % cfg.block_kv)))
+    o, lse = _kernel_call(q, kv, idx, count, scale=float(scale), cfg=cfg, interpret=interpret)
+    o, lse = merge_partials([(o.astype(jnp.float32), lse)], sink)
+    return o.astype(q.dtype), lse
+
+
+# ----------------------------------------------------------------------------- problems, benchmark
+def make_problem(key, *, t: int, s: int, topk: int, window: int = 128, full: bool = False, dtype=jnp.bfloat16):
+    """A consumer-shaped random problem: a packed table of s latents (norm 8, so softmaxes are
+    peaked as trained ones are), per row `window` ids of its window band then `topk` distinct
+    entry ids, valid first; counts random in [K/2, K] (all K with `full`), with a row of no
+    keys, one of a single key and one ending exactly on a block edge when t >= 4.
+    Returns (args, kwargs) for sparse_attention / sparse_attention_reference."""
+    ks = jax.random.split(key, 5)
+    kv = jax.random.normal(ks[0], (s, HEAD_DIM), jnp.float32)
+    kv = (kv / jnp.linalg.norm(kv, axis=-1, keepdims=True) * 8.0).astype(dtype)
+    q = (jax.random.normal(ks[1], (t, HEADS, HEAD_DIM), jnp.float32) * 0.5).astype(dtype)
+    sink = jax.random.normal(ks[2], (HEADS,), jnp.float32)
+    pos = jnp.minimum(window + jnp.arange(t) * max(1, (s - window) // max(t, 1)), s - 1)
+    win = pos[:, None] - jnp.arange(window)[None, :]  # nearest first
+    ent = jax.vmap(lambda k: jax.random.permutation(k, s)[:topk])(jax.random.split(ks[3], t))
+    idx = jnp.concatenate([jnp.clip(win, 0, s - 1), ent], 1).astype(jnp.int32)
+    kk = window + topk
+    count = jnp.full((t,), kk) if full else jax.random.randint(ks[4], (t,), kk // 2, kk + 1)
+    if t >= 4 and not full:
+        count = count.at[:3].set(jnp.array([0, 1, 64]))
+    return (q, kv, idx, count.astype(jnp.int32), sink), {"scale": HEAD_DIM ** -0.5}
+
+
+def attention_flops(count) -> float:
+    """Useful FLOPs: QK^T and PV over each row's keys (2 * 2 * h * k per key)."""
+    return 4.0 * HEADS * HEAD_DIM * float(jnp.sum(count))
+
+
+def main(argv=None):
+    """Kernel vs the XLA reference (gather, then the two contractions) on consumer shapes; TFLOP/s
+    against a bf16 matmul in the same run; prints a table, writes JSON."""
+    import argparse
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--rows", default="256,4096", help="query rows per call (256: the consumer's query block)")
+    ap.add_argument("--table", type=int, default=16384 + 4096, help="packed latents: 64K CSA entries + a chunk")
+    ap.add_argument("--topk", type=int, default=512)
+    a = ap.parse_args(argv)
+    x = jax.random.normal(jax.random.key(1), (8192, 8192), jnp.bfloat16)
+    peak = 2 * 8192 ** 3 / median_time(jax.jit(lambda u: u @ u), x, iters=10) / 1e12
+    print(f"bf16 matmul peak (8192^3) in this run: {peak:.0f} TFLOP/s", flush=True)
+    rows = []
+    for t in (int(v) for v in a.rows.split(",")):
+        args, kw = make_problem(jax.random.key(t), t=t, s=a.table, topk=a.topk, full=True)
+        ker = jax.jit(lambda *r: sparse_attention(*r, **kw))
+        ref = jax.jit(lambda *r: sparse_attention_reference(*r, **kw))
+        (ok, lk), (orf, lr) = ker(*args), ref(*args)
+        err = float(jnp.linalg.norm((ok.astype(jnp.float32) - orf.astype(jnp.float32)).ravel())
+                    / jnp.linalg.norm(orf.astype(jnp.float32).ravel()))
+        lerr = float(jnp.max(jnp.abs(lk - lr)))
+        tk, tr = median_time(ker, *args, iters=10), median_time(ref, *args, iters=10)
+        fl = attention_flops(args[3])
+        rows.append(dict(rows=t, table=a.table, keys_per_row=int(args[2].shape[1]), rel_err_o=err,
+                         max_abs_err_lse=lerr, finite=bool(jnp.all(jnp.isfinite(ok.astype(jnp.float32)))),
+                         kernel_ms=tk * 1e3, xla_ms=tr * 1e3, speedup=tr / tk, kernel_tflops=fl / tk / 1e12,
+                         xla_tflops=fl / tr / 1e12, kernel_frac_of_peak=fl / tk / 1e12 / peak))
+        print(f"t={t} keys/row {args[2].shape[1]}: err {err:.2e} lse {lerr:.1e} kernel {tk * 1e3:.3f} ms "
+              f"xla {tr * 1e3:.3f} ms x{tr / tk:.2f} {fl / tk / 1e12:.0f} TFLOP/s ({fl / tk / 1e12 / peak:.0%})",
+              flush=True)
+    return record("sparse_attention", a.json, argv, bf16_matmul_peak_tflops=peak, rows=rows)
+
+
+if __name__ == "__main__":
+    main()

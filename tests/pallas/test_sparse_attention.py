@@ -1,0 +1,101 @@
+"""Gathered-key latent attention (redknot_jax/pallas/sparse_attention.py): the reference against
+the model's own attention (CPU), the kernel itself against the reference in Mosaic GPU
+interpret mode (CPU) and natively (-m gpu), its CUDA lowering at consumer shapes (CPU), and
+bad inputs."""
+
+import numpy as np
+import pytest
+import jax
+import jax.numpy as jnp
+
+from redknot_jax.attention import sink_softmax_attend
+from redknot_jax.pallas import sparse_attention as sp
+from tests.tolerances import TOL, rel_err
+
+
+def test_reference_is_the_models_attention_over_the_selected_keys():
+    """fp32: the reference equals `attention.sink_softmax_attend` over each row's gathered keys
+    (the model's CSA formulation), rows without keys included (the sink alone: o = 0)."""
+    ks = jax.random.split(jax.random.key(0), 5)
+    t, s, kk, h, k = 6, 40, 12, 4, 16
+    q = jax.random.normal(ks[0], (t, h, k))
+    kv = jax.random.normal(ks[1], (s, k))
+    idx = jax.random.randint(ks[2], (t, kk), 0, s)
+    count = jnp.array([12, 5, 0, 1, 12, 7])
+    sink = jax.random.normal(ks[3], (h,))
+    o, lse = sp.sparse_attention_reference(q, kv, idx, count, sink, scale=0.3)
+    mask = (jnp.arange(kk)[None, :] < count[:, None])[None, :, None, :]
+    o2, lse2 = sink_softmax_attend(q[None], [(kv[idx][None], mask, "bthk,btwk->bthw")], sink, 0.3)
+    assert rel_err(o, o2[0]) < 1e-5
+    np.testing.assert_allclose(np.asarray(lse), np.asarray(lse2[0]), rtol=1e-5, atol=1e-5)
+    assert not np.asarray(o[2]).any() and np.allclose(lse[2], sink)
+    # ids past count are ignored; ids within it are clamped into the table, as the kernel reads them
+    short = jnp.minimum(count, 10)
+    wild = idx.at[:, 10:].set(-7).at[0, 0].set(s + 3)
+    o3, _ = sp.sparse_attention_reference(q, kv, wild, short, sink, scale=0.3)
+    o4, _ = sp.sparse_attention_reference(q, kv, idx.at[0, 0].set(s - 1), short, sink, scale=0.3)
+    assert rel_err(o3, o4) == 0.0
+
+
+@pytest.mark.parametrize("seed,t,s,topk", [(0, 4, 300, 100), (1, 2, 1000, 64)])
+def test_kernel_matches_reference_interpret(seed, t, s, topk):
+    """The kernel itself in Mosaic GPU interpret mode (natively on a GPU): rows of no key, one
+    key, exactly one block and a ragged last block (228 keys: padded to 4 blocks of 64), ids
+    past count garbage; bf16 tolerance of the O output, LSE in absolute terms."""
+    args, kw = sp.make_problem(jax.random.key(seed), t=t, s=s, topk=topk, window=128)
+    q, kv, idx, count, sink = args
+    idx = jnp.where(jnp.arange(idx.shape[1])[None, :] < count[:, None], idx, -5)  # never read as keys
+    o, lse = jax.jit(lambda *a: sp.sparse_attention(*a, **kw))(q, kv, idx, count, sink)
+    o2, lse2 = sp.sparse_attention_reference(q, kv, idx, count, sink, **kw)
+    assert bool(jnp.all(jnp.isfinite(o.astype(jnp.float32))))
+    assert rel_err(o.astype(jnp.float32), o2.astype(jnp.float32)) < TOL["kernel_bf16_o"][0]
+    assert float(jnp.max(jnp.abs(lse - lse2))) < TOL["kernel_bf16_lse_abs"][0]
+    if t >= 4:  # the row without keys: the sink alone
+        assert not np.asarray(o[0]).any() and np.allclose(lse[0], sink)
+
+
+def test_kernel_lowers_for_cuda():
+    """A consumer query block at 64K (256 rows, 128 window + 512 top-k ids into 16384 entries
+    plus a 4096-row chunk of latents): layout inference, TMA descriptors and the shared-memory
+    budget of the native (non-interpret) kernel, on CPU."""
+    shapes = (jax.ShapeDtypeStruct((256, 64, 512), jnp.bfloat16), jax.ShapeDtypeStruct((20480, 512), jnp.bfloat16),
+              jax.ShapeDtypeStruct((256, 640), jnp.int32), jax.ShapeDtypeStruct((256,), jnp.int32),
+              jax.ShapeDtypeStruct((64,), jnp.float32))
+    f = jax.jit(lambda *a: sp.sparse_attention(*a, scale=512 ** -0.5, interpret=False))
+    assert "mosaic_gpu" in f.trace(*shapes).lower(lowering_platforms=("cuda",)).as_text()
+
+
+def test_bad_inputs_and_config_raise():
+    q = jnp.zeros((2, 64, 512), jnp.bfloat16)
+    kv = jnp.zeros((10, 512), jnp.bfloat16)
+    idx, count, sink = jnp.zeros((2, 8), jnp.int32), jnp.zeros((2,), jnp.int32), jnp.zeros((64,))
+    with pytest.raises(ValueError, match=r"q \[t, h, k\] and kv \[s, k\]"):
+        sp.sparse_attention(q, kv[:, :64], idx, count, sink, scale=1.0)
+    with pytest.raises(ValueError, match=r"integer idx \[2, K\]"):
+        sp.sparse_attention(q, kv, idx.astype(jnp.float32), count, sink, scale=1.0)
+    with pytest.raises(ValueError, match=r"integer count \[2\]"):
+        sp.sparse_attention_reference(q, kv, idx, count[:1], sink, scale=1.0)
+    with pytest.raises(ValueError, match=r"sink \[64\]"):
+        sp.sparse_attention(q, kv, idx, count, sink[:8], scale=1.0)
+    with pytest.raises(ValueError, match="empty kv"):
+        sp.sparse_attention(q, kv[:0], idx, count, sink, scale=1.0)
+    with pytest.raises(ValueError, match=r"\(heads, head dim\) = \(64, 512\)"):
+        sp.sparse_attention(q[:, :8], kv, idx, count, sink[:8], scale=1.0)
+    with pytest.raises(ValueError, match="bf16"):
+        sp.sparse_attention(q.astype(jnp.float32), kv.astype(jnp.float32), idx, count, sink, scale=1.0)
+    with pytest.raises(ValueError, match="block_kv"):
+        sp.SparseAttentionConfig(block_kv=128)
+    assert sp.SparseAttentionConfig().smem_bytes() <= sp.SMEM_LIMIT
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t,s,topk,full", [(256, 20480, 512, True), (1000, 20480, 512, False), (1, 4096, 512, True)])
+def test_kernel_matches_reference_gpu(t, s, topk, full):
+    if jax.default_backend() != "gpu":
+        pytest.skip("needs a GPU")
+    args, kw = sp.make_problem(jax.random.key(t), t=t, s=s, topk=topk, full=full)
+    o, lse = jax.jit(lambda *a: sp.sparse_attention(*a, **kw))(*args)
+    o2, lse2 = sp.sparse_attention_reference(*args, **kw)
+    assert bool(jnp.all(jnp.isfinite(o.astype(jnp.float32))))
+    assert rel_err(o.astype(jnp.float32), o2.astype(jnp.float32)) < TOL["kernel_bf16_o"][0]
+    assert float(jnp.max(jnp.abs(lse - lse2))) < TOL["kernel_bf16_lse_abs"][0]
