@@ -111,8 +111,26 @@ class Attention(nnx.Module):
         b, t = z.shape[:2]
         return jnp.einsum("btc,dc->btd", z.reshape(b, t, -1), self.wo_b[...], precision=HIGHEST)
 
+    def _sparse_block(self, qb, pb, start, sel, ok, table, span, t, sink, scale):
+        """A CSA query block by `pallas.sparse_attention`: per row its window (nearest first:
+        ext rows w + start + r - j, real while the position is >= 0) and its top-k entries
+        (entry e at ext length t + w + e), as ids into the batch-flattened `table` [b*span, k]."""
+        from redknot_jax.pallas.sparse_attention import row_lists, sparse_attention
+
+        b, tb = qb.shape[:2]
+        w = self.window
+        win = (w + start + jnp.arange(tb))[:, None] - jnp.arange(w)[None, :]  # [tb, w]
+        base = (jnp.arange(b) * span)[:, None, None]
+        win = jnp.broadcast_to(base + win[None], (b, tb, w))
+        ent = base + t + w + sel
+        idx, count = row_lists(win.reshape(b * tb, w), jnp.clip(pb + 1, 0, w).reshape(-1),
+                               ent.reshape(b * tb, -1), jnp.sum(ok, -1).reshape(-1))
+        o, _ = sparse_attention(qb.reshape(b * tb, self.h, self.k), table, idx, count, sink, scale=scale)
+        return o.reshape(b, tb, self.h, self.k)
+
     # ------------------------------------------------------------------ forward
-    def __call__(self, x, pos0, n_new, cache, freqs, block: int, trace: bool = False, kernels: str = "xla"):
+    def __call__(self, x, pos0, n_new, cache, freqs, block: int, trace: bool = False, kernels: str = "xla",
+                 sparse: str = "xla"):
         """x [b, t, d] (normed block input) at positions pos0 + [0, t), n_new real rows each.
 
         Returns (y [b, t, d], new cache), plus with `trace` a dict of intermediates the artifact
@@ -121,7 +139,10 @@ class Attention(nnx.Module):
         beyond the sliding window [b, t, h]; 0 in sliding layers) and for CSA `topk` (selected
         entry ids [b, t, K], -1 if none).
         Queries run in blocks of `block` rows (t % block == 0). `kernels`: the indexer's scores
-        by XLA ("xla") or the Mosaic GPU kernel ("mosaic"; `indexer.score_function`).
+        by XLA ("xla") or the Mosaic GPU kernel ("mosaic"; `indexer.score_function`). `sparse`:
+        a CSA block's attention over its window and top-k keys by XLA (a gather, then
+        `sink_softmax_attend`) or by `pallas.sparse_attention` ("mosaic"; not with `trace`,
+        whose per-set attention masses only the XLA form gives).
         """
         b, t, _ = x.shape
         w, m = self.window, None
@@ -144,6 +165,11 @@ class Attention(nnx.Module):
 
         scale = self.k ** -0.5
         sink = self.attn_sink[...]
+        kernel_csa = sparse == "mosaic" and self.kind == CSA and not trace
+        if kernel_csa:  # one packed table per sequence: window latents (ext), then the entries
+            table = jnp.concatenate([ext, new["entries"]], axis=1)
+            span = table.shape[1]
+            table = table.reshape(b * span, self.k)
 
         def run_block(start):
             qb = jax.lax.dynamic_slice_in_dim(q, start, block, axis=1)
@@ -165,6 +191,9 @@ class Attention(nnx.Module):
                 vis = jnp.arange(ients.shape[1])[None, None, :] < ((pb + 1) // m)[..., None]
                 kk = min(self.indexer.topk, ients.shape[1])
                 sel, ok = select_topk(score_function(kernels)(iqb, iwb, ients), vis, kk)
+                if kernel_csa:
+                    return self._sparse_block(qb, pb, start, sel, ok, table, span, t, sink, scale), \
+                        jnp.where(ok, sel, -1)
                 ents = jax.vmap(lambda e, s: e[s])(new["entries"], sel)  # [b, tb, kk, k]
                 sets.append((ents, ok[:, :, None, :], "bthk,btwk->bthw"))
                 picked = jnp.where(ok, sel, -1)

@@ -40,10 +40,10 @@ class Block(nnx.Module):
                  kernels: str = ""):
         """x [b, t, n, d] streams -> (streams, cache[, trace]); see `Attention.__call__`.
         kernels: the Mosaic GPU kernels to run, a comma list of `redknot_jax.pallas.KERNELS`
-        ("": the XLA references); the block uses "indexer" and "ragged_dot"."""
+        ("": the XLA references); the block uses "indexer", "sparse_attention" and "ragged_dot"."""
         u, post, comb = self.hc_attn.pre(x)
         out = self.attn(self.attn_norm(u), pos0, n_new, cache, freqs, block, trace=trace,
-                        kernels=kernel_mode(kernels, "indexer"))
+                        kernels=kernel_mode(kernels, "indexer"), sparse=kernel_mode(kernels, "sparse_attention"))
         a, cache = out[0], out[1]
         x = HyperConnection.post(x, a, post, comb)
         x = self.ffn_residual(x, ids, keep_fn, kernels=kernels)

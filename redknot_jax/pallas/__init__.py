@@ -1,12 +1,13 @@
 """Mosaic GPU kernels of the reuse runtime's hot spots, each beside its jnp reference:
 `seg_attention` (relocated segment latent attention), `restore` (fused restoration),
-`indexer_scores` (Lightning Indexer scores) and `ragged_dot` (the MoE experts' grouped matmul,
-JAX's Hopper kernel). `KERNELS` names those the runtime chooses among (`resolve_kernels`, used by
+`indexer_scores` (Lightning Indexer scores), `ragged_dot` (the MoE experts' grouped matmul,
+JAX's Hopper kernel) and `sparse_attention` (gathered-key latent attention: the CSA layers'
+window + top-k keys, natively and in the consumer's pass B). `KERNELS` names those the runtime chooses among (`resolve_kernels`, used by
 the consumer and `generate.Engine`); a resolved set is a comma list of them."""
 
 import jax
 
-KERNELS = ("indexer", "restore", "ragged_dot")
+KERNELS = ("indexer", "restore", "ragged_dot", "sparse_attention")
 FASTER = ("indexer", "ragged_dot")  # measured faster than their XLA references on the H200 (docs/kernels.md)
 
 
@@ -25,6 +26,7 @@ def resolve_kernels(kernels: str, model, n_global: int | None = None) -> str:
     from redknot_jax.pallas.indexer_scores import scores_unsupported
     from redknot_jax.pallas.ragged_dot import ragged_dot_unsupported
     from redknot_jax.pallas.restore import restore_unsupported
+    from redknot_jax.pallas.sparse_attention import sparse_attention_unsupported
 
     cfg, gpu = model.cfg, jax.default_backend() == "gpu"
     why = {"restore": None if n_global is None
@@ -33,7 +35,9 @@ def resolve_kernels(kernels: str, model, n_global: int | None = None) -> str:
            if CSA in cfg.layer_types else None,
            "ragged_dot": "JAX's kernel has no interpret mode: it runs on a GPU only" if not gpu else
            ragged_dot_unsupported(cfg.hidden_size, cfg.moe_inter_dim, model.dtype)
-           or ragged_dot_unsupported(cfg.moe_inter_dim, cfg.hidden_size, model.dtype)}
+           or ragged_dot_unsupported(cfg.moe_inter_dim, cfg.hidden_size, model.dtype),
+           "sparse_attention": sparse_attention_unsupported(cfg.num_heads, cfg.head_dim, model.dtype)
+           if CSA in cfg.layer_types else "no CSA layer"}
     if kernels == "auto":
         return ",".join(k for k in FASTER if why[k] is None) if gpu else ""
     names = {"xla": [], "": [], "mosaic": list(KERNELS)}.get(kernels, kernels.split(","))

@@ -106,6 +106,18 @@ def sparse_attention_reference(q, kv, idx, count, sink, *, scale, config=None):
     return o.astype(q.dtype), lse
 
 
+def row_lists(win, win_count, ent, ent_count):
+    """One key list per row from its window ids and its entry ids, each valid first:
+    win [t, w] (nearest first) with win_count [t] valid, ent [t, e] with ent_count [t] valid
+    -> (idx [t, w + e], count [t]): the valid window ids, then the valid entry ids."""
+    w = win.shape[1]
+    j = jnp.arange(w + ent.shape[1])[None, :]
+    both = jnp.concatenate([win, ent], 1)
+    src = jnp.where(j < win_count[:, None], j, w + j - win_count[:, None])
+    idx = jnp.take_along_axis(both, jnp.clip(src, 0, both.shape[1] - 1), 1)
+    return idx.astype(jnp.int32), (win_count + ent_count).astype(jnp.int32)
+
+
 def sparse_attention_unsupported(h: int, k: int, dtype) -> str | None:
     """Why the kernel cannot run q [t, h, k] in `dtype` (None: it can)."""
     if (h, k) != (HEADS, HEAD_DIM):

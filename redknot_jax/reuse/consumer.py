@@ -57,6 +57,7 @@ from redknot_jax.norms import rms_norm
 from redknot_jax.pallas import kernel_mode, resolve_kernels
 from redknot_jax.pallas.restore import restore_reference
 from redknot_jax.pallas.restore import restore as restore_kernel
+from redknot_jax.pallas.sparse_attention import row_lists, sparse_attention
 from redknot_jax.reuse.artifact import Artifact, local_head_mask
 from redknot_jax.reuse.fanout import fanout_keep
 from redknot_jax.reuse.planner import Plan, concentration, fill_itop, row_risk
@@ -373,10 +374,14 @@ def _pass_a(q, tab, kv_abs, ents, sink, scale, kind, block, window, csa_ids):
     return o
 
 
-def _pass_b(q, pos, kv_abs, ents, idx, sink, scale, kind, block, window, topk, scores=index_scores):
+def _pass_b(q, pos, kv_abs, ents, idx, sink, scale, kind, block, window, topk, scores=index_scores,
+            sparse: bool = False):
     """Every head of the protected rows over the native key sets (indexer across frames;
-    `scores`: `index_scores` or its kernel, `indexer.score_function`)."""
+    `scores`: `index_scores` or its kernel, `indexer.score_function`; `sparse`: a CSA layer's
+    attention by `pallas.sparse_attention` over one table of the request's latents and entries)."""
     P = q.shape[0]
+    if sparse and kind == CSA:
+        table = jnp.concatenate([kv_abs, ents[0].astype(kv_abs.dtype)])
 
     def run(start):
         qb = jax.lax.dynamic_slice_in_dim(q, start, block)
@@ -395,6 +400,11 @@ def _pass_b(q, pos, kv_abs, ents, idx, sink, scale, kind, block, window, topk, s
             vis = (end[None] <= pb[:, None])[None]
             k = min(topk, e.shape[0])
             sel, ok = select_topk(scores(iqb[None], iwb[None], ikeys[None]), vis, k)
+            if sparse:  # window positions nearest first (real while >= 0), then the entries
+                win = pb[:, None] - jnp.arange(window)[None, :]
+                ids, count = row_lists(jnp.maximum(win, 0), jnp.clip(pb + 1, 0, window),
+                                       kv_abs.shape[0] + sel[0], jnp.sum(ok[0], -1))
+                return sparse_attention(qb, table, ids, count, sink, scale=scale)[0]
             sets.append((e[sel[0]][None].astype(q.dtype), ok[:, :, None, :], "bthk,btwk->bthw"))
         o, _ = sink_softmax_attend(qb[None], sets, sink, scale)
         return o[0].astype(q.dtype)
@@ -512,7 +522,8 @@ def reusable_attention(blk, x, tab, pool_layer, *, freqs, glob, block, reduce=No
         iq, iw = attn.indexer.queries(xa[pic][None], cq[pic][None], pp[None], freqs)
         idx = (iq[0], iw[0], idx_keys)
     o_p = _pass_b(q_p, pp, kv_abs, ents, idx, sink, scale, kind, block, w,
-                  attn.indexer.topk if kind == CSA else 0, score_function(kernel_mode(kernels, "indexer")))
+                  attn.indexer.topk if kind == CSA else 0, score_function(kernel_mode(kernels, "indexer")),
+                  sparse=kernel_mode(kernels, "sparse_attention") == "mosaic")
     o_p = apply_rope(o_p, pp, freqs, inverse=True)
     z_p = attn.wo_a_apply(o_p[None])[0].astype(o_g.dtype)
 

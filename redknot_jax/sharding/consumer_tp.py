@@ -21,7 +21,9 @@ Per rank:
 Kernels: `kernels=` takes `Consumer`'s forms (default "auto": on a GPU the indexer-score
 kernel). Each rank runs them on its share: the indexer kernel over all indexer heads (the
 queries are all-gathered first), the restoration kernel over the rank's output groups, the
-MoE's grouped-matmul kernel ("ragged_dot") over the rank's expert range (`tp._moe`).
+MoE's grouped-matmul kernel ("ragged_dot") over the rank's expert range (`tp._moe`). The
+gathered-key attention kernel ("sparse_attention") takes all 64 heads of a row: at tp > 1 it is
+left out of "mosaic" and refused when named.
 
 Embedding and LM head are vocabulary-parallel as in `TPForward` (each rank its slice of the
 table; COLLECTIVE: psum of the looked-up rows, t*d; all-gather of the logits along vocab,
@@ -72,6 +74,12 @@ class TPConsumer:
         # layouts, controller, embedding, head, and the resolved kernel set
         self.base = Consumer(model, profile, block, kernels=kernels)
         self.kernels = self.base.kernels
+        if "sparse_attention" in self.kernels.split(",") and self.tp > 1:
+            # its wgmma takes a row's 64 heads at once; a rank holds num_heads / tp of them
+            if "sparse_attention" in kernels.split(","):
+                raise ValueError(f"kernels={kernels!r}: the sparse_attention kernel needs all "
+                                 f"{self.cfg.num_heads} heads of a row on one device; tp={self.tp} splits them")
+            self.kernels = ",".join(k for k in self.kernels.split(",") if k != "sparse_attention")
         self.block, self.profile = self.base.block, profile
         self.rep = NamedSharding(mesh, P())
         hpg = self.cfg.heads_per_group

@@ -90,7 +90,7 @@ def test_consumer_kernel_sets():
     assert resolve_kernels("auto", model, 1) == ("indexer" if jax.default_backend() == "gpu" else "")
     assert resolve_kernels("xla", model, 1) == resolve_kernels("", model, 1) == ""  # a resolved set resolves to itself
     assert resolve_kernels("restore,indexer", model, 1) == "indexer,restore"
-    with pytest.raises(ValueError, match="ragged_dot kernel cannot run"):  # "mosaic" is all three; the
+    with pytest.raises(ValueError, match="ragged_dot kernel cannot run"):  # "mosaic" is all four; the
         resolve_kernels("mosaic", model, 1)  # MoE kernel: a GPU and tile-sized expert matmuls
     with pytest.raises(ValueError, match="triton"):
         resolve_kernels("indexer,triton", model, 1)
