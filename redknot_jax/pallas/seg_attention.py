@@ -226,6 +226,25 @@ def seg_attention_reference(q, keys, segments, seg_offset, row_lo, row_hi, sink,
 
 
 # ----------------------------------------------------------------------------- kernel
+def softmax_finish(m_i, l_i):
+    """A consumer's online-softmax statistics (running max m_i in log2 units, sum l_i) ->
+    (1 / l_i, lse in natural log); rows that saw no key: 0 and -inf. Shared with
+    sparse_attention's kernel."""
+    ok = l_i > 0
+    inv = jnp.where(ok, 1.0 / jnp.where(ok, l_i, 1.0), 0.0)
+    return inv, jnp.where(ok, (m_i + jnp.log2(jnp.where(ok, l_i, 1.0))) * LN2, -jnp.inf)
+
+
+def specialise(wg, consumer, producer):
+    """Warp specialisation of a 3-warpgroup CTA: warpgroups 0 and 1 run consumer(0) and
+    consumer(1), warpgroup 2 the producer. Shared with sparse_attention's kernel."""
+    import jax.experimental.pallas as pl
+
+    for w in (0, 1):
+        pl.when(wg == w)(lambda w=w: consumer(w))
+    pl.when(wg == 2)(producer)
+
+
 def _kernel_call(q, keys, gkeys, mats, row_lo, row_hi, *, segments, scale, cfg):
     import jax.experimental.pallas as pl
     import jax.experimental.pallas.mosaic_gpu as plgpu
@@ -339,9 +358,7 @@ def _kernel_call(q, keys, gkeys, mats, row_lo, row_hi, *, segments, scale, cfg):
             accs = turn_rope(accs, 2)
             plgpu.barrier_arrive(m_free)
 
-            ok = l_i > 0
-            inv = jnp.where(ok, 1.0 / jnp.where(ok, l_i, 1.0), 0.0)
-            lse = jnp.where(ok, (m_i + jnp.log2(jnp.where(ok, l_i, 1.0))) * LN2, -jnp.inf)
+            inv, lse = softmax_finish(m_i, l_i)
             # q_s becomes the output staging buffer once both consumers are past their last QK
             plgpu.barrier_arrive(done)
             plgpu.barrier_wait(done)
@@ -358,16 +375,7 @@ def _kernel_call(q, keys, gkeys, mats, row_lo, row_hi, *, segments, scale, cfg):
                 plgpu.copy_smem_to_gmem(lse_s, lse_ref.at[split, row])
             plgpu.wait_smem_to_gmem(0)
 
-        @pl.when(wg == 0)
-        def _c0():
-            consumer(0)
-
-        @pl.when(wg == 1)
-        def _c1():
-            consumer(1)
-
-        @pl.when(wg == 2)
-        def _producer():
+        def producer():
             plgpu.set_max_registers(40, action="decrease")
             plgpu.copy_gmem_to_smem(q_ref.at[row], q_s, q_bar)
             step = jnp.int32(0)
@@ -392,6 +400,8 @@ def _kernel_call(q, keys, gkeys, mats, row_lo, row_hi, *, segments, scale, cfg):
                 step = step + nb
             plgpu.barrier_wait(m_free)
             plgpu.copy_gmem_to_smem(m_ref.at[n], m_s, m_bar)
+
+        specialise(wg, consumer, producer)
 
     tiled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
     scratch = (

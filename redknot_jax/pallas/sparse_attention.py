@@ -42,11 +42,11 @@ import jax.numpy as jnp
 from jax import lax
 
 from redknot_jax.pallas import interpret_params
+from redknot_jax.pallas.seg_attention import softmax_finish, specialise
 from redknot_jax.pallas.timing import median_time, record
 from redknot_jax.reuse.relocation import merge_partials, partial_attention
 
 LOG2E = math.log2(math.e)
-LN2 = math.log(2.0)
 HEADS = 64  # wgmma M: one row's heads
 HEAD_DIM = 512
 SMEM_LIMIT = 227 * 1024
@@ -184,9 +184,7 @@ def _kernel_call(q, kv, idx, count, *, scale, cfg, interpret):
                 return acc, m_new, l_i
 
             acc, m_i, l_i = lax.fori_loop(0, nb, kv_step, (acc, m_i, l_i))
-            ok = l_i > 0
-            inv = jnp.where(ok, 1.0 / jnp.where(ok, l_i, 1.0), 0.0)
-            lse = jnp.where(ok, (m_i + jnp.log2(jnp.where(ok, l_i, 1.0))) * LN2, -jnp.inf)
+            inv, lse = softmax_finish(m_i, l_i)
             # q_s becomes the output staging buffer once both consumers are past their last QK
             plgpu.barrier_arrive(done)
             plgpu.barrier_wait(done)
@@ -199,16 +197,7 @@ def _kernel_call(q, kv, idx, count, *, scale, cfg, interpret):
                 plgpu.copy_smem_to_gmem(lse_s, lse_ref.at[row])
             plgpu.wait_smem_to_gmem(0)
 
-        @pl.when(wg == 0)
-        def _c0():
-            consumer(0)
-
-        @pl.when(wg == 1)
-        def _c1():
-            consumer(1)
-
-        @pl.when(wg == 2)
-        def _producer():
+        def producer():
             plgpu.set_max_registers(40, action="decrease")
             plgpu.copy_gmem_to_smem(q_ref.at[row], q_s, q_bar)
 
@@ -243,6 +232,8 @@ def _kernel_call(q, kv, idx, count, *, scale, cfg, interpret):
             @pl.when(nb > 0)
             def _last():  # observe the consumers' last release (every barrier phase is waited on)
                 plgpu.barrier_wait(k_free)
+
+        specialise(wg, consumer, producer)
 
     scratch = (
         # q is dead once both consumers pass `done`: the output staging reuses it
