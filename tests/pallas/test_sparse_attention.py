@@ -37,15 +37,16 @@ def test_reference_is_the_models_attention_over_the_selected_keys():
     assert rel_err(o3, o4) == 0.0
 
 
-@pytest.mark.parametrize("seed,t,s,topk", [(0, 4, 300, 100), (1, 2, 1000, 64)])
-def test_kernel_matches_reference_interpret(seed, t, s, topk):
+@pytest.mark.parametrize("seed,t,s,topk,indices", [(0, 4, 300, 100, "smem"), (1, 2, 1000, 64, "gmem")])
+def test_kernel_matches_reference_interpret(seed, t, s, topk, indices):
     """The kernel itself in Mosaic GPU interpret mode (natively on a GPU): rows of no key, one
     key, exactly one block and a ragged last block (228 keys: padded to 4 blocks of 64), ids
     past count garbage; bf16 tolerance of the O output, LSE in absolute terms."""
     args, kw = sp.make_problem(jax.random.key(seed), t=t, s=s, topk=topk, window=128)
     q, kv, idx, count, sink = args
     idx = jnp.where(jnp.arange(idx.shape[1])[None, :] < count[:, None], idx, -5)  # never read as keys
-    o, lse = jax.jit(lambda *a: sp.sparse_attention(*a, **kw))(q, kv, idx, count, sink)
+    cfg = sp.SparseAttentionConfig(indices=indices)
+    o, lse = jax.jit(lambda *a: sp.sparse_attention(*a, **kw, config=cfg))(q, kv, idx, count, sink)
     o2, lse2 = sp.sparse_attention_reference(q, kv, idx, count, sink, **kw)
     assert bool(jnp.all(jnp.isfinite(o.astype(jnp.float32))))
     assert rel_err(o.astype(jnp.float32), o2.astype(jnp.float32)) < TOL["kernel_bf16_o"][0]
@@ -54,14 +55,16 @@ def test_kernel_matches_reference_interpret(seed, t, s, topk):
         assert not np.asarray(o[0]).any() and np.allclose(lse[0], sink)
 
 
-def test_kernel_lowers_for_cuda():
+@pytest.mark.parametrize("indices", ["smem", "gmem"])
+def test_kernel_lowers_for_cuda(indices):
     """A consumer query block at 64K (256 rows, 128 window + 512 top-k ids into 16384 entries
-    plus a 4096-row chunk of latents): layout inference, TMA descriptors and the shared-memory
-    budget of the native (non-interpret) kernel, on CPU."""
-    shapes = (jax.ShapeDtypeStruct((256, 64, 512), jnp.bfloat16), jax.ShapeDtypeStruct((20480, 512), jnp.bfloat16),
+    plus a 4096-row chunk of latents; a table of rows not a multiple of 8): layout inference,
+    TMA descriptors and the shared-memory budget of the native (non-interpret) kernel, on CPU."""
+    shapes = (jax.ShapeDtypeStruct((256, 64, 512), jnp.bfloat16), jax.ShapeDtypeStruct((20483, 512), jnp.bfloat16),
               jax.ShapeDtypeStruct((256, 640), jnp.int32), jax.ShapeDtypeStruct((256,), jnp.int32),
               jax.ShapeDtypeStruct((64,), jnp.float32))
-    f = jax.jit(lambda *a: sp.sparse_attention(*a, scale=512 ** -0.5, interpret=False))
+    cfg = sp.SparseAttentionConfig(indices=indices)
+    f = jax.jit(lambda *a: sp.sparse_attention(*a, scale=512 ** -0.5, config=cfg, interpret=False))
     assert "mosaic_gpu" in f.trace(*shapes).lower(lowering_platforms=("cuda",)).as_text()
 
 
@@ -85,6 +88,10 @@ def test_bad_inputs_and_config_raise():
         sp.sparse_attention(q.astype(jnp.float32), kv.astype(jnp.float32), idx, count, sink, scale=1.0)
     with pytest.raises(ValueError, match="block_kv"):
         sp.SparseAttentionConfig(block_kv=128)
+    with pytest.raises(ValueError, match="indices"):
+        sp.SparseAttentionConfig(indices="registers")
+    with pytest.raises(ValueError, match="key ids per row need .* use indices='gmem'"):
+        sp.sparse_attention(q, kv, jnp.zeros((2, 8192), jnp.int32), count, sink, scale=1.0)
     assert sp.SparseAttentionConfig().smem_bytes() <= sp.SMEM_LIMIT
 
 
