@@ -145,7 +145,8 @@ def main(argv=None):
                                   "(lets tp > 1 run alone, e.g. when one call cannot hold both)")
     ap.add_argument("--kernels", default="auto",
                     help="the consumer's kernel set at every tp (Consumer(kernels=)): auto (on a GPU the kernels "
-                         "measured faster than XLA), xla, mosaic, or a comma list of indexer / restore")
+                         "measured faster than XLA), xla, mosaic, or a comma list of redknot_jax.pallas.KERNELS "
+                         "(sparse_attention is left out at tp > 1)")
     ap.add_argument("--out", default="tp.json")
     args = ap.parse_args(argv)
     try:

@@ -43,7 +43,8 @@ def main(argv=None):
     ap.add_argument("--no-warmup", action="store_true")
     ap.add_argument("--kernels", default="auto",
                     help="Mosaic GPU kernels: auto (on a GPU those measured faster than XLA that the model's shapes "
-                         "allow), xla (none), mosaic (all), or a comma list of indexer, restore, ragged_dot")
+                         "allow), xla (none), mosaic (all), or a comma list of indexer, restore, ragged_dot, "
+                         "sparse_attention (opt-in, not yet measured on a GPU)")
     ap.add_argument("--compilation-cache", default=os.path.expanduser("~/.cache/redknot_jax/xla"),
                     help="persistent XLA compilation cache ('' to disable): later starts skip most compiles")
     ap.add_argument("--log-level", default="info")
