@@ -58,6 +58,8 @@ HEAVY_FIRST = (
     "tests/sharding/test_consumer_tp.py",
     "tests/server/test_server.py",
     "tests/pallas/test_restore.py",
+    "tests/pallas/test_sparse_attention.py",  # ~95 s (the kernel in interpret mode, in a model)
+    "tests/pallas/test_ragged_dot.py",  # ~70 s
     "tests/reuse/test_bench_ttft.py",
 )
 
