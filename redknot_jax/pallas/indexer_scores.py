@@ -32,7 +32,7 @@ from jax import lax
 
 from redknot_jax.indexer import index_scores
 from redknot_jax.pallas import interpret_params
-from redknot_jax.pallas.timing import median_time, record
+from redknot_jax.pallas.timing import matmul_peak_tflops, median_time, record
 
 BLOCK_T = 64  # wgmma M of one warpgroup
 SMEM_LIMIT = 227 * 1024
@@ -167,9 +167,7 @@ def main(argv=None):
     ap.add_argument("--block-s", default="64,128")
     ap.add_argument("--iters", type=int, default=10)
     a = ap.parse_args(argv)
-    x = jax.random.normal(jax.random.key(0), (8192, 8192), jnp.float32).astype(jnp.bfloat16)
-    mm = jax.jit(lambda u: u @ u)
-    peak = 2 * 8192 ** 3 / median_time(mm, x, iters=a.iters) / 1e12
+    peak = matmul_peak_tflops(iters=a.iters)
     print(f"bf16 matmul 8192^3: {peak:.0f} TFLOP/s", flush=True)
     rows = []
     for shape in a.shapes.split(","):

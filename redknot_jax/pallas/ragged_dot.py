@@ -35,7 +35,7 @@ import numpy as np
 import jax
 import jax.numpy as jnp
 
-from redknot_jax.pallas.timing import median_time, record
+from redknot_jax.pallas.timing import matmul_peak_tflops, median_time, record, rel_err
 
 HIGHEST = jax.lax.Precision.HIGHEST
 SMEM_LIMIT = 227 * 1024
@@ -153,8 +153,7 @@ def main(argv=None):
     ap.add_argument("--steps", default="4")
     ap.add_argument("--grid-block-n", default="1,4")
     a = ap.parse_args(argv)
-    p = jnp.ones((8192, 8192), jnp.bfloat16)
-    peak = 2 * 8192 ** 3 / median_time(jax.jit(lambda u: u @ u), p, iters=10) / 1e12
+    peak = matmul_peak_tflops()
     print(f"bf16 matmul peak (8192^3) in this run: {peak:.0f} TFLOP/s", flush=True)
     rows = []
     for m, shape, e in itertools.product([int(v) for v in a.rows.split(",")], a.shapes.split(","),
@@ -176,7 +175,7 @@ def main(argv=None):
                 continue
             ker = jax.jit(functools.partial(ragged_dot, config=cfg))
             yk = ker(x, w, sizes).astype(jnp.float32)
-            err = float(jnp.linalg.norm((yk - yr).ravel()) / jnp.linalg.norm(yr.ravel()))
+            err = rel_err(yk, yr)
             tk = median_time(ker, x, w, sizes, iters=10)
             rows.append(dict(rows=m, experts=e, k=k, n=n, config=dataclasses.asdict(cfg), rel_err=err, kernel_ms=tk * 1e3,
                              scan_ms=t_scan * 1e3, ragged_dot_ms=t_ragged * 1e3, kernel_tflops=flop / tk / 1e12,

@@ -38,7 +38,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from redknot_jax.pallas import interpret_params
-from redknot_jax.pallas.timing import median_time, record
+from redknot_jax.pallas.timing import median_time, record, rel_err
 
 HIGHEST = jax.lax.Precision.HIGHEST
 BLOCK_T = 64  # wgmma M of one warpgroup
@@ -282,8 +282,7 @@ def main(argv=None):
             cfg = RestoreConfig(block_n=bn, indices=ix)
             ker = jax.jit(functools.partial(restore, **kw, config=cfg))
             zk = ker(*args)
-            err = float(jnp.linalg.norm((zk.astype(jnp.float32) - zr.astype(jnp.float32)).ravel())
-                        / jnp.linalg.norm(zr.astype(jnp.float32).ravel()))
+            err = rel_err(zk, zr)
             tk = median_time(ker, *args)
             rows.append(dict(rows=t, config=dataclasses.asdict(cfg), rel_err=err, kernel_ms=tk * 1e3,
                              xla_ms=tr * 1e3, speedup=tr / tk, kernel_gbs=nbytes / tk / 1e9, xla_gbs=nbytes / tr / 1e9,

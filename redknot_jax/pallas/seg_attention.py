@@ -46,7 +46,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from redknot_jax.pallas.timing import median_time, record
+from redknot_jax.pallas.timing import matmul_peak_tflops, median_time, record, rel_err
 from redknot_jax.reuse.relocation import merge_partials, partial_attention, rotate
 from redknot_jax.rope import apply_rope
 
@@ -538,10 +538,7 @@ def main(argv=None):
     ]
     if a.quick:
         shapes = shapes[:1] + shapes[2:3]
-    # bf16 matmul peak measured in the same run
-    x = jax.random.normal(jax.random.key(1), (8192, 8192), jnp.bfloat16)
-    mm = jax.jit(lambda u: u @ u)
-    peak = 2 * 8192 ** 3 / median_time(mm, x, iters=10) / 1e12
+    peak = matmul_peak_tflops()  # bf16 matmul peak measured in the same run
     rows = []
     for name, kw, cfg in shapes:
         args, kwargs = make_problem(jax.random.key(0), **kw)
@@ -554,8 +551,7 @@ def main(argv=None):
         g = kwargs["gkeys"]
         ok, lk = ker(*rest, g=g)
         orf, lr = ref(*rest, g=g)
-        err = float(jnp.linalg.norm((ok.astype(jnp.float32) - orf.astype(jnp.float32)).ravel())
-                    / jnp.linalg.norm(orf.astype(jnp.float32).ravel()))
+        err = rel_err(ok, orf)
         lerr = float(jnp.max(jnp.abs(lk - lr)))
         finite = bool(jnp.all(jnp.isfinite(ok.astype(jnp.float32))))
         tk = median_time(ker, *rest, g=g)

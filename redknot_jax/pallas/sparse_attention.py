@@ -43,7 +43,7 @@ from jax import lax
 
 from redknot_jax.pallas import interpret_params
 from redknot_jax.pallas.seg_attention import softmax_finish, specialise
-from redknot_jax.pallas.timing import median_time, record
+from redknot_jax.pallas.timing import matmul_peak_tflops, median_time, record, rel_err
 from redknot_jax.reuse.relocation import merge_partials, partial_attention
 
 LOG2E = math.log2(math.e)
@@ -338,8 +338,7 @@ def main(argv=None):
     ap.add_argument("--topk", type=int, default=512)
     ap.add_argument("--indices", default="smem,gmem", help="SparseAttentionConfig.indices variants to compare")
     a = ap.parse_args(argv)
-    x = jax.random.normal(jax.random.key(1), (8192, 8192), jnp.bfloat16)
-    peak = 2 * 8192 ** 3 / median_time(jax.jit(lambda u: u @ u), x, iters=10) / 1e12
+    peak = matmul_peak_tflops()
     print(f"bf16 matmul peak (8192^3) in this run: {peak:.0f} TFLOP/s", flush=True)
     rows = []
     for t in (int(v) for v in a.rows.split(",")):
@@ -352,8 +351,7 @@ def main(argv=None):
             cfg = SparseAttentionConfig(indices=indices)
             ker = jax.jit(lambda *r, cfg=cfg: sparse_attention(*r, **kw, config=cfg))
             ok, lk = ker(*args)
-            err = float(jnp.linalg.norm((ok.astype(jnp.float32) - orf.astype(jnp.float32)).ravel())
-                        / jnp.linalg.norm(orf.astype(jnp.float32).ravel()))
+            err = rel_err(ok, orf)
             lerr = float(jnp.max(jnp.abs(lk - lr)))
             tk = median_time(ker, *args, iters=10)
             rows.append(dict(rows=t, table=a.table, keys_per_row=int(args[2].shape[1]),

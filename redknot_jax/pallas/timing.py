@@ -1,4 +1,5 @@
-"""Timing for the kernels' benchmark `main()`s: the median of timed calls after a warm-up."""
+"""Timing for the kernels' benchmark `main()`s: the median of timed calls after a warm-up, the
+bf16 matmul peak they quote against, the relative error they report, and their JSON record."""
 
 import time
 
@@ -16,6 +17,23 @@ def median_time(f, *a, iters: int = 20, **kw) -> float:
         jax.block_until_ready(f(*a, **kw))
         ts.append(time.perf_counter() - t0)
     return float(np.median(ts))
+
+
+def matmul_peak_tflops(n: int = 8192, iters: int = 10) -> float:
+    """bf16 TFLOP/s of one n x n x n matmul on the default device, measured now (the peak a
+    benchmark's kernel figures are a fraction of, in the same run)."""
+    import jax.numpy as jnp
+
+    x = jax.random.normal(jax.random.key(1), (n, n), jnp.float32).astype(jnp.bfloat16)
+    return 2 * n ** 3 / median_time(jax.jit(lambda u: u @ u), x, iters=iters) / 1e12
+
+
+def rel_err(got, want) -> float:
+    """||got - want|| / ||want|| over all elements, in fp32."""
+    import jax.numpy as jnp
+
+    got, want = jnp.asarray(got, jnp.float32).ravel(), jnp.asarray(want, jnp.float32).ravel()
+    return float(jnp.linalg.norm(got - want) / jnp.linalg.norm(want))
 
 
 def record(kernel: str, json_path: str | None, argv: list[str] | None, program: str | None = None,

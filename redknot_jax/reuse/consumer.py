@@ -27,7 +27,9 @@ Relocation in this XLA path: a frame's canonical keys are turned by R(D) while t
 (the orthogonal twin of turning the query by R(-D): <R(-D) q, k> = <q, R(D) k>), so the
 output needs no phase restore before the native inverse output RoPE. The artifact itself is
 never written. (`pallas/seg_attention.py` rotates queries per segment instead; it is not used
-here, docs/kernels.md says why. Both are tested against the reference's rotated-query form.)
+here, docs/kernels.md says why. Both are tested against the reference's rotated-query form.
+Pass B's CSA blocks run `pallas/sparse_attention.py` when the kernel set names it: per row
+a list of key ids into one table of the request's absolute-frame latents and entries.)
 
 Sections below: pool (`DocPool`, `HostPool`: host-resident, packed a layer ahead on a worker
 thread), layout (`build_layout`, `common_sizes`), layer math (pass A / pass B, restoration,
@@ -402,7 +404,7 @@ def _pass_b(q, pos, kv_abs, ents, idx, sink, scale, kind, block, window, topk, s
             sel, ok = select_topk(scores(iqb[None], iwb[None], ikeys[None]), vis, k)
             if sparse:  # window positions nearest first (real while >= 0), then the entries
                 win = pb[:, None] - jnp.arange(window)[None, :]
-                ids, count = row_lists(jnp.maximum(win, 0), jnp.clip(pb + 1, 0, window),
+                ids, count = row_lists(win, jnp.clip(pb + 1, 0, window),
                                        kv_abs.shape[0] + sel[0], jnp.sum(ok[0], -1))
                 return sparse_attention(qb, table, ids, count, sink, scale=scale)[0]
             sets.append((e[sel[0]][None].astype(q.dtype), ok[:, :, None, :], "bthk,btwk->bthw"))
@@ -716,8 +718,6 @@ class DecodeState:
     cap: int
     pool: "DocPool"
     layers: dict = dataclasses.field(default_factory=dict)
-
-
 
 
 class Consumer:
