@@ -74,7 +74,7 @@ class SparseAttentionConfig:
     def smem_bytes(self, keys_per_row: int = 0) -> int:
         """Shared memory of one CTA; with "smem" indices, a row's list of keys_per_row ids too."""
         q = HEADS * HEAD_DIM * 2  # also the output staging buffer
-        keys = 2 * self.block_kv * HEAD_DIM * 2  # the wgmma tile and the gather's staging rows
+        keys = 2 * self.block_kv * HEAD_DIM * 2  # two slots of gathered keys
         p = 2 * HEADS * self.block_kv * 2  # one P tile per consumer
         ids = 4 * -(-keys_per_row // self.block_kv) * self.block_kv if self.indices == "smem" else 0
         return q + keys + p + ids + HEADS * 4 + 1024  # + lse, barriers
@@ -142,15 +142,17 @@ def _kernel_call(q, kv, idx, count, *, scale, cfg, interpret):
     t, h, k = q.shape
     bkv = cfg.block_kv
     half = k // 2
+    chunks = k // 64  # the staging buffer's planes: one per 64 columns (see the module doc)
     dtype = q.dtype
     sl2 = scale * LOG2E
     tiled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+    row_tiled = (plgpu.TilingTransform((1, 64)), plgpu.SwizzleTransform(128))
     simulated = interpret_params(interpret) is not None
 
     nblk = idx.shape[1]  # idx [t, nblk, bkv]: the row's list in blocks (a TMA box dim is <= 256)
 
     def body(q_ref, kv_ref, idx_ref, cnt_ref, o_ref, lse_ref, scratch):
-        ((q_s, o_s), k_s, g_s, p_s, lse_s, idx_s), (q_bar, g_bar, k_bar, idx_bar), (k_free, done) = scratch
+        ((q_s, o_s), (g_in, g_s), p_s, lse_s, idx_s), (q_bar, idx_bar, g_bar), (k_free, done) = scratch
         row = lax.axis_index("t")
         wg = lax.axis_index("wg")
         cnt = cnt_ref[row]
@@ -159,16 +161,20 @@ def _kernel_call(q, kv, idx, count, *, scale, cfg, interpret):
         def consumer(w):
             plgpu.set_max_registers(232, action="increase")
             plgpu.barrier_wait(q_bar)
+            mine = range(w * chunks // 2, (w + 1) * chunks // 2)  # this consumer's output chunks
             m_i = plgpu.layout_cast(jnp.full((HEADS,), -jnp.inf, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
             l_i = plgpu.layout_cast(jnp.full((HEADS,), 0.0, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
-            acc = plgpu.layout_cast(jnp.full((HEADS, half), 0.0, jnp.float32), plgpu.Layout.WGMMA)
+            accs = tuple(plgpu.layout_cast(jnp.full((HEADS, 64), 0.0, jnp.float32), plgpu.Layout.WGMMA) for _ in mine)
 
             def kv_step(b, carry):
-                acc, m_i, l_i = carry
-                plgpu.barrier_wait(k_bar)
+                accs, m_i, l_i = carry
+                slot = lax.rem(b, 2)
+                plgpu.barrier_wait(g_bar.at[slot])
+                keys = (g_in if simulated else g_s).at[slot]  # [chunks, bkv, 64]: block b's keys, 64 columns per plane
 
                 def qk(acc_ref):
-                    plgpu.wgmma(acc_ref, q_s, k_s.T)
+                    for c in range(chunks):
+                        plgpu.wgmma(acc_ref, q_s.at[:, pl.ds(c * 64, 64)], keys.at[c].T)
                     return acc_ref[...]
 
                 s = pl.run_scoped(qk, plgpu.ACC((HEADS, bkv), jnp.float32))
@@ -178,27 +184,30 @@ def _kernel_call(q, kv, idx, count, *, scale, cfg, interpret):
                 alpha = jnp.exp2(m_i - m_new)
                 p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
                 l_i = l_i * alpha + p.sum(axis=1)
-                acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+                accs = tuple(a * lax.broadcast_in_dim(alpha, a.shape, [0]) for a in accs)
                 p_s.at[w][...] = p.astype(dtype)
                 plgpu.commit_smem()  # P's stores before the wgmma's (async proxy) reads
 
-                def pv(acc_ref):
-                    plgpu.wgmma(acc_ref, p_s.at[w], k_s.at[:, pl.ds(w * half, half)])
-                    return acc_ref[...]
+                def pv(acc_refs):
+                    for a_ref, c in zip(acc_refs, mine):
+                        plgpu.wgmma(a_ref, p_s.at[w], keys.at[c])
 
-                if simulated:  # interpret mode has no run_state: a fresh accumulator, added
-                    acc = acc + pl.run_scoped(pv, plgpu.ACC((HEADS, half), jnp.float32))
-                else:  # the running accumulator itself (run_state awaits the wgmma)
-                    acc = pl.run_state(pv)(plgpu.ACC.init(acc))
-                plgpu.barrier_arrive(k_free)
-                return acc, m_new, l_i
+                if simulated:  # interpret mode has no run_state: fresh accumulators, added
+                    new = pl.run_scoped(lambda *refs: (pv(refs), tuple(r[...] for r in refs))[1],
+                                        *(plgpu.ACC((HEADS, 64), jnp.float32) for _ in mine))
+                    accs = tuple(a + n for a, n in zip(accs, new))
+                else:  # the running accumulators themselves (run_state awaits the wgmmas)
+                    accs = pl.run_state(pv)(tuple(plgpu.ACC.init(a) for a in accs))
+                plgpu.barrier_arrive(k_free.at[slot])
+                return accs, m_new, l_i
 
-            acc, m_i, l_i = lax.fori_loop(0, nb, kv_step, (acc, m_i, l_i))
+            accs, m_i, l_i = lax.fori_loop(0, nb, kv_step, (accs, m_i, l_i))
             inv, lse = softmax_finish(m_i, l_i)
             # q_s becomes the output staging buffer once both consumers are past their last QK
             plgpu.barrier_arrive(done)
             plgpu.barrier_wait(done)
-            o_s.at[w][...] = (acc * lax.broadcast_in_dim(inv, acc.shape, [0])).astype(dtype)
+            for j, a in enumerate(accs):
+                o_s.at[w, :, pl.ds(j * 64, 64)][...] = (a * lax.broadcast_in_dim(inv, a.shape, [0])).astype(dtype)
             if w == 0:
                 lse_s[...] = lse
             plgpu.commit_smem()
@@ -217,36 +226,26 @@ def _kernel_call(q, kv, idx, count, *, scale, cfg, interpret):
             else:
                 ids = idx_ref.at[row]
 
-            def gather(b):  # block b's 64 rows, one TMA row copy each, onto one barrier
-                for i in range(bkv):
-                    r = jnp.where(b * bkv + i < cnt, ids[b, i], 0)
-                    plgpu.copy_gmem_to_smem(kv_ref.at[pl.ds(r, 1)], g_s.at[pl.ds(i, 1)], g_bar)
-
-            @pl.when(nb > 0)
-            def _first():
-                gather(0)
-
             @pl.loop(0, nb)
             def _block(b):
-                plgpu.barrier_wait(g_bar)
+                slot = lax.rem(b, 2)
 
-                @pl.when(b > 0)
+                @pl.when(b >= 2)
                 def _():
-                    plgpu.barrier_wait(k_free)  # both consumers are done with block b - 1
+                    plgpu.barrier_wait(k_free.at[slot])  # both consumers are done with block b - 2
 
-                for c in range(k // 64):  # staging rows -> the tiled, swizzled wgmma tile
-                    v = plgpu.load(g_s.at[:, pl.ds(c * 64, 64)], layout=plgpu.Layout.WGMMA, optimized=False)
-                    k_s.at[:, pl.ds(c * 64, 64)][...] = v
-                plgpu.commit_smem()
-                plgpu.barrier_arrive(k_bar)
+                # one TMA per (key, 64-column plane), through the planes' one-row-tiled view
+                @pl.loop(0, bkv)
+                def _key(i):
+                    r = jnp.where(b * bkv + i < cnt, ids[b, i], 0)
+                    for c in range(chunks):
+                        plgpu.copy_gmem_to_smem(kv_ref.at[pl.ds(r, 1), pl.ds(c * 64, 64)],
+                                                g_in.at[slot, c, pl.ds(i, 1)], g_bar.at[slot])
 
-                @pl.when(b + 1 < nb)
-                def _next():
-                    gather(b + 1)
-
-            @pl.when(nb > 0)
-            def _last():  # observe the consumers' last release (every barrier phase is waited on)
-                plgpu.barrier_wait(k_free)
+            for back in (2, 1):  # observe the consumers' last releases (every barrier phase is waited on)
+                @pl.when(nb >= back)
+                def _():
+                    plgpu.barrier_wait(k_free.at[lax.rem(nb - back, 2)])
 
         specialise(wg, consumer, producer)
 
@@ -254,13 +253,16 @@ def _kernel_call(q, kv, idx, count, *, scale, cfg, interpret):
         # q is dead once both consumers pass `done`: the output staging reuses it
         (plgpu.RefUnion(plgpu.SMEM((HEADS, k), dtype, transforms=tiled),
                         plgpu.SMEM((2, HEADS, half), dtype, transforms=tiled)),
-         plgpu.SMEM((bkv, k), dtype, transforms=tiled),
-         plgpu.SMEM((bkv, k), dtype),
+         # two slots of gathered keys in 64-column planes. A plane 64 columns (128 B) wide has
+         # the same bytes tiled (1, 64) or (8, 64), swizzled 128: the TMA writes rows through
+         # the first view (a one-row box is a whole tile), the wgmma reads the second
+         plgpu.RefUnion(plgpu.SMEM((2, chunks, bkv, 64), dtype, transforms=row_tiled),
+                        plgpu.SMEM((2, chunks, bkv, 64), dtype, transforms=tiled)),
          plgpu.SMEM((2, HEADS, bkv), dtype, transforms=tiled),
          plgpu.SMEM((HEADS,), jnp.float32),
          plgpu.SMEM((nblk, bkv) if cfg.indices == "smem" else (1, 1), jnp.int32)),
-        (plgpu.Barrier(), plgpu.Barrier(num_arrivals=bkv), plgpu.Barrier(), plgpu.Barrier()),
-        (plgpu.Barrier(num_arrivals=2), plgpu.Barrier(num_arrivals=2)),
+        (plgpu.Barrier(), plgpu.Barrier(), plgpu.Barrier(num_arrivals=bkv * chunks, num_barriers=2)),
+        (plgpu.Barrier(num_arrivals=2, num_barriers=2), plgpu.Barrier(num_arrivals=2)),
     )
     out_type = (jax.ShapeDtypeStruct((t, h, k), dtype), jax.ShapeDtypeStruct((t, h), jnp.float32))
 
