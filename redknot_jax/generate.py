@@ -75,7 +75,8 @@ class Engine:
     def __init__(self, model: Model, capacity: int = 4096, block: int = 256, kernels: str = "auto"):
         """kernels: the Mosaic GPU kernels prefill chunks run (`redknot_jax.pallas.resolve_kernels`:
         "auto" = on a GPU those measured faster than XLA that the model allows, i.e. the indexer
-        scores and the MoE's grouped matmul; "xla"; or a comma list), resolved here into
+        scores, the MoE's grouped matmul and the CSA layers' gathered-key attention; "xla"; or a
+        comma list), resolved here into
         `self.kernels`. Decode steps (one row per sequence) run XLA: the kernels are measured on
         prefill shapes only."""
         cfg = model.cfg

@@ -8,7 +8,7 @@ the consumer and `generate.Engine`); a resolved set is a comma list of them."""
 import jax
 
 KERNELS = ("indexer", "restore", "ragged_dot", "sparse_attention")
-FASTER = ("indexer", "ragged_dot")  # measured faster than their XLA references on the H200 (docs/kernels.md)
+FASTER = ("indexer", "ragged_dot", "sparse_attention")  # measured faster than their XLA references on the H200 (docs/kernels.md)
 
 
 def resolve_kernels(kernels: str, model, n_global: int | None = None) -> str:

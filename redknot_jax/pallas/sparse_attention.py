@@ -14,19 +14,30 @@ selected row once, into shared memory, and never writes a gathered tensor.
 
 Kernel layout (one CTA = one query row):
 * the 64 heads are the wgmma M dimension; every head shares the key tile;
-* a producer warpgroup gathers a block of 64 keys. Each key is a one-row TMA copy into an
-  untiled staging buffer: Hopper's TMA has no gather (Mosaic GPU's gather TMA is the
-  Blackwell gather4), and a one-row box cannot land in the tiled, swizzled layout wgmma reads.
-  The producer then moves the block through registers into that layout, a 64 KB shared-memory
-  copy. The gather of block b + 1 runs while the consumers work on block b;
-* two consumer warpgroups each compute the whole [64, 64] logit tile (the 512-wide
-  contraction, done twice) and own half of the 512 output columns: a [64, 512] fp32
-  accumulator would need 256 registers per thread;
+* a producer warpgroup gathers a block of 64 keys into one of two slots, as 8 planes of
+  64 columns. Each (key, plane) is one TMA of a single 128-byte row. A plane 64 columns wide
+  has the same bytes whether it is tiled (1, 64) or (8, 64), swizzled 128 (the swizzle follows
+  the shared-memory address). So the TMA writes rows through the (1, 64) view, in which a row
+  is a whole tile, and the wgmma reads the (8, 64) view of the same memory (a `RefUnion`):
+  no re-layout. Hopper's TMA has no gather (Mosaic GPU's gather TMA is Blackwell's gather4).
+  The gather of block b + 1 runs while the consumers work on block b;
+* two consumer warpgroups each compute the whole [64, 64] logit tile (8 wgmmas of K = 64, the
+  512-wide contraction done twice) and own half of the 512 output columns, as 4 accumulators
+  of [64, 64]: a [64, 512] fp32 accumulator would need 256 registers per thread;
 * P goes through shared memory into the PV product, so the kernel has no register A operand
-  and runs in Mosaic GPU interpret mode: CPU CI runs the kernel itself. One line differs
-  there: interpret mode (jax 0.11.2) does not handle `pl.run_state`, so the PV product goes
-  into a fresh accumulator that is then added, instead of into the running one; the GPU keeps
-  the running accumulator (a second one would not fit the registers).
+  and runs in Mosaic GPU interpret mode: CPU CI runs the kernel itself. Two lines differ
+  there (jax 0.11.2): interpret mode does not handle `pl.run_state`, so the PV product goes
+  into fresh accumulators that are then added; and it does not alias `RefUnion` members of
+  different transforms, so the consumers read the planes through the TMA's view;
+* Pallas's automatic warpgroup barriers are off (`unsafe_no_auto_barriers`): it puts one
+  before every TMA issue, 512 per block here, and the kernel ran 2.1x slower with them.
+
+What did not work on the H200 (2026-12-01), so that nobody tries it blind again: a single TMA
+per key (a [1, 512] box) into a staging buffer, then a re-layout through registers. Pallas
+infers a swizzled tiling for the staging buffer, and only the first 128 bytes of each key
+landed right (relative error 1.3). With the tiling stated explicitly as (1, 64), the result
+was the same. That design issues 8x fewer TMAs: with the automatic barriers still on, it ran
+in 3.2 ms where this layout took 6.8 ms (4096 rows), so making it correct could pay.
 
 The sink and the normalisation are merged in the wrapper (`relocation.merge_partials`,
 elementwise; XLA fuses it into its consumer).
@@ -55,7 +66,7 @@ SMEM_LIMIT = 227 * 1024
 @dataclasses.dataclass(frozen=True)
 class SparseAttentionConfig:
     """block_kv: keys per step (the logit tile's wgmma N and the PV product's K). Only 64 fits:
-    q, the key tile and the gather's staging buffer are 64 KB each at block_kv 64.
+    q and each of the two key slots are 64 KB at block_kv 64.
     indices: where the producer reads a row's key ids: "smem" (the row's whole list copied into
     shared memory by one TMA first; restore's faster variant, 7-11 % on the H200) or "gmem"
     (a scalar load per key)."""
@@ -142,7 +153,7 @@ def _kernel_call(q, kv, idx, count, *, scale, cfg, interpret):
     t, h, k = q.shape
     bkv = cfg.block_kv
     half = k // 2
-    chunks = k // 64  # the staging buffer's planes: one per 64 columns (see the module doc)
+    chunks = k // 64  # a key slot's planes: one per 64 columns (see the module doc)
     dtype = q.dtype
     sl2 = scale * LOG2E
     tiled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
@@ -272,7 +283,11 @@ def _kernel_call(q, kv, idx, count, *, scale, cfg, interpret):
 
     return plgpu.kernel(
         entry, out_type=out_type, grid=(t,), grid_names=("t",), num_threads=3, thread_name="wg",
-        compiler_params=plgpu.CompilerParams(approx_math=True), interpret=interpret_params(interpret),
+        # No automatic warpgroup barriers: Pallas puts one before every TMA issue, 512 per block
+        # here (2.1x slower on the H200). Safe: no thread reads shared memory it also writes (P,
+        # O and the lse are written by threads and read by wgmma or TMA, after commit_smem).
+        compiler_params=plgpu.CompilerParams(approx_math=True, unsafe_no_auto_barriers=True),
+        interpret=interpret_params(interpret),
     )(q, kv, idx, count)
 
 
