@@ -32,12 +32,16 @@ Kernel layout (one CTA = one query row):
 * Pallas's automatic warpgroup barriers are off (`unsafe_no_auto_barriers`): it puts one
   before every TMA issue, 512 per block here, and the kernel ran 2.1x slower with them.
 
-What did not work on the H200 (2026-12-01), so that nobody tries it blind again: a single TMA
-per key (a [1, 512] box) into a staging buffer, then a re-layout through registers. Pallas
-infers a swizzled tiling for the staging buffer, and only the first 128 bytes of each key
-landed right (relative error 1.3). With the tiling stated explicitly as (1, 64), the result
-was the same. That design issues 8x fewer TMAs: with the automatic barriers still on, it ran
-in 3.2 ms where this layout took 6.8 ms (4096 rows), so making it correct could pay.
+What did not work on the H200 (2026-12-01), so that nobody tries it blind again: one TMA per
+key (a [1, 512] box) into a staging buffer tiled (1, 64) and swizzled 128 (inferred by Pallas,
+or stated), then a re-layout through registers, one 64-column slice at a time. The TMA lands
+a key right, but slice c starts c x 128 B into a 1024 B swizzle block, and the load computes
+the swizzle's XOR from the slice's own base, not from its address (jax 0.11.2,
+`mosaic/gpu/fragmented_array.py`, `transfer_tiled`). So only slice 0 loaded right (relative
+error 1.3). Every swizzle mode has this problem for sub-1024 B column offsets, and Mosaic GPU
+refuses an unswizzled (swizzle 16) tiling. That design issues 8x fewer TMAs: with the automatic
+barriers still on it ran in 3.2 ms where this layout took 6.8 ms (4096 rows), so it could pay
+once the load is fixed upstream, or with q's and o's columns permuted to undo the XOR by c.
 
 The sink and the normalisation are merged in the wrapper (`relocation.merge_partials`,
 elementwise; XLA fuses it into its consumer).
