@@ -108,6 +108,60 @@ def test_kernel_matches_reference_gpu(t, s, topk, full):
     assert float(jnp.max(jnp.abs(lse - lse2))) < TOL["kernel_bf16_lse_abs"][0]
 
 
+def _gather_then_load(kv, ids):
+    """One TMA per key ([1, 512]) into a (1, 64)-tiled, 128-swizzled buffer; then (a) the buffer
+    back to memory by TMA and (b) each 64-column slice loaded into registers and stored to a
+    (8, 64)-tiled buffer, also written back. The layout session 11 used, on its own."""
+    import jax.experimental.pallas as pl
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+
+    n, k = ids.shape[0], kv.shape[1]
+    swz = plgpu.SwizzleTransform(128)
+
+    def body(kv_ref, ids_ref, trip_ref, sliced_ref):
+        def inner(rows, tile, bar):
+            for i in range(n):
+                plgpu.copy_gmem_to_smem(kv_ref.at[pl.ds(ids_ref[i], 1)], rows.at[pl.ds(i, 1)], bar)
+            plgpu.barrier_wait(bar)
+            plgpu.copy_smem_to_gmem(rows, trip_ref)
+            for c in range(k // 64):
+                v = plgpu.load(rows.at[:, pl.ds(c * 64, 64)], layout=plgpu.Layout.WGMMA, optimized=False)
+                tile.at[:, pl.ds(c * 64, 64)][...] = v
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(tile, sliced_ref)
+            plgpu.wait_smem_to_gmem(0)
+
+        pl.run_scoped(inner, plgpu.SMEM((n, k), kv.dtype, transforms=(plgpu.TilingTransform((1, 64)), swz)),
+                      plgpu.SMEM((n, k), kv.dtype, transforms=(plgpu.TilingTransform((8, 64)), swz)),
+                      plgpu.Barrier(num_arrivals=n))
+
+    out = jax.ShapeDtypeStruct((n, k), kv.dtype)
+    return plgpu.kernel(body, out_type=(out, out))(kv, ids)
+
+
+@pytest.mark.gpu
+def test_mosaic_loads_a_column_slice_of_a_swizzled_buffer_xor_permuted_gpu():
+    """Why the kernel gathers in 64-column planes (module doc, docs/kernels.md), pinned so that a
+    JAX upgrade that fixes it is noticed. With jax 0.11.2 on the H200 (diagnosed 2026-12-01 from
+    the lowered module; this test first runs on a GPU after that): the TMA lands each key right
+    in the swizzled rows (the round trip is exact), but a load of the 64-column slice c takes the
+    swizzle's XOR from the slice's base, c x 128 B into a 1024 B swizzle block, so it reads the
+    16-byte units of the slice XOR-permuted by c. If this test fails because the sliced load is
+    now right, one TMA per key is possible: 8x fewer copies than the planes."""
+    if jax.default_backend() != "gpu":
+        pytest.skip("needs a GPU")
+    kv = jax.random.normal(jax.random.key(0), (4096, 512), jnp.float32).astype(jnp.bfloat16)
+    ids = jax.random.permutation(jax.random.key(1), 4096)[:64].astype(jnp.int32)
+    trip, sliced = jax.jit(_gather_then_load)(kv, ids)
+    want = np.asarray(kv[ids])
+    assert np.array_equal(np.asarray(trip), want)
+    col = np.arange(512)
+    c, u, e = col // 64, (col % 64) // 8, col % 8
+    permuted = want[:, c * 64 + 8 * (u ^ c) + e]
+    assert not np.array_equal(np.asarray(sliced), want), "fixed upstream: revisit one TMA per key"
+    assert np.array_equal(np.asarray(sliced), permuted)
+
+
 def _patch_reference(monkeypatch):
     """The reference in the kernel's place (any heads, dims, dtype), each call recorded."""
     from redknot_jax.reuse import consumer
