@@ -40,8 +40,9 @@ the swizzle's XOR from the slice's own base, not from its address (jax 0.11.2,
 `mosaic/gpu/fragmented_array.py`, `transfer_tiled`). So only slice 0 loaded right (relative
 error 1.3). Every swizzle mode has this problem for sub-1024 B column offsets, and Mosaic GPU
 refuses an unswizzled (swizzle 16) tiling. That design issues 8x fewer TMAs: with the automatic
-barriers still on it ran in 3.2 ms where this layout took 6.8 ms (4096 rows), so it could pay
-once the load is fixed upstream, or with q's and o's columns permuted to undo the XOR by c.
+barriers still on it ran in 3.2 ms where this layout took 6.8 ms (4096 rows). It is back as
+`SparseAttentionConfig(gather="rows")`, not yet run on a GPU: the producer puts each loaded
+slice's units back in order (`unit_xor`, a renaming of registers).
 
 The sink and the normalisation are merged in the wrapper (`relocation.merge_partials`,
 elementwise; XLA fuses it into its consumer).
@@ -73,14 +74,21 @@ class SparseAttentionConfig:
     q and each of the two key slots are 64 KB at block_kv 64.
     indices: where the producer reads a row's key ids: "smem" (the row's whole list copied into
     shared memory by one TMA first; restore's faster variant, 7-11 % on the H200) or "gmem"
-    (a scalar load per key)."""
+    (a scalar load per key).
+    gather: how a block's keys land. "planes" (measured, the default): one TMA per (key,
+    64-column plane), read by the wgmma where it lands, two slots. "rows" (not yet run on a
+    GPU): one TMA per key into swizzled staging rows, re-laid out through registers into one
+    slot of planes, each 64-column slice's 16-byte units put back in order (`_sliced_load`)."""
 
     block_kv: int = 64
     indices: str = "smem"
+    gather: str = "planes"
 
     def __post_init__(self):
         if self.block_kv != 64:
             raise ValueError(f"SparseAttentionConfig.block_kv: expected 64, got {self.block_kv}")
+        if self.gather not in ("planes", "rows"):
+            raise ValueError(f"SparseAttentionConfig.gather: expected 'planes' or 'rows', got {self.gather!r}")
         if self.indices not in ("smem", "gmem"):
             raise ValueError(f"SparseAttentionConfig.indices: expected 'smem' or 'gmem', got {self.indices!r}")
         if self.smem_bytes() > SMEM_LIMIT:
@@ -89,7 +97,7 @@ class SparseAttentionConfig:
     def smem_bytes(self, keys_per_row: int = 0) -> int:
         """Shared memory of one CTA; with "smem" indices, a row's list of keys_per_row ids too."""
         q = HEADS * HEAD_DIM * 2  # also the output staging buffer
-        keys = 2 * self.block_kv * HEAD_DIM * 2  # two slots of gathered keys
+        keys = 2 * self.block_kv * HEAD_DIM * 2  # two slots of planes, or the staging rows and one slot
         p = 2 * HEADS * self.block_kv * 2  # one P tile per consumer
         ids = 4 * -(-keys_per_row // self.block_kv) * self.block_kv if self.indices == "smem" else 0
         return q + keys + p + ids + HEADS * 4 + 1024  # + lse, barriers
@@ -150,6 +158,28 @@ def sparse_attention_unsupported(h: int, k: int, dtype) -> str | None:
     return None
 
 
+def _sliced_load(rows, c, simulated):
+    """Columns 64c .. 64c + 63 of the (1, 64)-tiled, 128-swizzled staging rows, as a [rows, 64]
+    WGMMA-layout value. Mosaic GPU (jax 0.11.2) loads such a slice with its 16-byte units
+    XOR-permuted by c: it takes the swizzle's phase from the slice's base, c x 128 B into a
+    1024 B swizzle block (pinned by a GPU test in tests/pallas/test_sparse_attention.py). Unit u
+    of what it returns is unit u ^ c of the slice, so taking unit u ^ c puts them back. In a
+    WGMMA tile every thread holds all 8 units of its rows: a renaming of registers, no data
+    movement. Interpret mode has no swizzle and loads the slice as it is."""
+    import jax.experimental.pallas as pl
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+
+    v = plgpu.load(rows.at[:, pl.ds(c * 64, 64)], layout=plgpu.Layout.WGMMA, optimized=False)
+    return v if simulated else unit_xor(v, c)
+
+
+def unit_xor(v, c: int):
+    """v [..., 64] with its 16-byte (8-element) units u taken from units u ^ c; its own inverse."""
+    if c == 0:
+        return v
+    return jnp.concatenate([v[..., 8 * (u ^ c): 8 * (u ^ c) + 8] for u in range(8)], axis=-1)
+
+
 def _kernel_call(q, kv, idx, count, *, scale, cfg, interpret):
     import jax.experimental.pallas as pl
     import jax.experimental.pallas.mosaic_gpu as plgpu
@@ -163,11 +193,13 @@ def _kernel_call(q, kv, idx, count, *, scale, cfg, interpret):
     tiled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
     row_tiled = (plgpu.TilingTransform((1, 64)), plgpu.SwizzleTransform(128))
     simulated = interpret_params(interpret) is not None
+    planes = cfg.gather == "planes"
+    slots = 2 if planes else 1
 
     nblk = idx.shape[1]  # idx [t, nblk, bkv]: the row's list in blocks (a TMA box dim is <= 256)
 
     def body(q_ref, kv_ref, idx_ref, cnt_ref, o_ref, lse_ref, scratch):
-        ((q_s, o_s), (g_in, g_s), p_s, lse_s, idx_s), (q_bar, idx_bar, g_bar), (k_free, done) = scratch
+        ((q_s, o_s), (g_in, g_s), p_s, lse_s, idx_s), (q_bar, idx_bar, g_bar, k_bar), (k_free, done) = scratch
         row = lax.axis_index("t")
         wg = lax.axis_index("wg")
         cnt = cnt_ref[row]
@@ -183,9 +215,10 @@ def _kernel_call(q, kv, idx, count, *, scale, cfg, interpret):
 
             def kv_step(b, carry):
                 accs, m_i, l_i = carry
-                slot = lax.rem(b, 2)
-                plgpu.barrier_wait(g_bar.at[slot])
-                keys = (g_in if simulated else g_s).at[slot]  # [chunks, bkv, 64]: block b's keys, 64 columns per plane
+                slot = lax.rem(b, slots)
+                plgpu.barrier_wait((g_bar if planes else k_bar).at[slot])
+                # [chunks, bkv, 64]: block b's keys, 64 columns per plane
+                keys = (g_in if simulated and planes else g_s).at[slot]
 
                 def qk(acc_ref):
                     for c in range(chunks):
@@ -241,26 +274,55 @@ def _kernel_call(q, kv, idx, count, *, scale, cfg, interpret):
             else:
                 ids = idx_ref.at[row]
 
-            @pl.loop(0, nb)
-            def _block(b):
-                slot = lax.rem(b, 2)
+            def key_id(b, i):
+                return jnp.where(b * bkv + i < cnt, ids[b, i], 0)
 
-                @pl.when(b >= 2)
-                def _():
-                    plgpu.barrier_wait(k_free.at[slot])  # both consumers are done with block b - 2
+            if planes:
+                @pl.loop(0, nb)
+                def _block(b):
+                    slot = lax.rem(b, 2)
 
-                # one TMA per (key, 64-column plane), through the planes' one-row-tiled view
-                @pl.loop(0, bkv)
-                def _key(i):
-                    r = jnp.where(b * bkv + i < cnt, ids[b, i], 0)
-                    for c in range(chunks):
-                        plgpu.copy_gmem_to_smem(kv_ref.at[pl.ds(r, 1), pl.ds(c * 64, 64)],
-                                                g_in.at[slot, c, pl.ds(i, 1)], g_bar.at[slot])
+                    @pl.when(b >= 2)
+                    def _():
+                        plgpu.barrier_wait(k_free.at[slot])  # both consumers are done with block b - 2
 
-            for back in (2, 1):  # observe the consumers' last releases (every barrier phase is waited on)
+                    @pl.loop(0, bkv)  # one TMA per (key, plane), through the planes' one-row-tiled view
+                    def _key(i):
+                        r = key_id(b, i)
+                        for c in range(chunks):
+                            plgpu.copy_gmem_to_smem(kv_ref.at[pl.ds(r, 1), pl.ds(c * 64, 64)],
+                                                    g_in.at[slot, c, pl.ds(i, 1)], g_bar.at[slot])
+            else:
+                def gather(b):  # one TMA per key: a whole row of the staging rows
+                    @pl.loop(0, bkv)
+                    def _key(i):
+                        plgpu.copy_gmem_to_smem(kv_ref.at[pl.ds(key_id(b, i), 1)], g_in.at[pl.ds(i, 1)], g_bar.at[0])
+
+                @pl.when(nb > 0)
+                def _first():
+                    gather(0)
+
+                @pl.loop(0, nb)
+                def _block(b):
+                    plgpu.barrier_wait(g_bar.at[0])
+
+                    @pl.when(b > 0)
+                    def _():
+                        plgpu.barrier_wait(k_free.at[0])  # both consumers are done with block b - 1
+
+                    for c in range(chunks):  # staging rows -> the planes, through registers
+                        g_s.at[0, c][...] = _sliced_load(g_in, c, simulated)
+                    plgpu.commit_smem()
+                    plgpu.barrier_arrive(k_bar.at[0])
+
+                    @pl.when(b + 1 < nb)
+                    def _next():
+                        gather(b + 1)
+
+            for back in range(slots, 0, -1):  # observe the consumers' last releases (every phase is waited on)
                 @pl.when(nb >= back)
                 def _():
-                    plgpu.barrier_wait(k_free.at[lax.rem(nb - back, 2)])
+                    plgpu.barrier_wait(k_free.at[lax.rem(nb - back, slots)])
 
         specialise(wg, consumer, producer)
 
@@ -271,12 +333,16 @@ def _kernel_call(q, kv, idx, count, *, scale, cfg, interpret):
          # two slots of gathered keys in 64-column planes. A plane 64 columns (128 B) wide has
          # the same bytes tiled (1, 64) or (8, 64), swizzled 128: the TMA writes rows through
          # the first view (a one-row box is a whole tile), the wgmma reads the second
-         plgpu.RefUnion(plgpu.SMEM((2, chunks, bkv, 64), dtype, transforms=row_tiled),
-                        plgpu.SMEM((2, chunks, bkv, 64), dtype, transforms=tiled)),
+         (plgpu.RefUnion(plgpu.SMEM((2, chunks, bkv, 64), dtype, transforms=row_tiled),
+                         plgpu.SMEM((2, chunks, bkv, 64), dtype, transforms=tiled)) if planes else
+          # "rows": the staging rows (a key is one tile row of 8 swizzled 128-byte tiles) and
+          # one slot of planes
+          (plgpu.SMEM((bkv, k), dtype, transforms=row_tiled), plgpu.SMEM((1, chunks, bkv, 64), dtype, transforms=tiled))),
          plgpu.SMEM((2, HEADS, bkv), dtype, transforms=tiled),
          plgpu.SMEM((HEADS,), jnp.float32),
          plgpu.SMEM((nblk, bkv) if cfg.indices == "smem" else (1, 1), jnp.int32)),
-        (plgpu.Barrier(), plgpu.Barrier(), plgpu.Barrier(num_arrivals=bkv * chunks, num_barriers=2)),
+        (plgpu.Barrier(), plgpu.Barrier(), plgpu.Barrier(num_arrivals=bkv * (chunks if planes else 1), num_barriers=slots),
+         plgpu.Barrier(num_barriers=1)),  # "rows": the producer's planes are ready
         (plgpu.Barrier(num_arrivals=2, num_barriers=2), plgpu.Barrier(num_arrivals=2)),
     )
     out_type = (jax.ShapeDtypeStruct((t, h, k), dtype), jax.ShapeDtypeStruct((t, h), jnp.float32))
@@ -351,6 +417,7 @@ def main(argv=None):
     """Kernel vs the XLA reference (gather, then the two contractions) on consumer shapes; TFLOP/s
     against a bf16 matmul in the same run; prints a table, writes JSON."""
     import argparse
+    import itertools
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--json", default=None)
@@ -358,6 +425,7 @@ def main(argv=None):
     ap.add_argument("--table", type=int, default=16384 + 4096, help="packed latents: 64K CSA entries + a chunk")
     ap.add_argument("--topk", type=int, default=512)
     ap.add_argument("--indices", default="smem,gmem", help="SparseAttentionConfig.indices variants to compare")
+    ap.add_argument("--gather", default="planes,rows", help="SparseAttentionConfig.gather variants to compare")
     a = ap.parse_args(argv)
     peak = matmul_peak_tflops()
     print(f"bf16 matmul peak (8192^3) in this run: {peak:.0f} TFLOP/s", flush=True)
@@ -368,8 +436,8 @@ def main(argv=None):
         orf, lr = ref(*args)
         tr = median_time(ref, *args, iters=10)
         fl = attention_flops(args[3])
-        for indices in a.indices.split(","):
-            cfg = SparseAttentionConfig(indices=indices)
+        for gather, indices in itertools.product(a.gather.split(","), a.indices.split(",")):
+            cfg = SparseAttentionConfig(indices=indices, gather=gather)
             ker = jax.jit(lambda *r, cfg=cfg: sparse_attention(*r, **kw, config=cfg))
             ok, lk = ker(*args)
             err = rel_err(ok, orf)
@@ -380,7 +448,7 @@ def main(argv=None):
                              finite=bool(jnp.all(jnp.isfinite(ok.astype(jnp.float32)))), kernel_ms=tk * 1e3,
                              xla_ms=tr * 1e3, speedup=tr / tk, kernel_tflops=fl / tk / 1e12, xla_tflops=fl / tr / 1e12,
                              kernel_frac_of_peak=fl / tk / 1e12 / peak))
-            print(f"t={t} keys/row {args[2].shape[1]} indices {indices}: err {err:.2e} lse {lerr:.1e} kernel "
+            print(f"t={t} keys/row {args[2].shape[1]} gather {gather} indices {indices}: err {err:.2e} lse {lerr:.1e} kernel "
                   f"{tk * 1e3:.3f} ms xla {tr * 1e3:.3f} ms x{tr / tk:.2f} {fl / tk / 1e12:.0f} TFLOP/s "
                   f"({fl / tk / 1e12 / peak:.0%})", flush=True)
     return record("sparse_attention", a.json, argv, bf16_matmul_peak_tflops=peak, rows=rows)

@@ -37,15 +37,17 @@ def test_reference_is_the_models_attention_over_the_selected_keys():
     assert rel_err(o3, o4) == 0.0
 
 
-@pytest.mark.parametrize("seed,t,s,topk,indices", [(0, 4, 300, 100, "smem"), (1, 2, 1000, 64, "gmem")])
-def test_kernel_matches_reference_interpret(seed, t, s, topk, indices):
+@pytest.mark.parametrize("seed,t,s,topk,indices,gather", [(0, 4, 300, 100, "smem", "planes"),
+                                                          (1, 2, 1000, 64, "gmem", "planes"),
+                                                          (2, 4, 300, 100, "smem", "rows")])
+def test_kernel_matches_reference_interpret(seed, t, s, topk, indices, gather):
     """The kernel itself in Mosaic GPU interpret mode (natively on a GPU): rows of no key, one
     key, exactly one block and a ragged last block (228 keys: padded to 4 blocks of 64), ids
     past count garbage; bf16 tolerance of the O output, LSE in absolute terms."""
     args, kw = sp.make_problem(jax.random.key(seed), t=t, s=s, topk=topk, window=128)
     q, kv, idx, count, sink = args
     idx = jnp.where(jnp.arange(idx.shape[1])[None, :] < count[:, None], idx, -5)  # never read as keys
-    cfg = sp.SparseAttentionConfig(indices=indices)
+    cfg = sp.SparseAttentionConfig(indices=indices, gather=gather)
     o, lse = jax.jit(lambda *a: sp.sparse_attention(*a, **kw, config=cfg))(q, kv, idx, count, sink)
     o2, lse2 = sp.sparse_attention_reference(q, kv, idx, count, sink, **kw)
     assert bool(jnp.all(jnp.isfinite(o.astype(jnp.float32))))
@@ -55,15 +57,15 @@ def test_kernel_matches_reference_interpret(seed, t, s, topk, indices):
         assert not np.asarray(o[0]).any() and np.allclose(lse[0], sink)
 
 
-@pytest.mark.parametrize("indices", ["smem", "gmem"])
-def test_kernel_lowers_for_cuda(indices):
+@pytest.mark.parametrize("indices,gather", [("smem", "planes"), ("gmem", "planes"), ("smem", "rows")])
+def test_kernel_lowers_for_cuda(indices, gather):
     """A consumer query block at 64K (256 rows, 128 window + 512 top-k ids into 16384 entries
     plus a 4096-row chunk of latents; a table of rows not a multiple of 8): layout inference,
     TMA descriptors and the shared-memory budget of the native (non-interpret) kernel, on CPU."""
     shapes = (jax.ShapeDtypeStruct((256, 64, 512), jnp.bfloat16), jax.ShapeDtypeStruct((20483, 512), jnp.bfloat16),
               jax.ShapeDtypeStruct((256, 640), jnp.int32), jax.ShapeDtypeStruct((256,), jnp.int32),
               jax.ShapeDtypeStruct((64,), jnp.float32))
-    cfg = sp.SparseAttentionConfig(indices=indices)
+    cfg = sp.SparseAttentionConfig(indices=indices, gather=gather)
     f = jax.jit(lambda *a: sp.sparse_attention(*a, scale=512 ** -0.5, config=cfg, interpret=False))
     assert "mosaic_gpu" in f.trace(*shapes).lower(lowering_platforms=("cuda",)).as_text()
 
@@ -90,18 +92,22 @@ def test_bad_inputs_and_config_raise():
         sp.SparseAttentionConfig(block_kv=128)
     with pytest.raises(ValueError, match="indices"):
         sp.SparseAttentionConfig(indices="registers")
+    with pytest.raises(ValueError, match="gather"):
+        sp.SparseAttentionConfig(gather="tma")
     with pytest.raises(ValueError, match="key ids per row need .* use indices='gmem'"):
         sp.sparse_attention(q, kv, jnp.zeros((2, 8192), jnp.int32), count, sink, scale=1.0)
     assert sp.SparseAttentionConfig().smem_bytes() <= sp.SMEM_LIMIT
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("gather", ["planes", "rows"])  # "rows": not yet run on a GPU
 @pytest.mark.parametrize("t,s,topk,full", [(256, 20480, 512, True), (1000, 20480, 512, False), (1, 4096, 512, True)])
-def test_kernel_matches_reference_gpu(t, s, topk, full):
+def test_kernel_matches_reference_gpu(t, s, topk, full, gather):
     if jax.default_backend() != "gpu":
         pytest.skip("needs a GPU")
     args, kw = sp.make_problem(jax.random.key(t), t=t, s=s, topk=topk, full=full)
-    o, lse = jax.jit(lambda *a: sp.sparse_attention(*a, **kw))(*args)
+    cfg = sp.SparseAttentionConfig(gather=gather)
+    o, lse = jax.jit(lambda *a: sp.sparse_attention(*a, **kw, config=cfg))(*args)
     o2, lse2 = sp.sparse_attention_reference(*args, **kw)
     assert bool(jnp.all(jnp.isfinite(o.astype(jnp.float32))))
     assert rel_err(o.astype(jnp.float32), o2.astype(jnp.float32)) < TOL["kernel_bf16_o"][0]
@@ -137,6 +143,19 @@ def _gather_then_load(kv, ids):
 
     out = jax.ShapeDtypeStruct((n, k), kv.dtype)
     return plgpu.kernel(body, out_type=(out, out))(kv, ids)
+
+
+def test_unit_xor_undoes_the_sliced_load_permutation():
+    """gather="rows" puts a slice's units back with `unit_xor`: applied to the permutation the
+    GPU test below pins (unit u of the loaded slice c is unit u ^ c), it gives the slice."""
+    x = np.arange(4 * 512).reshape(4, 512)
+    col = np.arange(512)
+    c, u, e = col // 64, (col % 64) // 8, col % 8
+    loaded = x[:, c * 64 + 8 * (u ^ c) + e]
+    for k in range(8):
+        back = np.asarray(sp.unit_xor(jnp.asarray(loaded[:, 64 * k: 64 * k + 64]), k))
+        assert np.array_equal(back, x[:, 64 * k: 64 * k + 64])
+    assert not np.array_equal(np.asarray(sp.unit_xor(jnp.asarray(x[:, :64]), 3)), x[:, :64])
 
 
 @pytest.mark.gpu
