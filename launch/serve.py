@@ -44,7 +44,7 @@ def main(argv=None):
     ap.add_argument("--kernels", default="auto",
                     help="Mosaic GPU kernels: auto (on a GPU those measured faster than XLA that the model's shapes "
                          "allow), xla (none), mosaic (all), or a comma list of indexer, restore, ragged_dot, "
-                         "sparse_attention (opt-in, not yet measured on a GPU)")
+                         "sparse_attention")
     ap.add_argument("--compilation-cache", default=os.path.expanduser("~/.cache/redknot_jax/xla"),
                     help="persistent XLA compilation cache ('' to disable): later starts skip most compiles")
     ap.add_argument("--log-level", default="info")

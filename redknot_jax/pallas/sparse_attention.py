@@ -30,7 +30,8 @@ Kernel layout (one CTA = one query row):
   into fresh accumulators that are then added; and it does not alias `RefUnion` members of
   different transforms, so the consumers read the planes through the TMA's view;
 * Pallas's automatic warpgroup barriers are off (`unsafe_no_auto_barriers`): it puts one
-  before every TMA issue, 512 per block here, and the kernel ran 2.1x slower with them.
+  before every TMA issue, 512 per block here, and the kernel ran 2.1x slower with them (a
+  debug timing, not from a committed command: docs/kernels.md).
 
 What did not work on the H200 (2026-12-01), so that nobody tries it blind again: one TMA per
 key (a [1, 512] box) into a staging buffer tiled (1, 64) and swizzled 128 (inferred by Pallas,

@@ -18,12 +18,12 @@ Per rank:
   the fan-out keep mask is computed from the replicated router, so every rank keeps the same
   experts).
 
-Kernels: `kernels=` takes `Consumer`'s forms (default "auto": on a GPU the indexer-score
-kernel). Each rank runs them on its share: the indexer kernel over all indexer heads (the
+Kernels: `kernels=` takes `Consumer`'s forms (default "auto": on a GPU those measured faster
+than XLA, `pallas.FASTER`). Each rank runs them on its share: the indexer kernel over all indexer heads (the
 queries are all-gathered first), the restoration kernel over the rank's output groups, the
 MoE's grouped-matmul kernel ("ragged_dot") over the rank's expert range (`tp._moe`). The
 gathered-key attention kernel ("sparse_attention") takes all 64 heads of a row: at tp > 1 it is
-left out of "mosaic" and refused when named.
+left out of "auto" and "mosaic" and refused when named.
 
 Embedding and LM head are vocabulary-parallel as in `TPForward` (each rank its slice of the
 table; COLLECTIVE: psum of the looked-up rows, t*d; all-gather of the logits along vocab,
