@@ -14,36 +14,29 @@ selected row once, into shared memory, and never writes a gathered tensor.
 
 Kernel layout (one CTA = one query row):
 * the 64 heads are the wgmma M dimension; every head shares the key tile;
-* a producer warpgroup gathers a block of 64 keys into one of two slots, as 8 planes of
-  64 columns. Each (key, plane) is one TMA of a single 128-byte row. A plane 64 columns wide
-  has the same bytes whether it is tiled (1, 64) or (8, 64), swizzled 128 (the swizzle follows
-  the shared-memory address). So the TMA writes rows through the (1, 64) view, in which a row
-  is a whole tile, and the wgmma reads the (8, 64) view of the same memory (a `RefUnion`):
-  no re-layout. Hopper's TMA has no gather (Mosaic GPU's gather TMA is Blackwell's gather4).
-  The gather of block b + 1 runs while the consumers work on block b;
+* a producer warpgroup gathers a block of 64 keys, one TMA of a [1, 512] row per key, into
+  staging rows tiled (1, 64) and swizzled 128 (Hopper's TMA has no gather; Mosaic GPU's gather
+  TMA is Blackwell's gather4). It then moves them through registers, one 64-column slice at a
+  time, into 8 planes of 64 columns tiled (8, 64), which the wgmma reads. Mosaic GPU (jax
+  0.11.2) loads slice c of a swizzled row with its 16-byte units XOR-permuted by c (it takes
+  the swizzle's phase from the slice's base, not its address: `fragmented_array.transfer_tiled`);
+  `unit_xor` puts them back, a renaming of registers (`_sliced_load`; a GPU test pins the
+  quirk). The gather of block b + 1 into the staging rows runs while the consumers work on
+  block b in the planes;
 * two consumer warpgroups each compute the whole [64, 64] logit tile (8 wgmmas of K = 64, the
   512-wide contraction done twice) and own half of the 512 output columns, as 4 accumulators
   of [64, 64]: a [64, 512] fp32 accumulator would need 256 registers per thread;
 * P goes through shared memory into the PV product, so the kernel has no register A operand
-  and runs in Mosaic GPU interpret mode: CPU CI runs the kernel itself. Two lines differ
+  and runs in Mosaic GPU interpret mode: CPU CI runs the kernel itself. One line differs
   there (jax 0.11.2): interpret mode does not handle `pl.run_state`, so the PV product goes
-  into fresh accumulators that are then added; and it does not alias `RefUnion` members of
-  different transforms, so the consumers read the planes through the TMA's view;
+  into fresh accumulators that are then added. Interpret mode has no swizzle, so nothing is
+  un-permuted there;
 * Pallas's automatic warpgroup barriers are off (`unsafe_no_auto_barriers`): it puts one
-  before every TMA issue, 512 per block here, and the kernel ran 2.1x slower with them (a
-  debug timing, not from a committed command: docs/kernels.md).
+  before every TMA issue, 64 per block here (docs/kernels.md has the history).
 
-What did not work on the H200 (2026-12-01), so that nobody tries it blind again: one TMA per
-key (a [1, 512] box) into a staging buffer tiled (1, 64) and swizzled 128 (inferred by Pallas,
-or stated), then a re-layout through registers, one 64-column slice at a time. The TMA lands
-a key right, but slice c starts c x 128 B into a 1024 B swizzle block, and the load computes
-the swizzle's XOR from the slice's own base, not from its address (jax 0.11.2,
-`mosaic/gpu/fragmented_array.py`, `transfer_tiled`). So only slice 0 loaded right (relative
-error 1.3). Every swizzle mode has this problem for sub-1024 B column offsets, and Mosaic GPU
-refuses an unswizzled (swizzle 16) tiling. That design issues 8x fewer TMAs: with the automatic
-barriers still on it ran in 3.2 ms where this layout took 6.8 ms (4096 rows). It is back as
-`SparseAttentionConfig(gather="rows")`, not yet run on a GPU: the producer puts each loaded
-slice's units back in order (`unit_xor`, a renaming of registers).
+The layout it replaced (2026-12-01): one TMA per (key, 64-column plane) straight into planes
+the wgmma reads, no re-layout, two slots. It issued 8x more TMAs and ran 1.13x slower at 4096
+rows (3.29 vs 2.92 ms, `docs/results/kernels_sparse_attention_h200.json`, same run).
 
 The sink and the normalisation are merged in the wrapper (`relocation.merge_partials`,
 elementwise; XLA fuses it into its consumer).
@@ -72,24 +65,18 @@ SMEM_LIMIT = 227 * 1024
 @dataclasses.dataclass(frozen=True)
 class SparseAttentionConfig:
     """block_kv: keys per step (the logit tile's wgmma N and the PV product's K). Only 64 fits:
-    q and each of the two key slots are 64 KB at block_kv 64.
+    q, the staging rows and the planes are 64 KB each at block_kv 64.
     indices: where the producer reads a row's key ids: "smem" (the row's whole list copied into
     shared memory by one TMA first; restore's faster variant, 7-11 % on the H200) or "gmem"
     (a scalar load per key).
-    gather: how a block's keys land. "planes" (measured, the default): one TMA per (key,
-    64-column plane), read by the wgmma where it lands, two slots. "rows" (not yet run on a
-    GPU): one TMA per key into swizzled staging rows, re-laid out through registers into one
-    slot of planes, each 64-column slice's 16-byte units put back in order (`_sliced_load`)."""
+    """
 
     block_kv: int = 64
     indices: str = "smem"
-    gather: str = "planes"
 
     def __post_init__(self):
         if self.block_kv != 64:
             raise ValueError(f"SparseAttentionConfig.block_kv: expected 64, got {self.block_kv}")
-        if self.gather not in ("planes", "rows"):
-            raise ValueError(f"SparseAttentionConfig.gather: expected 'planes' or 'rows', got {self.gather!r}")
         if self.indices not in ("smem", "gmem"):
             raise ValueError(f"SparseAttentionConfig.indices: expected 'smem' or 'gmem', got {self.indices!r}")
         if self.smem_bytes() > SMEM_LIMIT:
@@ -98,7 +85,7 @@ class SparseAttentionConfig:
     def smem_bytes(self, keys_per_row: int = 0) -> int:
         """Shared memory of one CTA; with "smem" indices, a row's list of keys_per_row ids too."""
         q = HEADS * HEAD_DIM * 2  # also the output staging buffer
-        keys = 2 * self.block_kv * HEAD_DIM * 2  # two slots of planes, or the staging rows and one slot
+        keys = 2 * self.block_kv * HEAD_DIM * 2  # the staging rows and the planes
         p = 2 * HEADS * self.block_kv * 2  # one P tile per consumer
         ids = 4 * -(-keys_per_row // self.block_kv) * self.block_kv if self.indices == "smem" else 0
         return q + keys + p + ids + HEADS * 4 + 1024  # + lse, barriers
@@ -188,19 +175,17 @@ def _kernel_call(q, kv, idx, count, *, scale, cfg, interpret):
     t, h, k = q.shape
     bkv = cfg.block_kv
     half = k // 2
-    chunks = k // 64  # a key slot's planes: one per 64 columns (see the module doc)
+    chunks = k // 64  # the planes: one per 64 columns (see the module doc)
     dtype = q.dtype
     sl2 = scale * LOG2E
     tiled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
     row_tiled = (plgpu.TilingTransform((1, 64)), plgpu.SwizzleTransform(128))
     simulated = interpret_params(interpret) is not None
-    planes = cfg.gather == "planes"
-    slots = 2 if planes else 1
 
     nblk = idx.shape[1]  # idx [t, nblk, bkv]: the row's list in blocks (a TMA box dim is <= 256)
 
     def body(q_ref, kv_ref, idx_ref, cnt_ref, o_ref, lse_ref, scratch):
-        ((q_s, o_s), (g_in, g_s), p_s, lse_s, idx_s), (q_bar, idx_bar, g_bar, k_bar), (k_free, done) = scratch
+        ((q_s, o_s), g_in, keys, p_s, lse_s, idx_s), (q_bar, idx_bar, g_bar, k_bar), (k_free, done) = scratch
         row = lax.axis_index("t")
         wg = lax.axis_index("wg")
         cnt = cnt_ref[row]
@@ -216,10 +201,7 @@ def _kernel_call(q, kv, idx, count, *, scale, cfg, interpret):
 
             def kv_step(b, carry):
                 accs, m_i, l_i = carry
-                slot = lax.rem(b, slots)
-                plgpu.barrier_wait((g_bar if planes else k_bar).at[slot])
-                # [chunks, bkv, 64]: block b's keys, 64 columns per plane
-                keys = (g_in if simulated and planes else g_s).at[slot]
+                plgpu.barrier_wait(k_bar)  # keys [chunks, bkv, 64]: block b's, 64 columns per plane
 
                 def qk(acc_ref):
                     for c in range(chunks):
@@ -247,7 +229,7 @@ def _kernel_call(q, kv, idx, count, *, scale, cfg, interpret):
                     accs = tuple(a + n for a, n in zip(accs, new))
                 else:  # the running accumulators themselves (run_state awaits the wgmmas)
                     accs = pl.run_state(pv)(tuple(plgpu.ACC.init(a) for a in accs))
-                plgpu.barrier_arrive(k_free.at[slot])
+                plgpu.barrier_arrive(k_free)
                 return accs, m_new, l_i
 
             accs, m_i, l_i = lax.fori_loop(0, nb, kv_step, (accs, m_i, l_i))
@@ -278,52 +260,35 @@ def _kernel_call(q, kv, idx, count, *, scale, cfg, interpret):
             def key_id(b, i):
                 return jnp.where(b * bkv + i < cnt, ids[b, i], 0)
 
-            if planes:
-                @pl.loop(0, nb)
-                def _block(b):
-                    slot = lax.rem(b, 2)
+            def gather(b):  # one TMA per key: a whole row of the staging rows
+                @pl.loop(0, bkv)
+                def _key(i):
+                    plgpu.copy_gmem_to_smem(kv_ref.at[pl.ds(key_id(b, i), 1)], g_in.at[pl.ds(i, 1)], g_bar)
 
-                    @pl.when(b >= 2)
-                    def _():
-                        plgpu.barrier_wait(k_free.at[slot])  # both consumers are done with block b - 2
+            @pl.when(nb > 0)
+            def _first():
+                gather(0)
 
-                    @pl.loop(0, bkv)  # one TMA per (key, plane), through the planes' one-row-tiled view
-                    def _key(i):
-                        r = key_id(b, i)
-                        for c in range(chunks):
-                            plgpu.copy_gmem_to_smem(kv_ref.at[pl.ds(r, 1), pl.ds(c * 64, 64)],
-                                                    g_in.at[slot, c, pl.ds(i, 1)], g_bar.at[slot])
-            else:
-                def gather(b):  # one TMA per key: a whole row of the staging rows
-                    @pl.loop(0, bkv)
-                    def _key(i):
-                        plgpu.copy_gmem_to_smem(kv_ref.at[pl.ds(key_id(b, i), 1)], g_in.at[pl.ds(i, 1)], g_bar.at[0])
+            @pl.loop(0, nb)
+            def _block(b):
+                plgpu.barrier_wait(g_bar)
 
-                @pl.when(nb > 0)
-                def _first():
-                    gather(0)
-
-                @pl.loop(0, nb)
-                def _block(b):
-                    plgpu.barrier_wait(g_bar.at[0])
-
-                    @pl.when(b > 0)
-                    def _():
-                        plgpu.barrier_wait(k_free.at[0])  # both consumers are done with block b - 1
-
-                    for c in range(chunks):  # staging rows -> the planes, through registers
-                        g_s.at[0, c][...] = _sliced_load(g_in, c, simulated)
-                    plgpu.commit_smem()
-                    plgpu.barrier_arrive(k_bar.at[0])
-
-                    @pl.when(b + 1 < nb)
-                    def _next():
-                        gather(b + 1)
-
-            for back in range(slots, 0, -1):  # observe the consumers' last releases (every phase is waited on)
-                @pl.when(nb >= back)
+                @pl.when(b > 0)
                 def _():
-                    plgpu.barrier_wait(k_free.at[lax.rem(nb - back, slots)])
+                    plgpu.barrier_wait(k_free)  # both consumers are done with block b - 1
+
+                for c in range(chunks):  # staging rows -> the planes, through registers
+                    keys.at[c][...] = _sliced_load(g_in, c, simulated)
+                plgpu.commit_smem()
+                plgpu.barrier_arrive(k_bar)
+
+                @pl.when(b + 1 < nb)
+                def _next():
+                    gather(b + 1)
+
+            @pl.when(nb > 0)
+            def _last():  # observe the consumers' last release (every phase is waited on)
+                plgpu.barrier_wait(k_free)
 
         specialise(wg, consumer, producer)
 
@@ -331,20 +296,15 @@ def _kernel_call(q, kv, idx, count, *, scale, cfg, interpret):
         # q is dead once both consumers pass `done`: the output staging reuses it
         (plgpu.RefUnion(plgpu.SMEM((HEADS, k), dtype, transforms=tiled),
                         plgpu.SMEM((2, HEADS, half), dtype, transforms=tiled)),
-         # two slots of gathered keys in 64-column planes. A plane 64 columns (128 B) wide has
-         # the same bytes tiled (1, 64) or (8, 64), swizzled 128: the TMA writes rows through
-         # the first view (a one-row box is a whole tile), the wgmma reads the second
-         (plgpu.RefUnion(plgpu.SMEM((2, chunks, bkv, 64), dtype, transforms=row_tiled),
-                         plgpu.SMEM((2, chunks, bkv, 64), dtype, transforms=tiled)) if planes else
-          # "rows": the staging rows (a key is one tile row of 8 swizzled 128-byte tiles) and
-          # one slot of planes
-          (plgpu.SMEM((bkv, k), dtype, transforms=row_tiled), plgpu.SMEM((1, chunks, bkv, 64), dtype, transforms=tiled))),
+         # the staging rows (a key is one tile row of 8 swizzled 128-byte tiles), then the planes
+         plgpu.SMEM((bkv, k), dtype, transforms=row_tiled),
+         plgpu.SMEM((chunks, bkv, 64), dtype, transforms=tiled),
          plgpu.SMEM((2, HEADS, bkv), dtype, transforms=tiled),
          plgpu.SMEM((HEADS,), jnp.float32),
          plgpu.SMEM((nblk, bkv) if cfg.indices == "smem" else (1, 1), jnp.int32)),
-        (plgpu.Barrier(), plgpu.Barrier(), plgpu.Barrier(num_arrivals=bkv * (chunks if planes else 1), num_barriers=slots),
-         plgpu.Barrier(num_barriers=1)),  # "rows": the producer's planes are ready
-        (plgpu.Barrier(num_arrivals=2, num_barriers=2), plgpu.Barrier(num_arrivals=2)),
+        # q, ids, the staging rows (one arrival per key's TMA), the planes are ready
+        (plgpu.Barrier(), plgpu.Barrier(), plgpu.Barrier(num_arrivals=bkv), plgpu.Barrier()),
+        (plgpu.Barrier(num_arrivals=2), plgpu.Barrier(num_arrivals=2)),  # planes free, q free
     )
     out_type = (jax.ShapeDtypeStruct((t, h, k), dtype), jax.ShapeDtypeStruct((t, h), jnp.float32))
 
@@ -354,8 +314,8 @@ def _kernel_call(q, kv, idx, count, *, scale, cfg, interpret):
 
     return plgpu.kernel(
         entry, out_type=out_type, grid=(t,), grid_names=("t",), num_threads=3, thread_name="wg",
-        # No automatic warpgroup barriers: Pallas puts one before every TMA issue, 512 per block
-        # here (2.1x slower on the H200). Safe: no thread reads shared memory it also writes (P,
+        # No automatic warpgroup barriers: Pallas puts one before every TMA issue, 64 per block
+        # here. Safe: no thread reads shared memory it also writes (P,
         # O and the lse are written by threads and read by wgmma or TMA, after commit_smem).
         compiler_params=plgpu.CompilerParams(approx_math=True, unsafe_no_auto_barriers=True),
         interpret=interpret_params(interpret),
@@ -418,7 +378,6 @@ def main(argv=None):
     """Kernel vs the XLA reference (gather, then the two contractions) on consumer shapes; TFLOP/s
     against a bf16 matmul in the same run; prints a table, writes JSON."""
     import argparse
-    import itertools
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--json", default=None)
@@ -426,7 +385,6 @@ def main(argv=None):
     ap.add_argument("--table", type=int, default=16384 + 4096, help="packed latents: 64K CSA entries + a chunk")
     ap.add_argument("--topk", type=int, default=512)
     ap.add_argument("--indices", default="smem,gmem", help="SparseAttentionConfig.indices variants to compare")
-    ap.add_argument("--gather", default="planes,rows", help="SparseAttentionConfig.gather variants to compare")
     a = ap.parse_args(argv)
     peak = matmul_peak_tflops()
     print(f"bf16 matmul peak (8192^3) in this run: {peak:.0f} TFLOP/s", flush=True)
@@ -437,8 +395,8 @@ def main(argv=None):
         orf, lr = ref(*args)
         tr = median_time(ref, *args, iters=10)
         fl = attention_flops(args[3])
-        for gather, indices in itertools.product(a.gather.split(","), a.indices.split(",")):
-            cfg = SparseAttentionConfig(indices=indices, gather=gather)
+        for indices in a.indices.split(","):
+            cfg = SparseAttentionConfig(indices=indices)
             ker = jax.jit(lambda *r, cfg=cfg: sparse_attention(*r, **kw, config=cfg))
             ok, lk = ker(*args)
             err = rel_err(ok, orf)
@@ -449,7 +407,7 @@ def main(argv=None):
                              finite=bool(jnp.all(jnp.isfinite(ok.astype(jnp.float32)))), kernel_ms=tk * 1e3,
                              xla_ms=tr * 1e3, speedup=tr / tk, kernel_tflops=fl / tk / 1e12, xla_tflops=fl / tr / 1e12,
                              kernel_frac_of_peak=fl / tk / 1e12 / peak))
-            print(f"t={t} keys/row {args[2].shape[1]} gather {gather} indices {indices}: err {err:.2e} lse {lerr:.1e} kernel "
+            print(f"t={t} keys/row {args[2].shape[1]} indices {indices}: err {err:.2e} lse {lerr:.1e} kernel "
                   f"{tk * 1e3:.3f} ms xla {tr * 1e3:.3f} ms x{tr / tk:.2f} {fl / tk / 1e12:.0f} TFLOP/s "
                   f"({fl / tk / 1e12 / peak:.0%})", flush=True)
     return record("sparse_attention", a.json, argv, bf16_matmul_peak_tflops=peak, rows=rows)

@@ -37,17 +37,15 @@ def test_reference_is_the_models_attention_over_the_selected_keys():
     assert rel_err(o3, o4) == 0.0
 
 
-@pytest.mark.parametrize("seed,t,s,topk,indices,gather", [(0, 4, 300, 100, "smem", "planes"),
-                                                          (1, 2, 1000, 64, "gmem", "planes"),
-                                                          (2, 4, 300, 100, "smem", "rows")])
-def test_kernel_matches_reference_interpret(seed, t, s, topk, indices, gather):
+@pytest.mark.parametrize("seed,t,s,topk,indices", [(0, 4, 300, 100, "smem"), (1, 2, 1000, 64, "gmem")])
+def test_kernel_matches_reference_interpret(seed, t, s, topk, indices):
     """The kernel itself in Mosaic GPU interpret mode (natively on a GPU): rows of no key, one
     key, exactly one block and a ragged last block (228 keys: padded to 4 blocks of 64), ids
     past count garbage; bf16 tolerance of the O output, LSE in absolute terms."""
     args, kw = sp.make_problem(jax.random.key(seed), t=t, s=s, topk=topk, window=128)
     q, kv, idx, count, sink = args
     idx = jnp.where(jnp.arange(idx.shape[1])[None, :] < count[:, None], idx, -5)  # never read as keys
-    cfg = sp.SparseAttentionConfig(indices=indices, gather=gather)
+    cfg = sp.SparseAttentionConfig(indices=indices)
     o, lse = jax.jit(lambda *a: sp.sparse_attention(*a, **kw, config=cfg))(q, kv, idx, count, sink)
     o2, lse2 = sp.sparse_attention_reference(q, kv, idx, count, sink, **kw)
     assert bool(jnp.all(jnp.isfinite(o.astype(jnp.float32))))
@@ -57,15 +55,15 @@ def test_kernel_matches_reference_interpret(seed, t, s, topk, indices, gather):
         assert not np.asarray(o[0]).any() and np.allclose(lse[0], sink)
 
 
-@pytest.mark.parametrize("indices,gather", [("smem", "planes"), ("gmem", "planes"), ("smem", "rows")])
-def test_kernel_lowers_for_cuda(indices, gather):
+@pytest.mark.parametrize("indices", ["smem", "gmem"])
+def test_kernel_lowers_for_cuda(indices):
     """A consumer query block at 64K (256 rows, 128 window + 512 top-k ids into 16384 entries
     plus a 4096-row chunk of latents; a table of rows not a multiple of 8): layout inference,
     TMA descriptors and the shared-memory budget of the native (non-interpret) kernel, on CPU."""
     shapes = (jax.ShapeDtypeStruct((256, 64, 512), jnp.bfloat16), jax.ShapeDtypeStruct((20483, 512), jnp.bfloat16),
               jax.ShapeDtypeStruct((256, 640), jnp.int32), jax.ShapeDtypeStruct((256,), jnp.int32),
               jax.ShapeDtypeStruct((64,), jnp.float32))
-    cfg = sp.SparseAttentionConfig(indices=indices, gather=gather)
+    cfg = sp.SparseAttentionConfig(indices=indices)
     f = jax.jit(lambda *a: sp.sparse_attention(*a, scale=512 ** -0.5, config=cfg, interpret=False))
     assert "mosaic_gpu" in f.trace(*shapes).lower(lowering_platforms=("cuda",)).as_text()
 
@@ -92,21 +90,19 @@ def test_bad_inputs_and_config_raise():
         sp.SparseAttentionConfig(block_kv=128)
     with pytest.raises(ValueError, match="indices"):
         sp.SparseAttentionConfig(indices="registers")
-    with pytest.raises(ValueError, match="gather"):
-        sp.SparseAttentionConfig(gather="tma")
     with pytest.raises(ValueError, match="key ids per row need .* use indices='gmem'"):
         sp.sparse_attention(q, kv, jnp.zeros((2, 8192), jnp.int32), count, sink, scale=1.0)
     assert sp.SparseAttentionConfig().smem_bytes() <= sp.SMEM_LIMIT
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("gather", ["planes", "rows"])  # "rows": not yet run on a GPU
+@pytest.mark.parametrize("indices", ["smem", "gmem"])
 @pytest.mark.parametrize("t,s,topk,full", [(256, 20480, 512, True), (1000, 20480, 512, False), (1, 4096, 512, True)])
-def test_kernel_matches_reference_gpu(t, s, topk, full, gather):
+def test_kernel_matches_reference_gpu(t, s, topk, full, indices):
     if jax.default_backend() != "gpu":
         pytest.skip("needs a GPU")
     args, kw = sp.make_problem(jax.random.key(t), t=t, s=s, topk=topk, full=full)
-    cfg = sp.SparseAttentionConfig(gather=gather)
+    cfg = sp.SparseAttentionConfig(indices=indices)
     o, lse = jax.jit(lambda *a: sp.sparse_attention(*a, **kw, config=cfg))(*args)
     o2, lse2 = sp.sparse_attention_reference(*args, **kw)
     assert bool(jnp.all(jnp.isfinite(o.astype(jnp.float32))))
@@ -117,7 +113,7 @@ def test_kernel_matches_reference_gpu(t, s, topk, full, gather):
 def _gather_then_load(kv, ids):
     """One TMA per key ([1, 512]) into a (1, 64)-tiled, 128-swizzled buffer; then (a) the buffer
     back to memory by TMA and (b) each 64-column slice loaded into registers and stored to a
-    (8, 64)-tiled buffer, also written back. The layout session 11 used, on its own."""
+    (8, 64)-tiled buffer, also written back: the kernel's gather, without `unit_xor`."""
     import jax.experimental.pallas as pl
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
@@ -146,7 +142,7 @@ def _gather_then_load(kv, ids):
 
 
 def test_unit_xor_undoes_the_sliced_load_permutation():
-    """gather="rows" puts a slice's units back with `unit_xor`: applied to the permutation the
+    """The kernel puts a slice's units back with `unit_xor`: applied to the permutation the
     GPU test below pins (unit u of the loaded slice c is unit u ^ c), it gives the slice."""
     x = np.arange(4 * 512).reshape(4, 512)
     col = np.arange(512)
@@ -160,13 +156,12 @@ def test_unit_xor_undoes_the_sliced_load_permutation():
 
 @pytest.mark.gpu
 def test_mosaic_loads_a_column_slice_of_a_swizzled_buffer_xor_permuted_gpu():
-    """Why the kernel gathers in 64-column planes (module doc, docs/kernels.md), pinned so that a
-    JAX upgrade that fixes it is noticed. With jax 0.11.2 on the H200 (diagnosed 2026-12-01 from
-    the lowered module; this test first runs on a GPU after that): the TMA lands each key right
-    in the swizzled rows (the round trip is exact), but a load of the 64-column slice c takes the
-    swizzle's XOR from the slice's base, c x 128 B into a 1024 B swizzle block, so it reads the
-    16-byte units of the slice XOR-permuted by c. If this test fails because the sliced load is
-    now right, one TMA per key is possible: 8x fewer copies than the planes."""
+    """Why the kernel applies `unit_xor` after each sliced load (module doc, docs/kernels.md),
+    pinned so that a JAX upgrade that fixes the load is noticed (the kernel would then be wrong
+    on a GPU, and its GPU test would fail too). With jax 0.11.2 on the H200 (2026-12-01, passed):
+    the TMA lands each key right in the swizzled rows (the round trip is exact), but a load of
+    the 64-column slice c takes the swizzle's XOR from the slice's base, c x 128 B into a 1024 B
+    swizzle block, so it reads the 16-byte units of the slice XOR-permuted by c."""
     if jax.default_backend() != "gpu":
         pytest.skip("needs a GPU")
     kv = jax.random.normal(jax.random.key(0), (4096, 512), jnp.float32).astype(jnp.bfloat16)
@@ -177,7 +172,7 @@ def test_mosaic_loads_a_column_slice_of_a_swizzled_buffer_xor_permuted_gpu():
     col = np.arange(512)
     c, u, e = col // 64, (col % 64) // 8, col % 8
     permuted = want[:, c * 64 + 8 * (u ^ c) + e]
-    assert not np.array_equal(np.asarray(sliced), want), "fixed upstream: revisit one TMA per key"
+    assert not np.array_equal(np.asarray(sliced), want), "fixed upstream: drop unit_xor from _sliced_load"
     assert np.array_equal(np.asarray(sliced), permuted)
 
 
