@@ -9,7 +9,9 @@ tokenizer.json) and a training log.
 Schedule by the fraction of the training budget used (time, or --max-steps): learning rate
 warm-up + cosine; curriculum (`curriculum`): short packed episodes inside the sliding window
 first, then half-size documents, then 2-6, then half the rows full-size episodes (as many
-documents as the evaluation requests). The end of the
+documents as the evaluation requests). With --dense-csa-until, CSA attention is dense (every
+visible compressed entry, `Trainer.step_fn`) until that curriculum stage, then the model's
+top-k; the top-k step compiles on a side thread meanwhile. The end of the
 budget is reserved for rounding to the shipped bf16 weights, saving, and the teacher-forced
 validation / held-out test scores (greedy-equivalent EM per question type) in train_log.json.
 """
@@ -71,12 +73,17 @@ def main(argv=None):
     ap.add_argument("--curriculum-from", type=float, default=0.0,
                     help="curriculum stage at the start, as a budget fraction (e.g. 0.6 with --init-from: full-size "
                          "episodes from the first step)")
+    ap.add_argument("--dense-csa-until", type=float, default=0.0,
+                    help="curriculum stage (a budget fraction, as --curriculum-from) until which CSA layers attend "
+                         "every visible compressed entry instead of the indexer's top-k (0: never)")
     ap.add_argument("--lr", type=float, default=2e-3)
     ap.add_argument("--block", type=int, default=512, help="attention query block (Attention.__call__)")
     ap.add_argument("--log-every", type=int, default=10)
     args = ap.parse_args(argv)
     if not 0.0 <= args.curriculum_from < 1.0:
         ap.error(f"--curriculum-from: expected a fraction in [0, 1), got {args.curriculum_from}")
+    if not 0.0 <= args.dense_csa_until <= 1.0:
+        ap.error(f"--dense-csa-until: expected a fraction in [0, 1], got {args.dense_csa_until}")
     if args.init_from and not (pathlib.Path(args.init_from) / "config.json").is_file():
         ap.error(f"--init-from: {args.init_from} has no config.json (not a checkpoint written by this script)")
     t_start = time.perf_counter()
@@ -119,14 +126,24 @@ def main(argv=None):
         compiled["fn"] = trainer._eval.lower(trainer.params, trainer.rest, eval_shape).compile()
         compiled["s"] = time.perf_counter() - t0
 
+    example = (jnp.zeros((args.batch, args.seq_len + 1), jnp.int32), jnp.zeros((args.batch, args.seq_len), jnp.float32))
+
+    def lower(fn):
+        return fn.lower(trainer.params, trainer.rest, trainer.opt_state, *example, jnp.float32(0), trainer.decay)
+
+    dense = args.dense_csa_until > args.curriculum_from
+    if dense:  # the top-k step compiles beside the eval forward, while the dense steps run
+        def compile_eval(compile_eval=compile_eval):
+            t0 = time.perf_counter()
+            compiled["topk_step"] = lower(trainer.step_fn()).compile()
+            compiled["topk_s"] = time.perf_counter() - t0
+            compile_eval()
     th = threading.Thread(target=compile_eval, daemon=True)  # started after the first step
 
     t0 = time.perf_counter()
-    example = (jnp.zeros((args.batch, args.seq_len + 1), jnp.int32), jnp.zeros((args.batch, args.seq_len), jnp.float32))
-    lowered = trainer._step.lower(trainer.params, trainer.rest, trainer.opt_state, *example, jnp.float32(0),
-                                  trainer.decay)
+    lowered = lower(trainer.step_fn(args.seq_len // cfg.csa_rate) if dense else trainer._step)
     log["lower_s"] = round(time.perf_counter() - t0, 2)
-    print(f"train step lowered in {log['lower_s']:.1f}s", flush=True)
+    print(f"train step {'(dense CSA) ' if dense else ''}lowered in {log['lower_s']:.1f}s", flush=True)
     t0 = time.perf_counter()
     trainer._step = lowered.compile()
     log["compile_s"] = round(time.perf_counter() - t0, 2)
@@ -147,6 +164,13 @@ def main(argv=None):
         if now > deadline - args.reserve_s:
             break
         stage = args.curriculum_from + (1 - args.curriculum_from) * frac
+        if dense and stage >= args.dense_csa_until:  # from here on the indexer's top-k
+            if "topk_step" not in compiled:
+                th.join()  # normally long done; waiting keeps the schedule honest
+            trainer._step, dense = compiled.pop("topk_step"), False
+            log["dense_csa_until_step"] = step
+            log["topk_compile_s"] = round(compiled["topk_s"], 1)
+            print(f"step {step}: CSA top-k from here on (dense until stage {args.dense_csa_until})", flush=True)
         rows = [D.training_sequence(rng, names, args.seq_len, curriculum(stage, r, args)) for r in range(args.batch)]
         toks, w = np.stack([r[0] for r in rows]), np.stack([r[1] for r in rows])
         lr = lr_at(tc, frac)

@@ -165,7 +165,11 @@ class Attention(nnx.Module):
 
         scale = self.k ** -0.5
         sink = self.attn_sink[...]
-        kernel_csa = sparse == "mosaic" and self.kind == CSA and not trace
+        # a CSA top-k that covers every entry selects every visible one: those are attended as
+        # HCA's are (the same set, without scores, selection or gather; short contexts, and
+        # the dense phase of training, quality/train.py)
+        dense_csa = self.kind == CSA and self.indexer.topk >= new["idx_entries"].shape[1] and not trace
+        kernel_csa = sparse == "mosaic" and self.kind == CSA and not trace and not dense_csa
         if kernel_csa:  # one packed table per sequence: window latents (ext), then the entries
             table = jnp.concatenate([ext, new["entries"]], axis=1)
             span = table.shape[1]
@@ -180,7 +184,7 @@ class Attention(nnx.Module):
                      & (wp[:, None, :] >= 0))[:, :, None, :]
             sets = [(wk, wmask, "bthk,bsk->bths")]
             picked = jnp.zeros((b, block, 0), jnp.int32)
-            if self.kind == HCA:
+            if self.kind == HCA or dense_csa:
                 ents = new["entries"]
                 vis = jnp.arange(ents.shape[1])[None, None, :] < ((pb + 1) // m)[..., None]
                 sets.append((ents, vis[:, :, None, :], "bthk,bwk->bthw"))

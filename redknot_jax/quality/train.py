@@ -30,6 +30,7 @@ tokens `other_weight`, padding 0) + `indexer_coef` x mean indexer KL.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import pathlib
@@ -177,14 +178,31 @@ class Trainer:
         self.decay = ravel_pytree(jax.tree.map(lambda p: jnp.full(p.shape, p.ndim >= 2, p.dtype), self.params))[0]
         self.tx = make_optimizer(tc)
         self.opt_state = self.tx.init(flat)
-        self._step = jax.jit(self._train_step, donate_argnums=(0, 2))
+        self._step = self.step_fn()
         self._eval = jax.jit(self._eval_logits)
 
     def model(self) -> Model:
         return nnx.merge(self.graphdef, self.params, self.rest)
 
-    def _loss(self, params, rest, tokens, w):
-        model = nnx.merge(self.graphdef, params, rest)
+    def step_fn(self, index_topk: int | None = None):
+        """The jitted train step (assign it to `_step` to use it). index_topk: the CSA layers'
+        top-k during these steps (None: the model's own). A top-k that covers every compressed
+        entry makes CSA attention dense (`Attention` attends every visible entry): the dense
+        warm-up. Top-k selection gives the main attention a gradient only through the entries
+        the indexer already picks, and the indexer learns from the main attention's
+        distribution; dense steps break that circle (DeepSeek-V3.2 warms its indexer up with
+        dense attention too). Parameters are the same either way."""
+        gd = self.graphdef
+        if index_topk is not None:
+            model = self.model()  # a fresh copy: the trainer's own graph keeps its top-k
+            for blk in model.layers:
+                if blk.attn.indexer is not None:
+                    blk.attn.indexer.topk = int(index_topk)
+            gd = nnx.split(model, nnx.Param, ...)[0]
+        return jax.jit(functools.partial(self._train_step, gd), donate_argnums=(0, 2))
+
+    def _loss(self, graphdef, params, rest, tokens, w):
+        model = nnx.merge(graphdef, params, rest)
         inputs, targets = tokens[:, :-1], tokens[:, 1:]
         logits, kls, loads = forward_train(model, inputs, self.tc.block)
         ce = jax.nn.logsumexp(logits, -1) - jnp.take_along_axis(logits, targets[..., None], -1)[..., 0]
@@ -195,15 +213,15 @@ class Trainer:
         ans_ce = jnp.sum(ce * ans) / jnp.maximum(jnp.sum(ans), 1)
         return lm + self.tc.indexer_coef * ikl, (lm, ikl, ans_ce, acc, loads)
 
-    def _train_step(self, params, rest, opt_state, tokens, w, lr, decay):
-        (loss, (lm, ikl, ans_ce, acc, loads)), grads = jax.value_and_grad(self._loss, has_aux=True)(
-            params, rest, tokens, w)
+    def _train_step(self, graphdef, params, rest, opt_state, tokens, w, lr, decay):
+        (loss, (lm, ikl, ans_ce, acc, loads)), grads = jax.value_and_grad(self._loss, argnums=1, has_aux=True)(
+            graphdef, params, rest, tokens, w)
         g, p = ravel_pytree(grads)[0], ravel_pytree(params)[0]
         gnorm = jnp.linalg.norm(g)
         u, opt_state = self.tx.update(g, opt_state, p)
         params = self._unravel(p - lr * (u + self.tc.weight_decay * decay * p))
         if loads:  # aux-loss-free balancing of the learned routers
-            model = nnx.merge(self.graphdef, params, rest)
+            model = nnx.merge(graphdef, params, rest)
             for i, load in loads.items():
                 bias = model.layers[i].ffn.bias
                 bias[...] = bias[...] + self.tc.bias_rate * jnp.sign(jnp.mean(load) - load)

@@ -245,7 +245,8 @@ def test_every_csa_path_hands_its_keys_to_the_kernel(monkeypatch):
 def test_native_csa_layers_run_the_kernel_interpret(monkeypatch):
     """The kernel itself (Mosaic GPU interpret mode on CPU) inside the model: a bf16 model with
     the kernel's 64 heads x 512 dims, chunked prefill in two chunks. No discrete choice can flip
-    on a last bit here (hash-routed experts, an indexer top-k wider than the entries), so the
+    on a last bit here (hash-routed experts, an indexer top-k wider than the visible entries,
+    narrower than the cache's, so the layers still select), so the
     comparison is about the attention alone. Its logits must be as close to the XLA path's as
     bf16 lets two formulations be: this model carries bf16 rounding to ~1 % of its logits,
     evenly over the rows (the reference in the kernel's place: 1.0 %; the kernel: 1.3 %), so
@@ -267,7 +268,7 @@ def test_native_csa_layers_run_the_kernel_interpret(monkeypatch):
     ids = jax.random.randint(jax.random.key(1), (1, 32), 2, cfg.vocab_size)
 
     def prefill(kernels):
-        cache, out = model.init_cache(1, 64), []
+        cache, out = model.init_cache(1, 512), []  # 512 / rate 4 = 128 entries > top-64 > 8 visible
         for c in range(2):
             lg, cache = model.forward(ids[:, 16 * c:16 * (c + 1)], jnp.full((1,), 16 * c), jnp.full((1,), 16), cache,
                                       jnp.arange(16)[None], block=16, kernels=kernels)

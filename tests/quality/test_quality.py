@@ -5,6 +5,7 @@ a few optimizer steps that lower the loss, the checkpoint round trip, and an eva
 import json
 
 import numpy as np
+import jax
 import jax.numpy as jnp
 from flax import nnx
 import pytest
@@ -94,6 +95,38 @@ def test_training_forward_equals_model_forward():
     assert all(float(v.sum()) == 2 * 64 * cfg.experts_per_tok for v in loads.values())
 
 
+def test_csa_top_k_covering_every_entry_attends_them_densely():
+    """A CSA layer whose top-k covers every entry (short contexts; training's dense warm-up)
+    attends every visible entry without scoring or selecting, and gives what the selecting
+    path gives (the trace path still selects)."""
+    cfg = qa_test_config(index_topk=16)  # 64 rows / rate 4 = 16 entries
+    model = random_model(cfg, seed=3, dtype=jnp.float32)
+    attn = model.layers[2].attn
+    assert attn.kind == "compressed_sparse_attention"
+    x = jnp.asarray(np.random.default_rng(1).normal(size=(2, 64, cfg.hidden_size)), jnp.float32)
+    pos0, n_new = jnp.zeros(2, jnp.int32), jnp.full(2, 64, jnp.int32)
+    cache = model.init_cache(2, 64)["layers"][2]
+    run = lambda trace: attn(x, pos0, n_new, cache, model.freqs(2), 32, trace=trace)[0]
+    np.testing.assert_allclose(np.asarray(run(False)), np.asarray(run(True)), atol=1e-5, rtol=1e-5)
+    assert "top_k" not in str(jax.make_jaxpr(lambda: run(False))())
+    assert "top_k" in str(jax.make_jaxpr(lambda: run(True))())
+
+
+def test_dense_warm_up_step_attends_every_entry_and_keeps_the_model_top_k():
+    """`Trainer.step_fn(index_topk)`: a step whose CSA top-k covers every entry trains the same
+    parameters on a different (dense) attention; the trainer's model keeps its own top-k."""
+    cfg = qa_test_config()  # top-8 of the 32 entries of a 128-row sequence
+    tr = Trainer(random_model(cfg, seed=0, dtype=jnp.float32), TrainConfig(block=64, warmup_frac=0.0))
+    batch = D.training_batch(np.random.default_rng(0), D.split_names()["train"], 2, 128,
+                             D.Curriculum(2, 2, per_doc=2, questions=6))
+    args = (tr.params, tr.rest, tr.opt_state, jnp.asarray(batch[0]), jnp.asarray(batch[1]), jnp.float32(0), tr.decay)
+    copy = lambda: jax.tree.map(jnp.copy, args)  # steps donate params and optimizer state
+    dense = tr.step_fn(128 // cfg.csa_rate)(*copy())[2]["lm"]
+    topk = tr.step_fn()(*copy())[2]["lm"]
+    assert abs(float(dense) - float(topk)) > 1e-4
+    assert all(b.attn.indexer.topk == cfg.index_topk for b in tr.model().layers if b.attn.indexer is not None)
+
+
 def test_a_few_steps_lower_the_loss_and_train_the_indexer(tmp_path):
     cfg = qa_test_config()
     model = random_model(cfg, seed=0, dtype=jnp.float32)
@@ -159,8 +192,10 @@ def test_train_script_writes_a_servable_checkpoint_and_continues_from_it(tmp_pat
     tq = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(tq)
     common = ["--seq-len", "128", "--batch", "2", "--eval-docs", "2", "--per-doc", "2", "--eval-episodes", "2"]
-    tq.main(["--config", "qa-test", "--max-steps", "3", "--out", str(tmp_path / "a")] + common)
+    tq.main(["--config", "qa-test", "--max-steps", "3", "--dense-csa-until", "0.5", "--out", str(tmp_path / "a")]
+            + common)
     a = tmp_path / "a"
+    assert json.loads((a / "train_log.json").read_text())["dense_csa_until_step"] == 2  # steps 0, 1 dense
     for f in ("config.json", "tokenizer.json", "chat_template.jinja", "redknot_profile.json", "train_log.json"):
         assert (a / f).is_file(), f
     tq.main(["--init-from", str(a), "--curriculum-from", "0.6", "--max-steps", "2", "--lr", "0",
