@@ -73,6 +73,8 @@ def main(argv=None):
     ap.add_argument("--curriculum-from", type=float, default=0.0,
                     help="curriculum stage at the start, as a budget fraction (e.g. 0.6 with --init-from: full-size "
                          "episodes from the first step)")
+    ap.add_argument("--curriculum-until", type=float, default=1.0,
+                    help="curriculum stage at the end of the budget (e.g. 0.34: the in-window stage throughout)")
     ap.add_argument("--dense-csa-until", type=float, default=0.0,
                     help="curriculum stage (a budget fraction, as --curriculum-from) until which CSA layers attend "
                          "every visible compressed entry instead of the indexer's top-k (0: never)")
@@ -82,6 +84,8 @@ def main(argv=None):
     args = ap.parse_args(argv)
     if not 0.0 <= args.curriculum_from < 1.0:
         ap.error(f"--curriculum-from: expected a fraction in [0, 1), got {args.curriculum_from}")
+    if not args.curriculum_from < args.curriculum_until <= 1.0:
+        ap.error(f"--curriculum-until: expected a fraction in (--curriculum-from, 1], got {args.curriculum_until}")
     if not 0.0 <= args.dense_csa_until <= 1.0:
         ap.error(f"--dense-csa-until: expected a fraction in [0, 1], got {args.dense_csa_until}")
     if args.init_from and not (pathlib.Path(args.init_from) / "config.json").is_file():
@@ -163,7 +167,7 @@ def main(argv=None):
             break
         if now > deadline - args.reserve_s:
             break
-        stage = args.curriculum_from + (1 - args.curriculum_from) * frac
+        stage = args.curriculum_from + (args.curriculum_until - args.curriculum_from) * frac
         if dense and stage >= args.dense_csa_until:  # from here on the indexer's top-k
             if "topk_step" not in compiled:
                 th.join()  # normally long done; waiting keeps the schedule honest

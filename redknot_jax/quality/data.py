@@ -122,6 +122,7 @@ class QA:
     question: list[int]  # "question : ... answer :" ids (new rows of a request)
     answer: list[int]  # answer span ids (without <eos>)
     docs: tuple[int, ...]  # documents holding the needed facts
+    facts: tuple[tuple[int, ...], ...] = ()  # the needed fact sentences' ids, as in the documents
 
     @property
     def answer_text(self) -> str:
@@ -178,6 +179,7 @@ def make_question(rng: np.random.Generator, world: World, qtype: str, relation: 
         ans = list(people[p.boss].name) if rel == "boss" else [getattr(p, rel)]
         q = _LOOKUP_Q[rel].format(" ".join(p.name))
         docs = (p.doc,)
+        facts = (world.facts(p)[RELATIONS.index(rel)],)
     elif qtype == "two_hop":
         rel = relation or ("city", "color", "job")[rng.integers(3)]
         cands = [p for p in people if people[p.boss].doc != p.doc]
@@ -187,9 +189,41 @@ def make_question(rng: np.random.Generator, world: World, qtype: str, relation: 
         ans = [getattr(people[p.boss], rel)]
         q = _TWOHOP_Q[rel].format(" ".join(p.name))
         docs = (p.doc, people[p.boss].doc)
+        facts = (world.facts(p)[RELATIONS.index("boss")], world.facts(people[p.boss])[RELATIONS.index(rel)])
     else:
         raise ValueError(f"qtype: expected one of {QTYPES}, got {qtype!r}")
-    return QA(qtype, rel, encode(f"question : {q} answer :"), encode(ans), docs)
+    return QA(qtype, rel, encode(f"question : {q} answer :"), encode(ans), docs,
+              tuple(tuple(encode(f)) for f in facts))
+
+
+_VALUE_AFTER = {"city": ("lives", "in"), "color": ("likes",), "job": ("works", "as"), "boss": ("reports", "to")}
+
+
+def in_context_chance(docs: Sequence[Sequence[int]], qa: QA) -> float:
+    """EM of a guesser that knows the asked type but not the binding: the share of the
+    documents' values of that relation (one per person) equal to the answer."""
+    w = decode([t for d in docs for t in d]).split()
+    key = _VALUE_AFTER[qa.relation]
+    n = len(key)
+    span = 2 if qa.relation == "boss" else 1
+    vals = [w[i + n:i + n + span] for i in range(len(w) - n) if tuple(w[i:i + n]) == key]
+    if not vals:
+        raise ValueError(f"in_context_chance: no {qa.relation!r} fact in the documents")
+    return sum(v == qa.answer_text.split() for v in vals) / len(vals)
+
+
+def fact_distance(tokens: Sequence[int], qa: QA, at: int) -> int:
+    """How far back from position `at` the farthest fact the question needs starts in
+    `tokens` (each fact sentence appears once in a world's documents)."""
+    toks = list(tokens)
+    starts = []
+    for f in qa.facts:
+        n = len(f)
+        hit = next((i for i in range(len(toks) - n + 1) if toks[i:i + n] == list(f)), None)
+        if hit is None:
+            raise ValueError(f"fact_distance: fact {decode(f)!r} is not in the tokens")
+        starts.append(hit)
+    return at - min(starts)
 
 
 def qa_tokens(qa: QA) -> tuple[list[int], list[float]]:

@@ -13,7 +13,8 @@ import pytest
 from redknot_jax.init import random_model
 from redknot_jax.quality import data as D
 from redknot_jax.quality.model_config import qa_config, qa_profile, qa_test_config
-from redknot_jax.quality.train import (Trainer, TrainConfig, forward_train, load_model, lr_at, save_checkpoint)
+from redknot_jax.quality.train import (Trainer, TrainConfig, forward_train, load_model, lr_at, save_checkpoint,
+                                       teacher_forced_scores)
 from redknot_jax.reuse.profile import head_row_ceiling
 
 
@@ -49,6 +50,26 @@ def test_questions_answerable_from_the_named_documents():
                 name = " ".join(subj.split()[:2])
                 assert f"{name} reports to" in text[d0]
                 assert ans in text[d1]
+
+
+def test_fact_distance_points_at_the_facts_a_question_needs():
+    """`fact_distance`: from the answer back to the start of the farthest needed fact; the
+    lookup fact ends in the answer, the two-hop facts are the subject's boss sentence and the
+    boss's attribute sentence, which ends in the answer."""
+    for ep in D.eval_episodes("val", 4, seed=5, n_docs=3, per_doc=2, questions_per_type=2):
+        row, qas, spans = D.teacher_forced_rows(ep, 1024)
+        row = [int(t) for t in row]
+        for qa, span in zip(qas, spans):
+            at = span[0] + 1  # the first answer token
+            start = at - D.fact_distance(row, qa, at)
+            found = [next(i for i in range(len(row)) if row[i:i + len(f)] == list(f)) for f in qa.facts]
+            assert start == min(found) and 0 < start < at
+            assert list(qa.facts[-1][-1 - len(qa.answer):-1]) == qa.answer  # "... <answer> ."
+            assert len(qa.facts) == (1 if qa.qtype == "lookup" else 2)
+            with pytest.raises(ValueError, match="not in the tokens"):
+                D.fact_distance(row[:5], qa, at)
+            # the answer is one of the documents' values of its relation, one value per person
+            assert 1 / 6 <= D.in_context_chance(ep.docs, qa) <= 1
 
 
 def test_training_rows_weights_and_packing():
@@ -144,6 +165,12 @@ def test_a_few_steps_lower_the_loss_and_train_the_indexer(tmp_path):
     assert not np.allclose(np.asarray(after.layers[2].attn.indexer.wq_b[...]), idx0), "indexer got no update"
     assert not np.allclose(np.asarray(after.layers[3].ffn.bias[...]), bias0), "router bias not balanced"
 
+    recs = []
+    eps = D.eval_episodes("val", 2, seed=0, n_docs=2, per_doc=2, questions_per_type=1)
+    scores = teacher_forced_scores(tr, eps, 128, 2, records=recs)
+    assert len(recs) == sum(v["n"] for v in scores.values()) > 0
+    assert all(r["distance"] > 0 and r["em"] in (0.0, 1.0) for r in recs)
+
     tr.round_to_bf16()
     files = save_checkpoint(tr.model(), tmp_path / "ckpt", shard_bytes=100_000)
     assert len(files) >= 2
@@ -210,3 +237,31 @@ def test_train_script_writes_a_servable_checkpoint_and_continues_from_it(tmp_pat
     assert moved and all(k[-2:] == ("ffn", "bias") or k[-1] == "bias" and "ffn" in k for k in moved), moved
     with pytest.raises(SystemExit):
         tq.main(["--init-from", str(tmp_path / "nothing"), "--out", str(tmp_path / "c")])
+    for bad in (["--curriculum-from", "0.5", "--curriculum-until", "0.4"], ["--dense-csa-until", "1.5"]):
+        with pytest.raises(SystemExit):
+            tq.main(bad + ["--out", str(tmp_path / "d")])
+
+
+def test_qa_diagnose_script_splits_em_by_relation_and_distance(tmp_path):
+    """launch/qa_diagnose.py on a tiny random checkpoint: every question lands in one relation
+    group and one distance bucket, and a bad --sizes is refused."""
+    import importlib.util
+    import pathlib
+
+    spec = importlib.util.spec_from_file_location(
+        "qa_diagnose", pathlib.Path(__file__).resolve().parents[2] / "launch" / "qa_diagnose.py")
+    qd = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(qd)
+    save_checkpoint(random_model(qa_test_config(), seed=0, dtype=jnp.float32), tmp_path / "ckpt")
+    out = qd.main(["--checkpoint", str(tmp_path / "ckpt"), "--sizes", "2x2", "--episodes", "1", "--seq-len", "256",
+                   "--json", str(tmp_path / "d.json")])
+    em = out["sizes"]["2x2"]["em"]
+    n = sum(v["n"] for k, v in em.items() if k.startswith("type: "))
+    assert n == 8  # 4 questions per type
+    assert sum(v["n"] for k, v in em.items() if k.startswith("relation: ")) == n
+    assert sum(v["n"] for k, v in em.items() if k.startswith("distance: ")) == n
+    assert json.loads((tmp_path / "d.json").read_text())["sizes"]["2x2"]["people"] == 4
+    assert all(0 < v["chance"] <= 1 for v in em.values())
+    assert qd.bucket(0) == "[0,128)" and qd.bucket(5000) == ">=1024"
+    with pytest.raises(SystemExit):
+        qd.main(["--checkpoint", str(tmp_path / "ckpt"), "--sizes", "two"])

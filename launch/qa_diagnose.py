@@ -1,0 +1,74 @@
+"""Where the QA model (issue 10) answers and where it does not: teacher-forced greedy EM on the
+held-out split by world size, by question type and relation, and by the distance from the
+answer back to the farthest fact it needs (beyond the sliding window, only compressed entries
+reach a fact). Beside each EM, the in-context chance (`data.in_context_chance`): what a model
+scores that emits the asked type's value of a random person of the world, i.e. knows the
+format and the vocabulary but not which fact belongs to whom.
+
+    python launch/qa_diagnose.py --checkpoint redknot_jax/assets/qa_model          # CPU, ~3 min
+    python launch/qa_diagnose.py --checkpoint DIR --sizes 2x1,2x4 --episodes 8 --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+
+import numpy as np
+
+from redknot_jax.quality import data as D
+from redknot_jax.quality.train import TrainConfig, Trainer, load_model, teacher_forced_scores
+
+EDGES = (0, 128, 256, 512, 1024, 1 << 30)
+
+
+def bucket(d: int) -> str:
+    for a, b in zip(EDGES, EDGES[1:]):
+        if a <= d < b:
+            return f"[{a},{b})" if b < EDGES[-1] else f">={a}"
+    raise ValueError(f"distance {d} < 0")
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--checkpoint", required=True)
+    ap.add_argument("--sizes", default="2x1,2x2,2x4,3x8,9x8", help="worlds as DOCSxPEOPLE_PER_DOC")
+    ap.add_argument("--episodes", type=int, default=32, help="test worlds per size (4 questions per type each)")
+    ap.add_argument("--seq-len", type=int, default=2048)
+    ap.add_argument("--json")
+    a = ap.parse_args(argv)
+    try:
+        sizes = [tuple(int(v) for v in s.split("x")) for s in a.sizes.split(",")]
+    except ValueError:
+        ap.error(f"--sizes: expected e.g. 2x1,9x8, got {a.sizes!r}")
+    tr = Trainer(load_model(a.checkpoint), TrainConfig(block=512))
+    out = {"checkpoint": a.checkpoint, "episodes": a.episodes, "sizes": {}}
+    for n_docs, per_doc in sizes:
+        recs = []
+        eps = D.eval_episodes("test", a.episodes, seed=1000, n_docs=n_docs, per_doc=per_doc, questions_per_type=4)
+        teacher_forced_scores(tr, eps, a.seq_len, 8, records=recs)
+        groups = collections.defaultdict(list)
+        qas = collections.Counter()
+        for r in recs:  # the episode's questions come back in order
+            qa = eps[r["episode"]].qas[qas[r["episode"]]]
+            qas[r["episode"]] += 1
+            hit = (r["em"], D.in_context_chance(eps[r["episode"]].docs, qa))
+            groups[("relation", f"{r['qtype']}/{r['relation']}")].append(hit)
+            groups[("distance", f"{r['qtype']} {bucket(r['distance'])}")].append(hit)
+            groups[("type", r["qtype"])].append(hit)
+        res = {f"{k[0]}: {k[1]}": {"n": len(v), "em": round(float(np.mean([h[0] for h in v])), 3),
+                                   "chance": round(float(np.mean([h[1] for h in v])), 3)}
+               for k, v in sorted(groups.items())}
+        out["sizes"][f"{n_docs}x{per_doc}"] = {"people": n_docs * per_doc, "em": res}
+        print(f"{n_docs}x{per_doc} ({n_docs * per_doc} people)")
+        for k, v in res.items():
+            print(f"  {k:32s} n={v['n']:4d} EM {v['em']:.3f} (in-context chance {v['chance']:.3f})")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(out, f, indent=1)
+    return out
+
+
+if __name__ == "__main__":
+    main()
