@@ -78,6 +78,9 @@ def main(argv=None):
     ap.add_argument("--dense-csa-until", type=float, default=0.0,
                     help="curriculum stage (a budget fraction, as --curriculum-from) until which CSA layers attend "
                          "every visible compressed entry instead of the indexer's top-k (0: never)")
+    ap.add_argument("--sliding-window", type=int, default=0,
+                    help="override the config's sliding window (a new model only; e.g. qa-test with a window its "
+                         "small worlds fit in, to test in-window retrieval on a CPU)")
     ap.add_argument("--lr", type=float, default=2e-3)
     ap.add_argument("--block", type=int, default=512, help="attention query block (Attention.__call__)")
     ap.add_argument("--log-every", type=int, default=10)
@@ -88,6 +91,8 @@ def main(argv=None):
         ap.error(f"--curriculum-until: expected a fraction in (--curriculum-from, 1], got {args.curriculum_until}")
     if not 0.0 <= args.dense_csa_until <= 1.0:
         ap.error(f"--dense-csa-until: expected a fraction in [0, 1], got {args.dense_csa_until}")
+    if args.sliding_window and (args.init_from or args.sliding_window < 1):
+        ap.error(f"--sliding-window: a positive window for a new model (not with --init-from), got {args.sliding_window}")
     if args.init_from and not (pathlib.Path(args.init_from) / "config.json").is_file():
         ap.error(f"--init-from: {args.init_from} has no config.json (not a checkpoint written by this script)")
     t_start = time.perf_counter()
@@ -101,7 +106,8 @@ def main(argv=None):
         prior = pathlib.Path(args.init_from) / "train_log.json"
         prior = json.loads(prior.read_text()) if prior.is_file() else {}
     else:
-        cfg = {"qa": qa_config, "qa-cpu": qa_cpu_config, "qa-test": qa_test_config}[args.config]()
+        over = {"sliding_window": args.sliding_window} if args.sliding_window else {}
+        cfg = {"qa": qa_config, "qa-cpu": qa_cpu_config, "qa-test": qa_test_config}[args.config](**over)
         model = random_model(cfg, seed=args.seed, dtype=jnp.float32)
         prior = {}
     tc = TrainConfig(lr=args.lr, block=min(args.block, args.seq_len))

@@ -237,7 +237,8 @@ def test_train_script_writes_a_servable_checkpoint_and_continues_from_it(tmp_pat
     assert moved and all(k[-2:] == ("ffn", "bias") or k[-1] == "bias" and "ffn" in k for k in moved), moved
     with pytest.raises(SystemExit):
         tq.main(["--init-from", str(tmp_path / "nothing"), "--out", str(tmp_path / "c")])
-    for bad in (["--curriculum-from", "0.5", "--curriculum-until", "0.4"], ["--dense-csa-until", "1.5"]):
+    for bad in (["--curriculum-from", "0.5", "--curriculum-until", "0.4"], ["--dense-csa-until", "1.5"],
+                ["--sliding-window", "-1"], ["--init-from", str(a), "--sliding-window", "64"]):
         with pytest.raises(SystemExit):
             tq.main(bad + ["--out", str(tmp_path / "d")])
 
