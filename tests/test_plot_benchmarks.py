@@ -27,12 +27,12 @@ def test_plots_from_committed_results(tmp_path):
         assert f.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and f.stat().st_size > 5000
 
 
-@pytest.mark.parametrize("length, runs, layers_file", [(65536, 3, "ttft_64k_ops_moe_kernel_h200.json"),
+@pytest.mark.parametrize("length, runs, layers_file", [(65536, 4, "ttft_64k_ops_moe_kernel_h200.json"),
                                                        (131072, 2, "ttft_128k_host_layers_h200.json")])
 def test_runs_of_the_same_requests_are_pooled(length, runs, layers_file):
     """The committed runs of one length on the same records, profile and main kernel set (64K:
-    three with indexer + ragged_dot, the last of which also timed sparse_attention as a second
-    set; 128K: two) become one row with every repeat, not the earlier runs with fewer kernels;
+    four with indexer + ragged_dot, the last two of which also timed sparse_attention as a
+    second set; 128K: two) become one row with every repeat, not the earlier runs with fewer kernels;
     its per-layer profile names the one file it came from."""
     rows, _ = pb.load_ttft(sorted((ROOT / "docs" / "results").glob("ttft_*_h200.json")))
     row = {r["length"]: r for r in rows}[length]
@@ -42,13 +42,13 @@ def test_runs_of_the_same_requests_are_pooled(length, runs, layers_file):
 
 
 def test_a_profile_variant_does_not_replace_the_default_profile():
-    """32K: the default-profile runs (pooled, XLA kernels) stay the row; the --tail-rows 4096
-    variant, a later file, does not replace it."""
+    """32K: the default-profile run with the most kernels (indexer + ragged_dot, session 13)
+    is the row; the --tail-rows 4096 variant, which also ran kernels, does not replace it."""
     paths = sorted((ROOT / "docs" / "results").glob("ttft_*_h200.json"))
     assert any("tail4k" in p.name for p in paths)
     row = {r["length"]: r for r in pb.load_ttft(paths)[0]}[32768]
-    assert row["profile_name"] == "flash-3F-37R-3F" and row["kernel_set"] == ""
-    assert len(row["recompute_s"]) == 4  # the first 32K run and the xla arm of the kernels run
+    assert row["profile_name"] == "flash-3F-37R-3F" and row["kernel_set"] == "indexer,ragged_dot"
+    assert len(row["recompute_s"]) == 1  # ttft_32k_64k_sparse_rows_h200.json, one repeat
 
 
 def test_wrong_inputs_are_named(tmp_path):
