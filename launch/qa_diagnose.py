@@ -1,7 +1,7 @@
 """Where the QA model (issue 10) answers and where it does not: teacher-forced greedy EM on the
 held-out split by world size, by question type and relation, and by the distance from the
 answer back to the farthest fact it needs (beyond the sliding window, only compressed entries
-reach a fact). Beside each EM, the in-context chance (`data.in_context_chance`): what a model
+reach a fact). Beside each EM, the in-context chance (`data.QA.chance`): what a model
 scores that emits the asked type's value of a random person of the world, i.e. knows the
 format and the vocabulary but not which fact belongs to whom.
 
@@ -49,11 +49,8 @@ def main(argv=None):
         eps = D.eval_episodes("test", a.episodes, seed=1000, n_docs=n_docs, per_doc=per_doc, questions_per_type=4)
         teacher_forced_scores(tr, eps, a.seq_len, 8, records=recs)
         groups = collections.defaultdict(list)
-        qas = collections.Counter()
-        for r in recs:  # the episode's questions come back in order
-            qa = eps[r["episode"]].qas[qas[r["episode"]]]
-            qas[r["episode"]] += 1
-            hit = (r["em"], D.in_context_chance(eps[r["episode"]].docs, qa))
+        for r in recs:
+            hit = (r["em"], r["chance"])
             groups[("relation", f"{r['qtype']}/{r['relation']}")].append(hit)
             groups[("distance", f"{r['qtype']} {bucket(r['distance'])}")].append(hit)
             groups[("type", r["qtype"])].append(hit)

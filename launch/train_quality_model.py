@@ -126,29 +126,27 @@ def main(argv=None):
     def write_log():
         (out / "train_log.json").write_text(json.dumps(log, indent=1))
 
-    # The evaluation forward compiles on a side thread while training runs (the GPU is busy
-    # with steps meanwhile), so the reserved end of the budget is not spent compiling.
+    # What the end of the run needs compiles on a side thread while training runs (the GPU is
+    # busy with steps meanwhile): with a dense warm-up, the top-k step first; then the
+    # evaluation forward, so the reserved end of the budget is not spent compiling.
     eval_shape = jnp.zeros((args.batch, args.seq_len), jnp.int32)
-    compiled = {}
-
-    def compile_eval():
-        t0 = time.perf_counter()
-        compiled["fn"] = trainer._eval.lower(trainer.params, trainer.rest, eval_shape).compile()
-        compiled["s"] = time.perf_counter() - t0
-
     example = (jnp.zeros((args.batch, args.seq_len + 1), jnp.int32), jnp.zeros((args.batch, args.seq_len), jnp.float32))
+    dense = args.dense_csa_until > args.curriculum_from
+    compiled = {}
 
     def lower(fn):
         return fn.lower(trainer.params, trainer.rest, trainer.opt_state, *example, jnp.float32(0), trainer.decay)
 
-    dense = args.dense_csa_until > args.curriculum_from
-    if dense:  # the top-k step compiles beside the eval forward, while the dense steps run
-        def compile_eval(compile_eval=compile_eval):
+    def compile_ahead(topk_step: bool):
+        if topk_step:
             t0 = time.perf_counter()
             compiled["topk_step"] = lower(trainer.step_fn()).compile()
             compiled["topk_s"] = time.perf_counter() - t0
-            compile_eval()
-    th = threading.Thread(target=compile_eval, daemon=True)  # started after the first step
+        t0 = time.perf_counter()
+        compiled["fn"] = trainer._eval.lower(trainer.params, trainer.rest, eval_shape).compile()
+        compiled["s"] = time.perf_counter() - t0
+
+    th = threading.Thread(target=compile_ahead, args=(dense,), daemon=True)  # started after the first step
 
     t0 = time.perf_counter()
     lowered = lower(trainer.step_fn(args.seq_len // cfg.csa_rate) if dense else trainer._step)

@@ -123,6 +123,9 @@ class QA:
     answer: list[int]  # answer span ids (without <eos>)
     docs: tuple[int, ...]  # documents holding the needed facts
     facts: tuple[tuple[int, ...], ...] = ()  # the needed fact sentences' ids, as in the documents
+    # in-context chance: the EM of a guesser that knows the asked kind but not the binding, i.e.
+    # the share of the world's people whose value of that relation is the answer
+    chance: float = 0.0
 
     @property
     def answer_text(self) -> str:
@@ -192,24 +195,9 @@ def make_question(rng: np.random.Generator, world: World, qtype: str, relation: 
         facts = (world.facts(p)[RELATIONS.index("boss")], world.facts(people[p.boss])[RELATIONS.index(rel)])
     else:
         raise ValueError(f"qtype: expected one of {QTYPES}, got {qtype!r}")
+    values = [list(people[o.boss].name) if rel == "boss" else [getattr(o, rel)] for o in people]
     return QA(qtype, rel, encode(f"question : {q} answer :"), encode(ans), docs,
-              tuple(tuple(encode(f)) for f in facts))
-
-
-_VALUE_AFTER = {"city": ("lives", "in"), "color": ("likes",), "job": ("works", "as"), "boss": ("reports", "to")}
-
-
-def in_context_chance(docs: Sequence[Sequence[int]], qa: QA) -> float:
-    """EM of a guesser that knows the asked type but not the binding: the share of the
-    documents' values of that relation (one per person) equal to the answer."""
-    w = decode([t for d in docs for t in d]).split()
-    key = _VALUE_AFTER[qa.relation]
-    n = len(key)
-    span = 2 if qa.relation == "boss" else 1
-    vals = [w[i + n:i + n + span] for i in range(len(w) - n) if tuple(w[i:i + n]) == key]
-    if not vals:
-        raise ValueError(f"in_context_chance: no {qa.relation!r} fact in the documents")
-    return sum(v == qa.answer_text.split() for v in vals) / len(vals)
+              tuple(tuple(encode(f)) for f in facts), sum(v == ans for v in values) / len(values))
 
 
 def fact_distance(tokens: Sequence[int], qa: QA, at: int) -> int:

@@ -356,26 +356,26 @@ def teacher_forced_scores(trainer: Trainer, episodes, seq_len: int, batch: int, 
     """Greedy-equivalent EM per question type from one forward per row: a question counts as
     exact when the argmax of every target of its answer span and of the <eos> after it is the
     gold token (exactly what greedy decoding would then emit). Also per-token accuracy.
-    `records`: a list to which one dict per question is appended (its episode's index, qtype,
-    relation, em, and
+    `records`: a list to which one dict per question is appended (qtype, relation, em, the
+    question's in-context chance `QA.chance`, and
     `distance`: tokens from the answer back to the start of the farthest fact it needs; beyond
     the sliding window only compressed entries reach it)."""
     from redknot_jax.quality.data import fact_distance, teacher_forced_rows
 
     rows, meta = [], []
-    for e, ep in enumerate(episodes):
+    for ep in episodes:
         r = teacher_forced_rows(ep, seq_len)
         if r is None:
             continue
         rows.append(r[0])
-        meta.append((r[1], r[2], e))
+        meta.append((r[1], r[2]))
     res = {}
     for s in range(0, len(rows), batch):
         chunk = rows[s:s + batch]
         pad = batch - len(chunk)
         arr = np.stack(chunk + [chunk[-1]] * pad)
         pred = np.asarray(jnp.argmax(trainer.logits(arr[:, :-1]), -1))
-        for j, (qas, spans, e) in enumerate(meta[s:s + batch]):
+        for j, (qas, spans) in enumerate(meta[s:s + batch]):
             for qa, span in zip(qas, spans):
                 ok = pred[j, span] == arr[j, np.asarray(span) + 1]
                 d = res.setdefault(qa.qtype, {"n": 0, "em": 0.0, "token_acc": 0.0})
@@ -383,7 +383,8 @@ def teacher_forced_scores(trainer: Trainer, episodes, seq_len: int, batch: int, 
                 d["em"] += float(ok.all())
                 d["token_acc"] += float(ok.mean())
                 if records is not None:
-                    records.append({"episode": e, "qtype": qa.qtype, "relation": qa.relation, "em": float(ok.all()),
+                    records.append({"qtype": qa.qtype, "relation": qa.relation, "em": float(ok.all()),
+                                    "chance": qa.chance,
                                     "distance": fact_distance(arr[j], qa, span[0] + 1)})
     for d in res.values():
         d["em"] /= max(1, d["n"])
