@@ -33,6 +33,7 @@ import numpy as np
 import jax
 import jax.numpy as jnp
 
+from redknot_jax.config import ModelConfig
 from redknot_jax.init import random_model
 from redknot_jax.quality import data as D
 from redknot_jax.quality.model_config import qa_config, qa_cpu_config, qa_test_config
@@ -53,6 +54,22 @@ def curriculum(frac: float, row: int, args) -> D.Curriculum:
     if frac < 0.8 or row % 2:
         return D.Curriculum(2, min(6, full), args.per_doc, 16, two_hop=0.5)
     return D.Curriculum(max(2, full - 1), full, args.per_doc, 24, two_hop=0.5)
+
+
+def config_overrides(items) -> dict:
+    """["head_dim=256", ...] -> {"head_dim": 256, ...}: numeric ModelConfig fields only."""
+    fields = {f.name: f for f in dataclasses.fields(ModelConfig)}
+    out = {}
+    for item in items:
+        key, sep, val = item.partition("=")
+        f = fields.get(key)
+        if not sep or f is None or f.type not in ("int", "float", int, float):
+            raise ValueError(f"expected NUMERIC_FIELD=VALUE with a numeric ModelConfig field, got {item!r}")
+        try:
+            out[key] = (float if f.type in ("float", float) else int)(val)
+        except ValueError:
+            raise ValueError(f"{key}: {val!r} is not a {f.type}") from None
+    return out
 
 
 def main(argv=None):
@@ -78,9 +95,11 @@ def main(argv=None):
     ap.add_argument("--dense-csa-until", type=float, default=0.0,
                     help="curriculum stage (a budget fraction, as --curriculum-from) until which CSA layers attend "
                          "every visible compressed entry instead of the indexer's top-k (0: never)")
-    ap.add_argument("--sliding-window", type=int, default=0,
-                    help="override the config's sliding window (a new model only; e.g. qa-test with a window its "
-                         "small worlds fit in, to test in-window retrieval on a CPU)")
+    ap.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
+                    help="override a numeric field of the config (a new model only; repeatable), e.g. head_dim=256 "
+                         "or sliding_window=64 (probes: a window the small worlds fit in, a wider attention head)")
+    ap.add_argument("--other-weight", type=float, default=0.02,
+                    help="loss weight of every target that is not an answer token or its <eos> (answers: 1)")
     ap.add_argument("--lr", type=float, default=2e-3)
     ap.add_argument("--block", type=int, default=512, help="attention query block (Attention.__call__)")
     ap.add_argument("--log-every", type=int, default=10)
@@ -91,8 +110,14 @@ def main(argv=None):
         ap.error(f"--curriculum-until: expected a fraction in (--curriculum-from, 1], got {args.curriculum_until}")
     if not 0.0 <= args.dense_csa_until <= 1.0:
         ap.error(f"--dense-csa-until: expected a fraction in [0, 1], got {args.dense_csa_until}")
-    if args.sliding_window and (args.init_from or args.sliding_window < 1):
-        ap.error(f"--sliding-window: a positive window for a new model (not with --init-from), got {args.sliding_window}")
+    if not 0.0 <= args.other_weight <= 1.0:
+        ap.error(f"--other-weight: expected a weight in [0, 1], got {args.other_weight}")
+    if args.set and args.init_from:
+        ap.error(f"--set {args.set}: config overrides need a new model (not --init-from)")
+    try:
+        over = config_overrides(args.set)
+    except ValueError as e:
+        ap.error(f"--set: {e}")
     if args.init_from and not (pathlib.Path(args.init_from) / "config.json").is_file():
         ap.error(f"--init-from: {args.init_from} has no config.json (not a checkpoint written by this script)")
     t_start = time.perf_counter()
@@ -106,8 +131,10 @@ def main(argv=None):
         prior = pathlib.Path(args.init_from) / "train_log.json"
         prior = json.loads(prior.read_text()) if prior.is_file() else {}
     else:
-        over = {"sliding_window": args.sliding_window} if args.sliding_window else {}
-        cfg = {"qa": qa_config, "qa-cpu": qa_cpu_config, "qa-test": qa_test_config}[args.config](**over)
+        try:
+            cfg = {"qa": qa_config, "qa-cpu": qa_cpu_config, "qa-test": qa_test_config}[args.config](**over)
+        except (TypeError, ValueError) as e:
+            ap.error(f"--set {args.set}: {e}")
         model = random_model(cfg, seed=args.seed, dtype=jnp.float32)
         prior = {}
     tc = TrainConfig(lr=args.lr, block=min(args.block, args.seq_len))
@@ -179,7 +206,8 @@ def main(argv=None):
             log["dense_csa_until_step"] = step
             log["topk_compile_s"] = round(compiled["topk_s"], 1)
             print(f"step {step}: CSA top-k from here on (dense until stage {args.dense_csa_until})", flush=True)
-        rows = [D.training_sequence(rng, names, args.seq_len, curriculum(stage, r, args)) for r in range(args.batch)]
+        rows = [D.training_sequence(rng, names, args.seq_len, curriculum(stage, r, args), args.other_weight)
+                for r in range(args.batch)]
         toks, w = np.stack([r[0] for r in rows]), np.stack([r[1] for r in rows])
         lr = lr_at(tc, frac)
         stats = trainer.step(toks, w, lr)

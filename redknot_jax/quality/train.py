@@ -355,7 +355,8 @@ def load_model(directory, dtype=jnp.float32) -> Model:
 def teacher_forced_scores(trainer: Trainer, episodes, seq_len: int, batch: int, records: list | None = None):
     """Greedy-equivalent EM per question type from one forward per row: a question counts as
     exact when the argmax of every target of its answer span and of the <eos> after it is the
-    gold token (exactly what greedy decoding would then emit). Also per-token accuracy.
+    gold token (exactly what greedy decoding would then emit). Also per-token accuracy and the
+    mean in-context chance (`QA.chance`), the EM to compare with.
     `records`: a list to which one dict per question is appended (qtype, relation, em, the
     question's in-context chance `QA.chance`, and
     `distance`: tokens from the answer back to the start of the farthest fact it needs; beyond
@@ -378,15 +379,16 @@ def teacher_forced_scores(trainer: Trainer, episodes, seq_len: int, batch: int, 
         for j, (qas, spans) in enumerate(meta[s:s + batch]):
             for qa, span in zip(qas, spans):
                 ok = pred[j, span] == arr[j, np.asarray(span) + 1]
-                d = res.setdefault(qa.qtype, {"n": 0, "em": 0.0, "token_acc": 0.0})
+                d = res.setdefault(qa.qtype, {"n": 0, "em": 0.0, "token_acc": 0.0, "chance": 0.0})
                 d["n"] += 1
                 d["em"] += float(ok.all())
                 d["token_acc"] += float(ok.mean())
+                d["chance"] += qa.chance
                 if records is not None:
                     records.append({"qtype": qa.qtype, "relation": qa.relation, "em": float(ok.all()),
                                     "chance": qa.chance,
                                     "distance": fact_distance(arr[j], qa, span[0] + 1)})
     for d in res.values():
-        d["em"] /= max(1, d["n"])
-        d["token_acc"] /= max(1, d["n"])
+        for k in ("em", "token_acc", "chance"):
+            d[k] /= max(1, d["n"])
     return res
