@@ -101,8 +101,13 @@ def main(argv=None):
     ap.add_argument("--other-weight", type=float, default=0.02,
                     help="loss weight of every target that is not an answer token or its <eos> (answers: 1)")
     ap.add_argument("--lr", type=float, default=2e-3)
+    ap.add_argument("--min-lr-frac", type=float, default=TrainConfig.min_lr_frac,
+                    help="the cosine schedule's floor as a share of --lr (1: constant after the warm-up)")
     ap.add_argument("--block", type=int, default=512, help="attention query block (Attention.__call__)")
     ap.add_argument("--log-every", type=int, default=10)
+    ap.add_argument("--eval-every", type=int, default=0,
+                    help="every N steps, teacher-forced validation EM and in-context chance on 16 worlds of the "
+                         "evaluation size (the first one waits for the evaluation forward's compile; 0: only at the end)")
     args = ap.parse_args(argv)
     if not 0.0 <= args.curriculum_from < 1.0:
         ap.error(f"--curriculum-from: expected a fraction in [0, 1), got {args.curriculum_from}")
@@ -110,6 +115,8 @@ def main(argv=None):
         ap.error(f"--curriculum-until: expected a fraction in (--curriculum-from, 1], got {args.curriculum_until}")
     if not 0.0 <= args.dense_csa_until <= 1.0:
         ap.error(f"--dense-csa-until: expected a fraction in [0, 1], got {args.dense_csa_until}")
+    if not 0.0 <= args.min_lr_frac <= 1.0:
+        ap.error(f"--min-lr-frac: expected a share in [0, 1], got {args.min_lr_frac}")
     if not 0.0 <= args.other_weight <= 1.0:
         ap.error(f"--other-weight: expected a weight in [0, 1], got {args.other_weight}")
     if args.set and args.init_from:
@@ -137,7 +144,7 @@ def main(argv=None):
             ap.error(f"--set {args.set}: {e}")
         model = random_model(cfg, seed=args.seed, dtype=jnp.float32)
         prior = {}
-    tc = TrainConfig(lr=args.lr, block=min(args.block, args.seq_len))
+    tc = TrainConfig(lr=args.lr, min_lr_frac=args.min_lr_frac, block=min(args.block, args.seq_len))
     trainer = Trainer(model, tc)
     print(f"model initialised at {time.perf_counter() - t_start:.1f}s", flush=True)
     names = D.split_names()["train"]
@@ -183,6 +190,8 @@ def main(argv=None):
     trainer._step = lowered.compile()
     log["compile_s"] = round(time.perf_counter() - t0, 2)
     print(f"train step compiled in {log['compile_s']:.1f}s (at {time.perf_counter() - t_start:.1f}s)", flush=True)
+    probe_eps = D.eval_episodes("val", 16, seed=2000 + args.seed, n_docs=args.eval_docs, per_doc=args.per_doc,
+                                questions_per_type=4) if args.eval_every else []
     step, tokens_seen, t_train0, train_budget = 0, 0, None, None
     pending = []
     saved_mid = False
@@ -232,6 +241,14 @@ def main(argv=None):
             print(f"step {step} t={rec['elapsed_s']:.0f}s frac={frac:.2f} lr={lr:.2e} loss={rec['loss']:.3f} "
                   f"answer_ce={rec['answer_ce']:.3f} answer_acc={rec['answer_acc']:.3f} "
                   f"indexer_kl={rec['indexer_kl']:.3f} gnorm={rec['grad_norm']:.2f}", flush=True)
+        if args.eval_every and step % args.eval_every == 0:
+            th.join()  # the evaluation forward compiles on the side thread from the first step on
+            trainer._eval = compiled["fn"]
+            tf = teacher_forced_scores(trainer, probe_eps, args.seq_len, args.batch)
+            log.setdefault("val_curve", []).append(
+                {"step": step, **{k: {m: round(v[m], 3) for m in ("em", "chance")} for k, v in tf.items()}})
+            print(f"step {step} validation " + ", ".join(f"{k} EM {v['em']:.3f} (chance {v['chance']:.3f})"
+                                                         for k, v in tf.items()), flush=True)
         if not saved_mid and frac >= 0.6:  # a usable checkpoint even if the run is cut short
             save_checkpoint(trainer.model(), out, metadata={"step": str(step), "note": "mid-training"})
             saved_mid = True
