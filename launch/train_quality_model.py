@@ -63,10 +63,10 @@ def config_overrides(items) -> dict:
     for item in items:
         key, sep, val = item.partition("=")
         f = fields.get(key)
-        if not sep or f is None or f.type not in ("int", "float", int, float):
+        if not sep or f is None or f.type not in ("int", "float"):  # (string annotations)
             raise ValueError(f"expected NUMERIC_FIELD=VALUE with a numeric ModelConfig field, got {item!r}")
         try:
-            out[key] = (float if f.type in ("float", float) else int)(val)
+            out[key] = (float if f.type == "float" else int)(val)
         except ValueError:
             raise ValueError(f"{key}: {val!r} is not a {f.type}") from None
     return out

@@ -219,10 +219,24 @@ def test_train_script_writes_a_servable_checkpoint_and_continues_from_it(tmp_pat
     tq = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(tq)
     common = ["--seq-len", "128", "--batch", "2", "--eval-docs", "2", "--per-doc", "2", "--eval-episodes", "2"]
-    tq.main(["--config", "qa-test", "--max-steps", "3", "--dense-csa-until", "0.5", "--set", "head_dim=24",
-             "--other-weight", "0.5", "--out", str(tmp_path / "a")] + common)
+    weights_asked = []
+    real_sequence = tq.D.training_sequence
+
+    def spy(*a_, **kw):
+        weights_asked.append(a_[4])
+        return real_sequence(*a_, **kw)
+
+    tq.D.training_sequence = spy
+    try:
+        tq.main(["--config", "qa-test", "--max-steps", "3", "--dense-csa-until", "0.5", "--set", "head_dim=24",
+                 "--other-weight", "0.5", "--min-lr-frac", "1", "--out", str(tmp_path / "a")] + common)
+    finally:
+        tq.D.training_sequence = real_sequence
     a = tmp_path / "a"
     assert load_model(a).cfg.head_dim == 24  # --set reached the config
+    assert weights_asked and set(weights_asked) == {0.5}  # --other-weight reached the data
+    hist = json.loads((a / "train_log.json").read_text())["history"]
+    assert [r["lr"] for r in hist[1:]] == [2e-3, 2e-3]  # --min-lr-frac 1: constant after the warm-up step
     assert json.loads((a / "train_log.json").read_text())["dense_csa_until_step"] == 2  # steps 0, 1 dense
     for f in ("config.json", "tokenizer.json", "chat_template.jinja", "redknot_profile.json", "train_log.json"):
         assert (a / f).is_file(), f
@@ -242,7 +256,8 @@ def test_train_script_writes_a_servable_checkpoint_and_continues_from_it(tmp_pat
         tq.main(["--init-from", str(tmp_path / "nothing"), "--out", str(tmp_path / "c")])
     for bad in (["--curriculum-from", "0.5", "--curriculum-until", "0.4"], ["--dense-csa-until", "1.5"],
                 ["--set", "sliding_window"], ["--set", "layer_types=4"], ["--set", "head_dim=wide"],
-                ["--set", "no_such_field=1"], ["--other-weight", "2"], ["--min-lr-frac", "-0.1"], ["--init-from", str(a), "--set", "sliding_window=64"]):
+                ["--set", "no_such_field=1"], ["--other-weight", "2"], ["--min-lr-frac", "-0.1"],
+                ["--init-from", str(a), "--set", "sliding_window=64"]):
         with pytest.raises(SystemExit):
             tq.main(bad + ["--out", str(tmp_path / "d")])
 
