@@ -33,12 +33,16 @@ import numpy as np
 import jax
 import jax.numpy as jnp
 
+from redknot_jax import op_profile
 from redknot_jax.config import ModelConfig
 from redknot_jax.init import random_model
 from redknot_jax.quality import data as D
 from redknot_jax.quality.model_config import qa_config, qa_cpu_config, qa_test_config
 from redknot_jax.quality.train import (TrainConfig, Trainer, load_model, lr_at, save_checkpoint,
                                        teacher_forced_scores, write_serving_files)
+
+
+PROFILE_AFTER = 2  # --op-profile: steps before the trace (the first one compiles)
 
 
 def curriculum(frac: float, row: int, args) -> D.Curriculum:
@@ -105,6 +109,10 @@ def main(argv=None):
                     help="the cosine schedule's floor as a share of --lr (1: constant after the warm-up)")
     ap.add_argument("--block", type=int, default=512, help="attention query block (Attention.__call__)")
     ap.add_argument("--log-every", type=int, default=10)
+    ap.add_argument("--op-profile", type=int, default=0, metavar="STEPS",
+                    help="trace STEPS training steps after %d warm ones (jax.profiler) and log their device time "
+                         "by op category and top ops (redknot_jax.op_profile) beside their wall-clock: is the "
+                         "step bound by the device's work or by launching it" % PROFILE_AFTER)
     ap.add_argument("--eval-every", type=int, default=0,
                     help="every N steps, teacher-forced validation EM and in-context chance on 16 worlds of the "
                          "evaluation size (the first one waits for the evaluation forward's compile; 0: only at the end)")
@@ -117,6 +125,8 @@ def main(argv=None):
         ap.error(f"--dense-csa-until: expected a fraction in [0, 1], got {args.dense_csa_until}")
     if not 0.0 <= args.min_lr_frac <= 1.0:
         ap.error(f"--min-lr-frac: expected a share in [0, 1], got {args.min_lr_frac}")
+    if args.op_profile < 0:
+        ap.error(f"--op-profile: expected a step count >= 0, got {args.op_profile}")
     if not 0.0 <= args.other_weight <= 1.0:
         ap.error(f"--other-weight: expected a weight in [0, 1], got {args.other_weight}")
     if args.set and args.init_from:
@@ -219,8 +229,26 @@ def main(argv=None):
                 for r in range(args.batch)]
         toks, w = np.stack([r[0] for r in rows]), np.stack([r[1] for r in rows])
         lr = lr_at(tc, frac)
+        if args.op_profile and step == PROFILE_AFTER:
+            jax.block_until_ready(trainer.params)
+            jax.profiler.start_trace(str(out / "op_trace"))
+            t_trace = time.perf_counter()
         stats = trainer.step(toks, w, lr)
         step += 1
+        if args.op_profile and step == PROFILE_AFTER + args.op_profile:
+            jax.block_until_ready(trainer.params)
+            wall = (time.perf_counter() - t_trace) / args.op_profile * 1e3
+            jax.profiler.stop_trace()
+            summary = op_profile.summarize(out / "op_trace")
+            log["op_profile"] = {"steps": args.op_profile, "wall_ms_per_step": round(wall, 2),
+                                 "device_ops_ms_per_step": round(summary["ops_ms"] / args.op_profile, 2),
+                                 "ops_per_step": summary["ops"] // args.op_profile, **summary}
+            print(f"op profile of {args.op_profile} steps: wall {wall:.1f} ms/step, device ops "
+                  f"{summary['ops_ms'] / args.op_profile:.1f} ms/step in {summary['ops'] // args.op_profile} ops; "
+                  + ", ".join(f"{c} {ms / args.op_profile:.1f}" for c, ms in summary["by_category"].items()), flush=True)
+            for r in summary["top"][:10]:
+                print(f"  {r['ms'] / args.op_profile:7.2f} ms/step x{r['count'] // args.op_profile:<5} {r['category']:<20} "
+                      f"{r['op']}", flush=True)
         tokens_seen += int((toks[:, 1:] != D.PAD).sum())
         pending.append((step, lr, frac, stats))
         if t_train0 is None:  # the first step includes compilation

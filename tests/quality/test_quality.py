@@ -240,10 +240,13 @@ def test_train_script_writes_a_servable_checkpoint_and_continues_from_it(tmp_pat
     assert json.loads((a / "train_log.json").read_text())["dense_csa_until_step"] == 2  # steps 0, 1 dense
     for f in ("config.json", "tokenizer.json", "chat_template.jinja", "redknot_profile.json", "train_log.json"):
         assert (a / f).is_file(), f
-    tq.main(["--init-from", str(a), "--curriculum-from", "0.6", "--max-steps", "2", "--lr", "0", "--eval-every", "1",
-             "--out", str(tmp_path / "b")] + common)
+    tq.main(["--init-from", str(a), "--curriculum-from", "0.6", "--max-steps", "3", "--lr", "0", "--eval-every", "1",
+             "--op-profile", "1", "--out", str(tmp_path / "b")] + common)
     log = json.loads((tmp_path / "b" / "train_log.json").read_text())
-    assert [c["step"] for c in log["val_curve"]] == [1, 2]  # the validation curve, EM beside chance
+    assert [c["step"] for c in log["val_curve"]] == [1, 2, 3]  # the validation curve, EM beside chance
+    prof = log["op_profile"]  # step 3 traced: its executed ops (CPU: the thunk events), by category
+    assert prof["steps"] == 1 and prof["ops_per_step"] > 100 and 0 < prof["device_ops_ms_per_step"]
+    assert "matmul" in prof["by_category"] and prof["top"] and prof["wall_ms_per_step"] > 0
     assert all(0 < c[q]["chance"] <= 1 and 0 <= c[q]["em"] <= 1 for c in log["val_curve"] for q in D.QTYPES)
     assert log["init_from"] == str(a) and [r["steps"] for r in log["prior_runs"]] == [3]
     # lr 0: every weight came back unchanged except the learned routers' balancing bias, which
@@ -256,7 +259,7 @@ def test_train_script_writes_a_servable_checkpoint_and_continues_from_it(tmp_pat
         tq.main(["--init-from", str(tmp_path / "nothing"), "--out", str(tmp_path / "c")])
     for bad in (["--curriculum-from", "0.5", "--curriculum-until", "0.4"], ["--dense-csa-until", "1.5"],
                 ["--set", "sliding_window"], ["--set", "layer_types=4"], ["--set", "head_dim=wide"],
-                ["--set", "no_such_field=1"], ["--other-weight", "2"], ["--min-lr-frac", "-0.1"],
+                ["--set", "no_such_field=1"], ["--other-weight", "2"], ["--min-lr-frac", "-0.1"], ["--op-profile", "-1"],
                 ["--init-from", str(a), "--set", "sliding_window=64"]):
         with pytest.raises(SystemExit):
             tq.main(bad + ["--out", str(tmp_path / "d")])
