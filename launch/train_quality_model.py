@@ -105,6 +105,9 @@ def main(argv=None):
     ap.add_argument("--other-weight", type=float, default=0.02,
                     help="loss weight of every target that is not an answer token or its <eos> (answers: 1)")
     ap.add_argument("--lr", type=float, default=2e-3)
+    ap.add_argument("--compute-dtype", choices=("float32", "bfloat16"), default="float32",
+                    help="the forward's dtype (bfloat16: the served model's casts, bf16 matmul operands with fp32 "
+                         "master weights; TrainConfig.compute_dtype)")
     ap.add_argument("--min-lr-frac", type=float, default=TrainConfig.min_lr_frac,
                     help="the cosine schedule's floor as a share of --lr (1: constant after the warm-up)")
     ap.add_argument("--block", type=int, default=512, help="attention query block (Attention.__call__)")
@@ -154,7 +157,8 @@ def main(argv=None):
             ap.error(f"--set {args.set}: {e}")
         model = random_model(cfg, seed=args.seed, dtype=jnp.float32)
         prior = {}
-    tc = TrainConfig(lr=args.lr, min_lr_frac=args.min_lr_frac, block=min(args.block, args.seq_len))
+    tc = TrainConfig(lr=args.lr, min_lr_frac=args.min_lr_frac, block=min(args.block, args.seq_len),
+                     compute_dtype=args.compute_dtype)
     trainer = Trainer(model, tc)
     print(f"model initialised at {time.perf_counter() - t_start:.1f}s", flush=True)
     names = D.split_names()["train"]

@@ -23,14 +23,17 @@ Kernel layout (one CTA = one query row):
   `unit_xor` puts them back, a renaming of registers (`_sliced_load`; a GPU test pins the
   quirk). The gather of block b + 1 into the staging rows runs while the consumers work on
   block b in the planes;
-* two consumer warpgroups each compute the whole [64, 64] logit tile (8 wgmmas of K = 64, the
-  512-wide contraction done twice) and own half of the 512 output columns, as 4 accumulators
-  of [64, 64]: a [64, 512] fp32 accumulator would need 256 registers per thread;
-* P goes through shared memory into the PV product, so the kernel has no register A operand
-  and runs in Mosaic GPU interpret mode: CPU CI runs the kernel itself. One line differs
-  there (jax 0.11.2): interpret mode does not handle `pl.run_state`, so the PV product goes
-  into fresh accumulators that are then added. Interpret mode has no swizzle, so nothing is
-  un-permuted there;
+* two consumer warpgroups each own half of the 512 output columns, as 4 accumulators of
+  [64, 64] (a [64, 512] fp32 accumulator would need 256 registers per thread). Each computes
+  the logits of its own 32 keys of the block (8 wgmmas of N = 32); the row maxima, the bf16 P
+  halves and the row sums meet in shared memory behind two consumer barriers, and each
+  consumer assembles the block's P [64, 64] in registers as the PV wgmma's A operand
+  (`SparseAttentionConfig.logits` / `p_operand`; the earlier form, each consumer computing the
+  whole tile and P through shared memory, is still there and GPU-tested);
+* CPU CI runs the kernel itself in Mosaic GPU interpret mode. Three things differ there (jax
+  0.11.2): its wgmma takes A from shared memory only, so P goes through shared memory, one
+  [64, 32] half per wgmma; it does not handle `pl.run_state`, so the PV product goes into
+  fresh accumulators that are then added; it has no swizzle, so nothing is un-permuted;
 * Pallas's automatic warpgroup barriers are off (`unsafe_no_auto_barriers`): it puts one
   before every TMA issue, 64 per block here (docs/kernels.md has the history).
 
@@ -69,16 +72,34 @@ class SparseAttentionConfig:
     indices: where the producer reads a row's key ids: "smem" (the row's whole list copied into
     shared memory by one TMA first; restore's faster variant, 7-11 % on the H200) or "gmem"
     (a scalar load per key).
+    p_operand: where the PV product reads P from on a GPU: "registers" (the wgmma's A operand
+    in registers, as JAX's Hopper flash attention does; default) or "smem" (stored by the
+    consumer, then read by the wgmma). Interpret mode's wgmma takes A from shared memory only:
+    there P always goes through it.
+    logits: how the two consumers get a block's [64, 64] logit tile: "halves" (default: each
+    its own 32 keys, half the QK^T work; the row maxima, the bf16 P halves and the row sums meet
+    in shared memory behind two consumer barriers per block, P [64, 64] in registers) or
+    "twice" (each computes it whole). On the H200 (2026-12-01, one run): 0.310 / 0.343 / 0.470 ms
+    for halves / registers-twice / smem-twice at 256 rows, 2.818 / 2.835 / 2.974 ms at 4096.
     """
 
     block_kv: int = 64
     indices: str = "smem"
+    p_operand: str = "registers"
+    logits: str = "halves"
 
     def __post_init__(self):
         if self.block_kv != 64:
             raise ValueError(f"SparseAttentionConfig.block_kv: expected 64, got {self.block_kv}")
         if self.indices not in ("smem", "gmem"):
             raise ValueError(f"SparseAttentionConfig.indices: expected 'smem' or 'gmem', got {self.indices!r}")
+        if self.p_operand not in ("smem", "registers"):
+            raise ValueError(f"SparseAttentionConfig.p_operand: expected 'smem' or 'registers', got {self.p_operand!r}")
+        if self.logits not in ("twice", "halves"):
+            raise ValueError(f"SparseAttentionConfig.logits: expected 'twice' or 'halves', got {self.logits!r}")
+        if self.logits == "halves" and self.p_operand != "registers":
+            raise ValueError("SparseAttentionConfig: logits='halves' needs p_operand='registers' (a wgmma's K is "
+                             "a multiple of 64 at the planes' swizzle: the two [64, 32] P halves meet in registers)")
         if self.smem_bytes() > SMEM_LIMIT:
             raise ValueError(f"SparseAttentionConfig: {self.smem_bytes()} bytes of shared memory > {SMEM_LIMIT}")
 
@@ -86,7 +107,9 @@ class SparseAttentionConfig:
         """Shared memory of one CTA; with "smem" indices, a row's list of keys_per_row ids too."""
         q = HEADS * HEAD_DIM * 2  # also the output staging buffer
         keys = 2 * self.block_kv * HEAD_DIM * 2  # the staging rows and the planes
-        p = 2 * HEADS * self.block_kv * 2  # one P tile per consumer
+        p = 2 * HEADS * self.block_kv * 2 if self.p_operand == "smem" else 8 * 64 * 2  # a P tile per consumer (or a stub)
+        if self.logits == "halves":  # each consumer's P half, row maxima and row sums
+            p = 2 * HEADS * (self.block_kv // 2) * 2 + 2 * 2 * HEADS * 4
         ids = 4 * -(-keys_per_row // self.block_kv) * self.block_kv if self.indices == "smem" else 0
         return q + keys + p + ids + HEADS * 4 + 1024  # + lse, barriers
 
@@ -181,11 +204,16 @@ def _kernel_call(q, kv, idx, count, *, scale, cfg, interpret):
     tiled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
     row_tiled = (plgpu.TilingTransform((1, 64)), plgpu.SwizzleTransform(128))
     simulated = interpret_params(interpret) is not None
+    # interpret mode's wgmma takes A from shared memory only: there P always goes through it
+    halves, p_regs = cfg.logits == "halves", cfg.p_operand == "registers" and not simulated
+    n_s = bkv // 2 if halves else bkv  # keys whose logits one consumer computes per block
+    row_layout = plgpu.Layout.WGMMA.reduce(1)
 
     nblk = idx.shape[1]  # idx [t, nblk, bkv]: the row's list in blocks (a TMA box dim is <= 256)
 
     def body(q_ref, kv_ref, idx_ref, cnt_ref, o_ref, lse_ref, scratch):
-        ((q_s, o_s), g_in, keys, p_s, lse_s, idx_s), (q_bar, idx_bar, g_bar, k_bar), (k_free, done) = scratch
+        ((q_s, o_s), g_in, keys, p_s, lse_s, idx_s, mx_s, rs_s), (q_bar, idx_bar, g_bar, k_bar), \
+            (k_free, done, x_bar, p_bar) = scratch
         row = lax.axis_index("t")
         wg = lax.axis_index("wg")
         cnt = cnt_ref[row]
@@ -202,26 +230,52 @@ def _kernel_call(q, kv, idx, count, *, scale, cfg, interpret):
             def kv_step(b, carry):
                 accs, m_i, l_i = carry
                 plgpu.barrier_wait(k_bar)  # keys [chunks, bkv, 64]: block b's, 64 columns per plane
+                k0 = w * n_s if halves else 0  # the first of this consumer's logit keys in the block
 
                 def qk(acc_ref):
                     for c in range(chunks):
-                        plgpu.wgmma(acc_ref, q_s.at[:, pl.ds(c * 64, 64)], keys.at[c].T)
+                        kt = keys.at[c, pl.ds(k0, n_s)] if halves else keys.at[c]
+                        plgpu.wgmma(acc_ref, q_s.at[:, pl.ds(c * 64, 64)], kt.T)
                     return acc_ref[...]
 
-                s = pl.run_scoped(qk, plgpu.ACC((HEADS, bkv), jnp.float32))
-                kid = b * bkv + plgpu.broadcasted_iota(jnp.int32, (HEADS, bkv), 1, layout=plgpu.Layout.WGMMA)
+                s = pl.run_scoped(qk, plgpu.ACC((HEADS, n_s), jnp.float32))
+                kid = b * bkv + k0 + plgpu.broadcasted_iota(jnp.int32, (HEADS, n_s), 1, layout=plgpu.Layout.WGMMA)
                 s = jnp.where(kid < cnt, s * sl2, -jnp.inf)
-                m_new = jnp.maximum(m_i, s.max(axis=1))  # finite: every block holds a real key
+                m_blk = s.max(axis=1)  # -inf for a half past the count
+                if halves:  # one slot each suffices: a consumer writes block b + 1's only after the
+                    # other passed x_bar of b + 1, i.e. after its reads and its PV of block b
+                    mx_s.at[w][...] = m_blk
+                    plgpu.barrier_arrive(x_bar)
+                    plgpu.barrier_wait(x_bar)
+                    m_blk = jnp.maximum(m_blk, plgpu.load(mx_s.at[1 - w], layout=row_layout))
+                m_new = jnp.maximum(m_i, m_blk)  # finite: every block's first key is real
                 alpha = jnp.exp2(m_i - m_new)
                 p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
-                l_i = l_i * alpha + p.sum(axis=1)
+                r_blk = p.sum(axis=1)
                 accs = tuple(a * lax.broadcast_in_dim(alpha, a.shape, [0]) for a in accs)
-                p_s.at[w][...] = p.astype(dtype)
-                plgpu.commit_smem()  # P's stores before the wgmma's (async proxy) reads
+                p16 = p.astype(dtype)
+                if halves:
+                    p_s.at[w][...] = p16
+                    rs_s.at[w][...] = r_blk
+                    plgpu.barrier_arrive(p_bar)
+                    plgpu.barrier_wait(p_bar)
+                    r_blk = (plgpu.load(rs_s.at[0], layout=row_layout)
+                             + plgpu.load(rs_s.at[1], layout=row_layout))
+                    if p_regs:  # the block's P [64, 64] in registers (a wgmma's K is a multiple of 64)
+                        p_other = plgpu.load(p_s.at[1 - w], layout=plgpu.Layout.WGMMA)
+                        p16 = jnp.concatenate([p16, p_other] if w == 0 else [p_other, p16], axis=1)
+                elif not p_regs:
+                    p_s.at[w][...] = p16
+                    plgpu.commit_smem()  # P's stores before the wgmma's (async proxy) reads
+                l_i = l_i * alpha + r_blk
 
-                def pv(acc_refs):
+                def pv(acc_refs):  # (refs made in here: run_state takes no transformed refs from outside)
                     for a_ref, c in zip(acc_refs, mine):
-                        plgpu.wgmma(a_ref, p_s.at[w], keys.at[c])
+                        if halves and not p_regs:  # interpret mode: each half's P from shared memory
+                            for j in range(2):
+                                plgpu.wgmma(a_ref, p_s.at[j], keys.at[c, pl.ds(j * n_s, n_s)])
+                        else:
+                            plgpu.wgmma(a_ref, p16 if p_regs else p_s.at[w], keys.at[c])
 
                 if simulated:  # interpret mode has no run_state: fresh accumulators, added
                     new = pl.run_scoped(lambda *refs: (pv(refs), tuple(r[...] for r in refs))[1],
@@ -299,12 +353,17 @@ def _kernel_call(q, kv, idx, count, *, scale, cfg, interpret):
          # the staging rows (a key is one tile row of 8 swizzled 128-byte tiles), then the planes
          plgpu.SMEM((bkv, k), dtype, transforms=row_tiled),
          plgpu.SMEM((chunks, bkv, 64), dtype, transforms=tiled),
-         plgpu.SMEM((2, HEADS, bkv), dtype, transforms=tiled),
+         # P: one tile per consumer ("smem"), or ("halves") each consumer's half, read by the other
+         plgpu.SMEM((2, HEADS, n_s), dtype) if halves
+         else plgpu.SMEM((2, HEADS, bkv) if not p_regs else (1, 8, 64), dtype, transforms=tiled),
          plgpu.SMEM((HEADS,), jnp.float32),
-         plgpu.SMEM((nblk, bkv) if cfg.indices == "smem" else (1, 1), jnp.int32)),
+         plgpu.SMEM((nblk, bkv) if cfg.indices == "smem" else (1, 1), jnp.int32),
+         plgpu.SMEM((2, HEADS) if halves else (1, 1), jnp.float32),  # "halves": row maxima
+         plgpu.SMEM((2, HEADS) if halves else (1, 1), jnp.float32)),  # and row sums of each half
         # q, ids, the staging rows (one arrival per key's TMA), the planes are ready
         (plgpu.Barrier(), plgpu.Barrier(), plgpu.Barrier(num_arrivals=bkv), plgpu.Barrier()),
-        (plgpu.Barrier(num_arrivals=2), plgpu.Barrier(num_arrivals=2)),  # planes free, q free
+        # planes free, q free; "halves": both consumers' maxima, then their P halves and sums, written
+        tuple(plgpu.Barrier(num_arrivals=2) for _ in range(4)),
     )
     out_type = (jax.ShapeDtypeStruct((t, h, k), dtype), jax.ShapeDtypeStruct((t, h), jnp.float32))
 
@@ -374,9 +433,31 @@ def attention_flops(count) -> float:
     return 4.0 * HEADS * HEAD_DIM * float(jnp.sum(count))
 
 
+def library_attention(q, kv, idx, count, *, scale, implementation: str = "cudnn"):
+    """The library path a user would reach for: each row's keys gathered by XLA, then
+    `jax.nn.dot_product_attention` (one query, 64 heads, one shared K = V head of 512, the
+    count as the key length). No sink: a lower bound of what the library path would cost."""
+    keys = kv[jnp.clip(idx, 0, kv.shape[0] - 1)][:, :, None, :]  # [t, K, 1, 512]
+    return jax.nn.dot_product_attention(q[:, None], keys, keys, scale=scale, implementation=implementation,
+                                        key_value_seq_lengths=jnp.clip(count, 1, idx.shape[1]))[:, 0]
+
+
+def library_row(args, kw) -> dict:
+    """cuDNN's time on this problem, or why it refused it (its fused attention takes head dims up
+    to 128 / 256 depending on the version; ours is 512)."""
+    q, kv, idx, count, _ = args
+    f = jax.jit(lambda *r: library_attention(*r, scale=kw["scale"]))
+    try:
+        jax.block_until_ready(f(q, kv, idx, count))
+    except Exception as e:  # the refusal is the result: recorded, not hidden
+        return {"cudnn_error": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"}
+    return {"cudnn_ms": median_time(f, q, kv, idx, count, iters=10) * 1e3}
+
+
 def main(argv=None):
-    """Kernel vs the XLA reference (gather, then the two contractions) on consumer shapes; TFLOP/s
-    against a bf16 matmul in the same run; prints a table, writes JSON."""
+    """Kernel vs the XLA reference (gather, then the two contractions) and the library path
+    (`library_row`: cuDNN, where it takes the shape) on consumer shapes; TFLOP/s against a bf16
+    matmul in the same run; prints a table, writes JSON."""
     import argparse
 
     ap = argparse.ArgumentParser()
@@ -384,7 +465,8 @@ def main(argv=None):
     ap.add_argument("--rows", default="256,4096", help="query rows per call (256: the consumer's query block)")
     ap.add_argument("--table", type=int, default=16384 + 4096, help="packed latents: 64K CSA entries + a chunk")
     ap.add_argument("--topk", type=int, default=512)
-    ap.add_argument("--indices", default="smem,gmem", help="SparseAttentionConfig.indices variants to compare")
+    ap.add_argument("--configs", default="smem/smem/twice,smem/registers/twice,smem/registers/halves",
+                    help="SparseAttentionConfig variants to compare, indices/p_operand/logits each")
     a = ap.parse_args(argv)
     peak = matmul_peak_tflops()
     print(f"bf16 matmul peak (8192^3) in this run: {peak:.0f} TFLOP/s", flush=True)
@@ -395,8 +477,11 @@ def main(argv=None):
         orf, lr = ref(*args)
         tr = median_time(ref, *args, iters=10)
         fl = attention_flops(args[3])
-        for indices in a.indices.split(","):
-            cfg = SparseAttentionConfig(indices=indices)
+        lib = library_row(args, kw)
+        print(f"t={t}: library path (XLA gather + cuDNN attention): {lib}", flush=True)
+        for spec in a.configs.split(","):
+            indices, p_operand, logits = spec.split("/")
+            cfg = SparseAttentionConfig(indices=indices, p_operand=p_operand, logits=logits)
             ker = jax.jit(lambda *r, cfg=cfg: sparse_attention(*r, **kw, config=cfg))
             ok, lk = ker(*args)
             err = rel_err(ok, orf)
@@ -406,8 +491,8 @@ def main(argv=None):
                              config=dataclasses.asdict(cfg), rel_err_o=err, max_abs_err_lse=lerr,
                              finite=bool(jnp.all(jnp.isfinite(ok.astype(jnp.float32)))), kernel_ms=tk * 1e3,
                              xla_ms=tr * 1e3, speedup=tr / tk, kernel_tflops=fl / tk / 1e12, xla_tflops=fl / tr / 1e12,
-                             kernel_frac_of_peak=fl / tk / 1e12 / peak))
-            print(f"t={t} keys/row {args[2].shape[1]} indices {indices}: err {err:.2e} lse {lerr:.1e} kernel "
+                             kernel_frac_of_peak=fl / tk / 1e12 / peak, **lib))
+            print(f"t={t} keys/row {args[2].shape[1]} {spec}: err {err:.2e} lse {lerr:.1e} kernel "
                   f"{tk * 1e3:.3f} ms xla {tr * 1e3:.3f} ms x{tr / tk:.2f} {fl / tk / 1e12:.0f} TFLOP/s "
                   f"({fl / tk / 1e12 / peak:.0%})", flush=True)
     return record("sparse_attention", a.json, argv, bf16_matmul_peak_tflops=peak, rows=rows)

@@ -144,6 +144,11 @@ class TrainConfig:
     indexer_coef: float = 0.1
     bias_rate: float = 1e-3
     block: int = 512
+    compute_dtype: str = "float32"  # "bfloat16": mixed precision (see Trainer)
+
+    def __post_init__(self):
+        if self.compute_dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"TrainConfig.compute_dtype: expected 'float32' or 'bfloat16', got {self.compute_dtype!r}")
 
 
 def lr_at(tc: TrainConfig, frac: float) -> float:
@@ -164,21 +169,37 @@ def make_optimizer(tc: TrainConfig):
     return optax.chain(optax.clip_by_global_norm(tc.clip), optax.scale_by_adam(b1=tc.b1, b2=tc.b2))
 
 
+def _roll_sinkhorn(model: Model) -> None:
+    """Sinkhorn as a loop, not unrolled: a small program to compile (mhc.sinkhorn)."""
+    for _, m in nnx.iter_graph(model):
+        if isinstance(m, HyperConnection):
+            m.unroll_sinkhorn = False
+
+
 class Trainer:
-    """Functional training state over one model: (params, rest, opt_state), a jitted step."""
+    """Functional training state over one model: (params, rest, opt_state), a jitted step.
+
+    Parameters, gradients and the optimizer stay fp32. With `TrainConfig.compute_dtype =
+    "bfloat16"` the forward (training and evaluation) runs the model as it is served: every
+    parameter cast to the dtype a bf16 `Model` gives it (mHC, sinks and the like stay fp32) and
+    the modules built for bf16, so matmuls take bf16 operands (tensor cores on a GPU) with fp32
+    accumulation; the casts are differentiable, so fp32 master weights get the gradients."""
 
     def __init__(self, model: Model, tc: TrainConfig = TrainConfig()):
         self.cfg, self.tc = model.cfg, tc
-        for _, m in nnx.iter_graph(model):  # a small program to compile (mhc.sinkhorn)
-            if isinstance(m, HyperConnection):
-                m.unroll_sinkhorn = False
+        _roll_sinkhorn(model)
         self.graphdef, self.params, self.rest = nnx.split(model, nnx.Param, ...)
+        self._dtypes = None
+        if tc.compute_dtype == "bfloat16":
+            shadow = nnx.eval_shape(lambda: Model(model.cfg, jnp.bfloat16))
+            self._dtypes = jax.tree.map(lambda v: v.dtype, nnx.split(shadow, nnx.Param, ...)[1])
         flat, self._unravel = ravel_pytree(self.params)
         # decoupled weight decay on matrices only, as a flat 0/1 vector (an argument, not a constant)
         self.decay = ravel_pytree(jax.tree.map(lambda p: jnp.full(p.shape, p.ndim >= 2, p.dtype), self.params))[0]
         self.tx = make_optimizer(tc)
         self.opt_state = self.tx.init(flat)
         self._step = self.step_fn()
+        self._eval_graphdef = self._compute_graphdef()
         self._eval = jax.jit(self._eval_logits)
 
     def model(self) -> Model:
@@ -192,17 +213,29 @@ class Trainer:
         the indexer already picks, and the indexer learns from the main attention's
         distribution; dense steps break that circle (DeepSeek-V3.2 warms its indexer up with
         dense attention too). Parameters are the same either way."""
-        gd = self.graphdef
-        if index_topk is not None:
-            model = self.model()  # a fresh copy: the trainer's own graph keeps its top-k
-            for blk in model.layers:
-                if blk.attn.indexer is not None:
-                    blk.attn.indexer.topk = int(index_topk)
-            gd = nnx.split(model, nnx.Param, ...)[0]
-        return jax.jit(functools.partial(self._train_step, gd), donate_argnums=(0, 2))
+        return jax.jit(functools.partial(self._train_step, self._compute_graphdef(index_topk)),
+                       donate_argnums=(0, 2))
+
+    def _compute_graphdef(self, index_topk: int | None = None):
+        """The graph the forward runs: the model's own, or (compute_dtype "bfloat16") a bf16
+        model's; with index_topk its CSA layers' top-k set to that."""
+        if index_topk is None and self._dtypes is None:
+            return self.graphdef
+        model = self.model() if self._dtypes is None else nnx.eval_shape(lambda: Model(self.cfg, jnp.bfloat16))
+        _roll_sinkhorn(model)
+        for blk in model.layers:
+            if index_topk is not None and blk.attn.indexer is not None:
+                blk.attn.indexer.topk = int(index_topk)
+        return nnx.split(model, nnx.Param, ...)[0]
+
+    def _compute_params(self, params):
+        """params as the forward takes them (cast to the compute dtypes; fp32 ones stay)."""
+        if self._dtypes is None:
+            return params
+        return jax.tree.map(lambda p, d: p.astype(d), params, self._dtypes)
 
     def _loss(self, graphdef, params, rest, tokens, w):
-        model = nnx.merge(graphdef, params, rest)
+        model = nnx.merge(graphdef, self._compute_params(params), rest)
         inputs, targets = tokens[:, :-1], tokens[:, 1:]
         logits, kls, loads = forward_train(model, inputs, self.tc.block)
         ce = jax.nn.logsumexp(logits, -1) - jnp.take_along_axis(logits, targets[..., None], -1)[..., 0]
@@ -237,7 +270,7 @@ class Trainer:
         return stats
 
     def _eval_logits(self, params, rest, inputs):
-        model = nnx.merge(self.graphdef, params, rest)
+        model = nnx.merge(self._eval_graphdef, self._compute_params(params), rest)
         return forward_train(model, inputs, self.tc.block)[0]
 
     def logits(self, inputs):

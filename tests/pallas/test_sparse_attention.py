@@ -37,15 +37,23 @@ def test_reference_is_the_models_attention_over_the_selected_keys():
     assert rel_err(o3, o4) == 0.0
 
 
-@pytest.mark.parametrize("seed,t,s,topk,indices", [(0, 4, 300, 100, "smem"), (1, 2, 1000, 64, "gmem")])
-def test_kernel_matches_reference_interpret(seed, t, s, topk, indices):
+CONFIGS = {"twice": dict(p_operand="smem", logits="twice"), "registers": dict(logits="twice"),
+           "halves": dict()}  # "halves": the default
+
+
+@pytest.mark.parametrize("seed,t,s,topk,indices,variant", [(0, 4, 300, 100, "smem", "twice"),
+                                                           (1, 2, 1000, 64, "gmem", "twice"),
+                                                           (0, 4, 300, 100, "smem", "halves")])
+def test_kernel_matches_reference_interpret(seed, t, s, topk, indices, variant):
     """The kernel itself in Mosaic GPU interpret mode (natively on a GPU): rows of no key, one
     key, exactly one block and a ragged last block (228 keys: padded to 4 blocks of 64), ids
-    past count garbage; bf16 tolerance of the O output, LSE in absolute terms."""
+    past count garbage; bf16 tolerance of the O output, LSE in absolute terms. "halves": each
+    consumer's 32 logit keys, the maxima and sums exchanged (a row of 1 key leaves the second
+    half of its block empty); interpret mode reads each half's P from shared memory."""
     args, kw = sp.make_problem(jax.random.key(seed), t=t, s=s, topk=topk, window=128)
     q, kv, idx, count, sink = args
     idx = jnp.where(jnp.arange(idx.shape[1])[None, :] < count[:, None], idx, -5)  # never read as keys
-    cfg = sp.SparseAttentionConfig(indices=indices)
+    cfg = sp.SparseAttentionConfig(indices=indices, **CONFIGS[variant])
     o, lse = jax.jit(lambda *a: sp.sparse_attention(*a, **kw, config=cfg))(q, kv, idx, count, sink)
     o2, lse2 = sp.sparse_attention_reference(q, kv, idx, count, sink, **kw)
     assert bool(jnp.all(jnp.isfinite(o.astype(jnp.float32))))
@@ -55,15 +63,17 @@ def test_kernel_matches_reference_interpret(seed, t, s, topk, indices):
         assert not np.asarray(o[0]).any() and np.allclose(lse[0], sink)
 
 
-@pytest.mark.parametrize("indices", ["smem", "gmem"])
-def test_kernel_lowers_for_cuda(indices):
+@pytest.mark.parametrize("indices,variant", [("smem", "twice"), ("gmem", "twice"), ("smem", "registers"),
+                                             ("smem", "halves"), ("gmem", "halves")])
+def test_kernel_lowers_for_cuda(indices, variant):
     """A consumer query block at 64K (256 rows, 128 window + 512 top-k ids into 16384 entries
     plus a 4096-row chunk of latents; a table of rows not a multiple of 8): layout inference,
     TMA descriptors and the shared-memory budget of the native (non-interpret) kernel, on CPU."""
     shapes = (jax.ShapeDtypeStruct((256, 64, 512), jnp.bfloat16), jax.ShapeDtypeStruct((20483, 512), jnp.bfloat16),
               jax.ShapeDtypeStruct((256, 640), jnp.int32), jax.ShapeDtypeStruct((256,), jnp.int32),
               jax.ShapeDtypeStruct((64,), jnp.float32))
-    cfg = sp.SparseAttentionConfig(indices=indices)
+    cfg = sp.SparseAttentionConfig(indices=indices, **CONFIGS[variant])
+    assert cfg.smem_bytes(640) <= sp.SMEM_LIMIT
     f = jax.jit(lambda *a: sp.sparse_attention(*a, scale=512 ** -0.5, config=cfg, interpret=False))
     assert "mosaic_gpu" in f.trace(*shapes).lower(lowering_platforms=("cuda",)).as_text()
 
@@ -90,19 +100,26 @@ def test_bad_inputs_and_config_raise():
         sp.SparseAttentionConfig(block_kv=128)
     with pytest.raises(ValueError, match="indices"):
         sp.SparseAttentionConfig(indices="registers")
+    with pytest.raises(ValueError, match="p_operand"):
+        sp.SparseAttentionConfig(p_operand="gmem")
+    with pytest.raises(ValueError, match="logits"):
+        sp.SparseAttentionConfig(logits="thirds")
+    with pytest.raises(ValueError, match="halves.*needs p_operand='registers'"):
+        sp.SparseAttentionConfig(p_operand="smem")
     with pytest.raises(ValueError, match="key ids per row need .* use indices='gmem'"):
         sp.sparse_attention(q, kv, jnp.zeros((2, 8192), jnp.int32), count, sink, scale=1.0)
     assert sp.SparseAttentionConfig().smem_bytes() <= sp.SMEM_LIMIT
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("indices", ["smem", "gmem"])
+@pytest.mark.parametrize("indices,variant", [("smem", "twice"), ("gmem", "twice"), ("smem", "registers"),
+                                             ("smem", "halves"), ("gmem", "halves")])
 @pytest.mark.parametrize("t,s,topk,full", [(256, 20480, 512, True), (1000, 20480, 512, False), (1, 4096, 512, True)])
-def test_kernel_matches_reference_gpu(t, s, topk, full, indices):
+def test_kernel_matches_reference_gpu(t, s, topk, full, indices, variant):
     if jax.default_backend() != "gpu":
         pytest.skip("needs a GPU")
     args, kw = sp.make_problem(jax.random.key(t), t=t, s=s, topk=topk, full=full)
-    cfg = sp.SparseAttentionConfig(indices=indices)
+    cfg = sp.SparseAttentionConfig(indices=indices, **CONFIGS[variant])
     o, lse = jax.jit(lambda *a: sp.sparse_attention(*a, **kw, config=cfg))(*args)
     o2, lse2 = sp.sparse_attention_reference(*args, **kw)
     assert bool(jnp.all(jnp.isfinite(o.astype(jnp.float32))))

@@ -182,6 +182,34 @@ def test_a_few_steps_lower_the_loss_and_train_the_indexer(tmp_path):
     assert json.loads((tmp_path / "ckpt" / "config.json").read_text())["num_hidden_layers"] == cfg.num_layers
 
 
+def test_mixed_precision_steps_run_the_served_bf16_model():
+    """compute_dtype="bfloat16": parameters and optimizer state stay fp32, the loss still falls,
+    and the forward is exactly the served model's (a bf16 `Model` holding the shipped casts of
+    the weights); the fp32 forward is not (the test can tell the two apart)."""
+    cfg = qa_test_config()
+    tc = TrainConfig(lr=3e-3, block=64, warmup_frac=0.0, compute_dtype="bfloat16")
+    tr = Trainer(random_model(cfg, seed=0, dtype=jnp.float32), tc)
+    batch = D.training_batch(np.random.default_rng(0), D.split_names()["train"], 2, 128,
+                             D.Curriculum(2, 2, per_doc=2, questions=6))
+    losses = [float(tr.step(*batch, lr_at(tc, 0.5))["loss"]) for _ in range(5)]
+    assert losses[-1] < losses[0] - 0.5, losses
+    assert {v.dtype for v in jax.tree.leaves(tr.params)} == {jnp.dtype(jnp.float32)}
+    ids = jnp.asarray(batch[0][:, :-1])
+    served = random_model(cfg, seed=1, dtype=jnp.bfloat16)  # a bf16 model, then the trained weights in it
+    gd, p_bf16, _ = nnx.split(served, nnx.Param, ...)
+    dtypes = {v.dtype for v in jax.tree.leaves(p_bf16)}
+    assert jnp.dtype(jnp.bfloat16) in dtypes and jnp.dtype(jnp.float32) in dtypes  # mHC & co stay fp32
+    cast = jax.tree.map(lambda a, b: a.astype(b.dtype), tr.params, p_bf16)
+    ref = jax.jit(lambda p, r, x: forward_train(nnx.merge(tr._compute_graphdef(), p, r), x, 64)[0])(cast, tr.rest, ids)
+    want = jax.jit(lambda p, r, x: forward_train(nnx.merge(gd, p, r), x, 64)[0])(cast, tr.rest, ids)
+    got = tr.logits(ids)
+    assert float(jnp.max(jnp.abs(got - want))) < 1e-6 and float(jnp.max(jnp.abs(ref - want))) < 1e-6
+    fp32 = jax.jit(lambda x: forward_train(tr.model(), x, 64)[0])(ids)
+    assert float(jnp.max(jnp.abs(fp32 - want))) > 1e-3
+    with pytest.raises(ValueError, match="compute_dtype"):
+        TrainConfig(compute_dtype="float16")
+
+
 @pytest.mark.slow
 def test_eval_quality_smoke(tmp_path):
     import importlib.util
