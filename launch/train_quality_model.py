@@ -25,7 +25,9 @@ import json
 import os
 import pathlib
 import platform
+import shutil
 import sys
+import tempfile
 import threading
 import time
 
@@ -207,6 +209,7 @@ def main(argv=None):
     probe_eps = D.eval_episodes("val", 16, seed=2000 + args.seed, n_docs=args.eval_docs, per_doc=args.per_doc,
                                 questions_per_type=4) if args.eval_every else []
     step, tokens_seen, t_train0, train_budget = 0, 0, None, None
+    trace_dir = None  # --op-profile's trace while it runs
     pending = []
     saved_mid = False
     while True:
@@ -233,9 +236,10 @@ def main(argv=None):
                 for r in range(args.batch)]
         toks, w = np.stack([r[0] for r in rows]), np.stack([r[1] for r in rows])
         lr = lr_at(tc, frac)
-        if args.op_profile and step == PROFILE_AFTER:
+        if args.op_profile and step == PROFILE_AFTER:  # the trace goes to a scratch dir, not beside the checkpoint
             jax.block_until_ready(trainer.params)
-            jax.profiler.start_trace(str(out / "op_trace"))
+            trace_dir = tempfile.mkdtemp(prefix="qa_op_trace_")
+            jax.profiler.start_trace(trace_dir)
             t_trace = time.perf_counter()
         stats = trainer.step(toks, w, lr)
         step += 1
@@ -243,7 +247,9 @@ def main(argv=None):
             jax.block_until_ready(trainer.params)
             wall = (time.perf_counter() - t_trace) / args.op_profile * 1e3
             jax.profiler.stop_trace()
-            summary = op_profile.summarize(out / "op_trace")
+            summary = op_profile.summarize(trace_dir)
+            shutil.rmtree(trace_dir, ignore_errors=True)
+            trace_dir = None
             log["op_profile"] = {"steps": args.op_profile, "wall_ms_per_step": round(wall, 2),
                                  "device_ops_ms_per_step": round(summary["ops_ms"] / args.op_profile, 2),
                                  "ops_per_step": summary["ops"] // args.op_profile, **summary}
@@ -287,6 +293,12 @@ def main(argv=None):
             write_log()
     for s, l, f, st in pending:
         log["history"].append({"step": s, "lr": l, "frac": round(f, 4), **{k: float(v) for k, v in st.items()}})
+    if trace_dir is not None:  # the run ended inside the traced steps: say so, leave nothing behind
+        jax.profiler.stop_trace()
+        shutil.rmtree(trace_dir, ignore_errors=True)
+        log["op_profile"] = {"skipped": f"the run ended after {step} steps, before the {args.op_profile} traced "
+                                        f"steps from step {PROFILE_AFTER} finished"}
+        print(log["op_profile"]["skipped"], flush=True)
     jax.block_until_ready(trainer.params)
     t_end = time.perf_counter()
     log.update(steps=step, tokens=tokens_seen, train_s=round(t_end - (t_train0 or t_end), 2),

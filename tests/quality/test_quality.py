@@ -275,6 +275,10 @@ def test_train_script_writes_a_servable_checkpoint_and_continues_from_it(tmp_pat
     prof = log["op_profile"]  # step 3 traced: its executed ops (CPU: the thunk events), by category
     assert prof["steps"] == 1 and prof["ops_per_step"] > 100 and 0 < prof["device_ops_ms_per_step"]
     assert "matmul" in prof["by_category"] and prof["top"] and prof["wall_ms_per_step"] > 0
+    assert not (tmp_path / "b" / "op_trace").exists()  # the trace is scratch, not checkpoint content
+    tq.main(["--init-from", str(a), "--max-steps", "3", "--op-profile", "5", "--eval-episodes", "1",
+             "--out", str(tmp_path / "e")] + common[:-2])
+    assert "before the 5 traced steps" in json.loads((tmp_path / "e" / "train_log.json").read_text())["op_profile"]["skipped"]
     assert all(0 < c[q]["chance"] <= 1 and 0 <= c[q]["em"] <= 1 for c in log["val_curve"] for q in D.QTYPES)
     assert log["init_from"] == str(a) and [r["steps"] for r in log["prior_runs"]] == [3]
     # lr 0: every weight came back unchanged except the learned routers' balancing bias, which
