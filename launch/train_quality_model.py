@@ -54,12 +54,17 @@ def curriculum(frac: float, row: int, args) -> D.Curriculum:
     rows full-size evaluation worlds. No question repeats within an episode."""
     full = max(2, args.eval_docs)
     if frac < 0.35:
-        return D.Curriculum(1, 2, 2, 6, two_hop=0.3)
-    if frac < 0.6:
-        return D.Curriculum(1, 2, max(2, args.per_doc // 2), 8, two_hop=0.4)
-    if frac < 0.8 or row % 2:
-        return D.Curriculum(2, min(6, full), args.per_doc, 16, two_hop=0.5)
-    return D.Curriculum(max(2, full - 1), full, args.per_doc, 24, two_hop=0.5)
+        cur = D.Curriculum(1, 2, 2, 6, two_hop=0.3)
+    elif frac < 0.6:
+        cur = D.Curriculum(1, 2, max(2, args.per_doc // 2), 8, two_hop=0.4)
+    elif frac < 0.8 or row % 2:
+        cur = D.Curriculum(2, min(6, full), args.per_doc, 16, two_hop=0.5)
+    else:
+        cur = D.Curriculum(max(2, full - 1), full, args.per_doc, 24, two_hop=0.5)
+    if frac < args.simple_until:  # fewer kinds of facts / questions first (--simple-*)
+        cur = dataclasses.replace(cur, facts=args.simple_facts, asks=args.simple_asks,
+                                  two_hop=cur.two_hop if args.simple_two_hop is None else args.simple_two_hop)
+    return cur
 
 
 def config_overrides(items) -> dict:
@@ -101,6 +106,13 @@ def main(argv=None):
     ap.add_argument("--dense-csa-until", type=float, default=0.0,
                     help="curriculum stage (a budget fraction, as --curriculum-from) until which CSA layers attend "
                          "every visible compressed entry instead of the indexer's top-k (0: never)")
+    ap.add_argument("--simple-until", type=float, default=0.0,
+                    help="curriculum stage (a budget fraction, as --curriculum-from) until which episodes hold only "
+                         "the --simple-facts and ask only the --simple-asks (0: never)")
+    ap.add_argument("--simple-facts", default=",".join(D.RELATIONS),
+                    help="comma list of the relations the documents state before --simple-until, e.g. city")
+    ap.add_argument("--simple-asks", help="comma list of the relations asked before --simple-until (default: the facts)")
+    ap.add_argument("--simple-two-hop", type=float, help="two-hop share before --simple-until (default: the stage's)")
     ap.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
                     help="override a numeric field of the config (a new model only; repeatable), e.g. head_dim=256 "
                          "or sliding_window=64 (probes: a window the small worlds fit in, a wider attention head)")
@@ -130,6 +142,15 @@ def main(argv=None):
         ap.error(f"--dense-csa-until: expected a fraction in [0, 1], got {args.dense_csa_until}")
     if not 0.0 <= args.min_lr_frac <= 1.0:
         ap.error(f"--min-lr-frac: expected a share in [0, 1], got {args.min_lr_frac}")
+    if not 0.0 <= args.simple_until <= 1.0:
+        ap.error(f"--simple-until: expected a fraction in [0, 1], got {args.simple_until}")
+    try:
+        args.simple_facts = tuple(args.simple_facts.split(","))
+        args.simple_asks = tuple(args.simple_asks.split(",")) if args.simple_asks else args.simple_facts
+        D.Curriculum(facts=args.simple_facts, asks=args.simple_asks,
+                     two_hop=0.0 if args.simple_two_hop is None else args.simple_two_hop)
+    except ValueError as e:
+        ap.error(f"--simple-facts / --simple-asks / --simple-two-hop: {e}")
     if args.op_profile < 0:
         ap.error(f"--op-profile: expected a step count >= 0, got {args.op_profile}")
     if not 0.0 <= args.other_weight <= 1.0:
@@ -206,8 +227,15 @@ def main(argv=None):
     trainer._step = lowered.compile()
     log["compile_s"] = round(time.perf_counter() - t0, 2)
     print(f"train step compiled in {log['compile_s']:.1f}s (at {time.perf_counter() - t_start:.1f}s)", flush=True)
+    # the validation curve's worlds: those the run trains on at its start (--simple-*: fewer kinds of facts),
+    # scored per relation; the end-of-run scores below are always on full worlds
+    simple = args.simple_until > args.curriculum_from
+    curve_rel = dict(facts=args.simple_facts, asks=args.simple_asks) if simple else {}
     probe_eps = D.eval_episodes("val", 16, seed=2000 + args.seed, n_docs=args.eval_docs, per_doc=args.per_doc,
-                                questions_per_type=4) if args.eval_every else []
+                                questions_per_type=4, **curve_rel) if args.eval_every else []
+    if args.eval_every:
+        log["val_curve_worlds"] = {"facts": list(curve_rel.get("facts", D.RELATIONS)),
+                                   "asks": list(curve_rel.get("asks", D.RELATIONS))}
     step, tokens_seen, t_train0, train_budget = 0, 0, None, None
     trace_dir = None  # --op-profile's trace while it runs
     pending = []
@@ -282,7 +310,7 @@ def main(argv=None):
         if args.eval_every and step % args.eval_every == 0:
             th.join()  # the evaluation forward compiles on the side thread from the first step on
             trainer._eval = compiled["fn"]
-            tf = teacher_forced_scores(trainer, probe_eps, args.seq_len, args.batch)
+            tf = teacher_forced_scores(trainer, probe_eps, args.seq_len, args.batch, by_relation=True)
             log.setdefault("val_curve", []).append(
                 {"step": step, **{k: {m: round(v[m], 3) for m in ("em", "chance")} for k, v in tf.items()}})
             print(f"step {step} validation " + ", ".join(f"{k} EM {v['em']:.3f} (chance {v['chance']:.3f})"

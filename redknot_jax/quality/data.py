@@ -136,6 +136,7 @@ class QA:
 class World:
     people: list[Person]
     docs: list[list[int]]  # token ids per document
+    written: tuple[str, ...] = RELATIONS  # the relations whose fact sentences the documents hold
 
     def facts(self, p: Person) -> list[list[str]]:
         n = list(p.name)
@@ -143,9 +144,20 @@ class World:
                 n + ["works", "as", p.job, "."], n + ["reports", "to", *self.people[p.boss].name, "."]]
 
 
+def check_relations(what: str, rels: Sequence[str], within: Sequence[str] = RELATIONS) -> tuple[str, ...]:
+    """`rels` as a tuple, refused if empty, repeated, or not all in `within`."""
+    rels = tuple(rels)
+    if not rels or len(set(rels)) != len(rels) or any(r not in within for r in rels):
+        raise ValueError(f"{what}: expected distinct relations of {tuple(within)}, got {rels}")
+    return rels
+
+
 def make_world(rng: np.random.Generator, names: Sequence[tuple[str, str]], n_docs: int,
-               per_doc: int) -> World:
-    """n_docs documents of per_doc people each (names drawn without replacement from `names`)."""
+               per_doc: int, facts: Sequence[str] = RELATIONS) -> World:
+    """n_docs documents of per_doc people each (names drawn without replacement from `names`).
+    `facts`: the relations whose sentences the documents hold (every person still has all
+    four values, drawn the same way: a subset only leaves sentences out)."""
+    facts = check_relations("make_world facts", facts)
     n = n_docs * per_doc
     if n > len(names):
         raise ValueError(f"make_world: {n} people need more than the {len(names)} names of the pool")
@@ -158,9 +170,9 @@ def make_world(rng: np.random.Generator, names: Sequence[tuple[str, str]], n_doc
         boss += boss >= i
         people.append(Person(names[j], CITIES[rng.integers(len(CITIES))], COLORS[rng.integers(len(COLORS))],
                              JOBS[rng.integers(len(JOBS))], boss, i // per_doc))
-    w = World(people, [])
+    w = World(people, [], tuple(r for r in RELATIONS if r in facts))
     for d in range(n_docs):
-        sents = [s for p in people if p.doc == d for s in w.facts(p)]
+        sents = [s for p in people if p.doc == d for r, s in zip(RELATIONS, w.facts(p)) if r in facts]
         order = rng.permutation(len(sents))
         w.docs.append(encode(["document", ":"] + [x for k in order for x in sents[k]]))
     return w
@@ -176,6 +188,10 @@ def make_question(rng: np.random.Generator, world: World, qtype: str, relation: 
     """One question of `qtype`; two-hop questions pick a person whose boss lives in another
     document (relation in one document, the target's attribute in another)."""
     people = world.people
+    if relation is not None and relation not in world.written:
+        raise ValueError(f"make_question: the documents hold no {relation!r} facts (they hold {world.written})")
+    if qtype == "two_hop" and "boss" not in world.written:
+        raise ValueError(f"make_question: a two-hop question needs the 'boss' facts (the documents hold {world.written})")
     if qtype == "lookup":
         rel = relation or RELATIONS[rng.integers(len(RELATIONS))]
         p = people[rng.integers(len(people))]
@@ -233,6 +249,19 @@ class Curriculum:
     per_doc: int = 8
     questions: int = 16
     two_hop: float = 0.5
+    facts: tuple[str, ...] = RELATIONS  # the relations the documents state
+    asks: tuple[str, ...] = RELATIONS  # the relations asked (lookups; two-hop: its attributes)
+
+    def __post_init__(self):
+        check_relations("Curriculum facts", self.facts)
+        check_relations("Curriculum asks", self.asks, self.facts)
+        if not 0.0 <= self.two_hop <= 1.0:
+            raise ValueError(f"Curriculum two_hop: expected a share in [0, 1], got {self.two_hop}")
+
+    @property
+    def two_hop_attrs(self) -> tuple[str, ...]:
+        """The attributes a two-hop question may ask (none without the boss facts)."""
+        return tuple(a for a in ATTRS if a in self.asks) if "boss" in self.facts else ()
 
 
 def training_sequence(rng: np.random.Generator, names: Sequence[tuple[str, str]], seq_len: int,
@@ -259,7 +288,7 @@ def training_sequence(rng: np.random.Generator, names: Sequence[tuple[str, str]]
         n_docs = int(rng.integers(min(cur.min_docs, hi), hi + 1))
         sub = [pool[i] for i in order[used:used + n_docs * cur.per_doc]]
         used += n_docs * cur.per_doc
-        world = make_world(rng, sub, n_docs, cur.per_doc)
+        world = make_world(rng, sub, n_docs, cur.per_doc, cur.facts)
         ep = [t for d in world.docs for t in d]
         ew = [other_weight] * len(ep)
         if len(ep) > left:
@@ -267,10 +296,14 @@ def training_sequence(rng: np.random.Generator, names: Sequence[tuple[str, str]]
         asked = set()
         for _ in range(cur.questions):  # whole question/answer pairs only, while they fit
             qt = "two_hop" if rng.random() < cur.two_hop else "lookup"
-            if qt == "two_hop" and all(world.people[p.boss].doc == p.doc for p in world.people):
-                qt = "lookup"  # (small worlds) no relation crosses documents
+            if qt == "two_hop" and (not cur.two_hop_attrs or all(world.people[p.boss].doc == p.doc
+                                                                 for p in world.people)):
+                qt = "lookup"  # (small worlds) no relation crosses documents, or no boss facts
+            pool_rel = cur.asks if qt == "lookup" else cur.two_hop_attrs
+            everything = pool_rel == (RELATIONS if qt == "lookup" else tuple(ATTRS))
             for _ in range(8):  # a repeated question could be answered by copying the earlier answer
-                qa = make_question(rng, world, qt)
+                rel = None if everything else pool_rel[rng.integers(len(pool_rel))]
+                qa = make_question(rng, world, qt, rel)
                 if tuple(qa.question) not in asked:
                     break
             else:
@@ -308,20 +341,25 @@ class Episode:
 
 
 def eval_episodes(split: str, n: int, seed: int, n_docs: int = 10, per_doc: int = 8,
-                  questions_per_type: int = 1) -> list[Episode]:
+                  questions_per_type: int = 1, facts: Sequence[str] = RELATIONS,
+                  asks: Sequence[str] | None = None) -> list[Episode]:
     """n worlds of the split (seeded), each with `questions_per_type` questions of every type
-    (relations round-robin)."""
+    (relations round-robin). `facts` / `asks` as in `Curriculum` (asks defaults to facts):
+    worlds of fewer fact kinds for probing a curriculum stage that has fewer; two-hop
+    questions need the boss facts and an asked attribute."""
     if split not in SPLITS:
         raise ValueError(f"split: expected one of {SPLITS}, got {split!r}")
+    cur = Curriculum(facts=tuple(facts), asks=tuple(facts if asks is None else asks))
     pool = split_names()[split]
     rng = np.random.default_rng([seed, SPLITS.index(split)])
     out = []
     for e in range(n):
-        world = make_world(rng, pool, n_docs, per_doc)
+        world = make_world(rng, pool, n_docs, per_doc, cur.facts)
         qas = []
         for k in range(questions_per_type):
-            qas.append(make_question(rng, world, "lookup", RELATIONS[(e + k) % len(RELATIONS)]))
-            qas.append(make_question(rng, world, "two_hop", ("city", "color", "job")[(e + k) % 3]))
+            qas.append(make_question(rng, world, "lookup", cur.asks[(e + k) % len(cur.asks)]))
+            if cur.two_hop_attrs:
+                qas.append(make_question(rng, world, "two_hop", cur.two_hop_attrs[(e + k) % len(cur.two_hop_attrs)]))
         out.append(Episode(world.docs, qas))
     return out
 

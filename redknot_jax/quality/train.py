@@ -385,7 +385,8 @@ def load_model(directory, dtype=jnp.float32) -> Model:
 
 
 # ----------------------------------------------------------------------------- teacher-forced eval
-def teacher_forced_scores(trainer: Trainer, episodes, seq_len: int, batch: int, records: list | None = None):
+def teacher_forced_scores(trainer: Trainer, episodes, seq_len: int, batch: int, records: list | None = None,
+                          by_relation: bool = False):
     """Greedy-equivalent EM per question type from one forward per row: a question counts as
     exact when the argmax of every target of its answer span and of the <eos> after it is the
     gold token (exactly what greedy decoding would then emit). Also per-token accuracy and the
@@ -393,7 +394,8 @@ def teacher_forced_scores(trainer: Trainer, episodes, seq_len: int, batch: int, 
     `records`: a list to which one dict per question is appended (qtype, relation, em, the
     question's in-context chance `QA.chance`, and
     `distance`: tokens from the answer back to the start of the farthest fact it needs; beyond
-    the sliding window only compressed entries reach it)."""
+    the sliding window only compressed entries reach it).
+    `by_relation`: also one entry per question type and relation, keyed "lookup:city" etc."""
     from redknot_jax.quality.data import fact_distance, teacher_forced_rows
 
     rows, meta = [], []
@@ -412,11 +414,12 @@ def teacher_forced_scores(trainer: Trainer, episodes, seq_len: int, batch: int, 
         for j, (qas, spans) in enumerate(meta[s:s + batch]):
             for qa, span in zip(qas, spans):
                 ok = pred[j, span] == arr[j, np.asarray(span) + 1]
-                d = res.setdefault(qa.qtype, {"n": 0, "em": 0.0, "token_acc": 0.0, "chance": 0.0})
-                d["n"] += 1
-                d["em"] += float(ok.all())
-                d["token_acc"] += float(ok.mean())
-                d["chance"] += qa.chance
+                for key in (qa.qtype, f"{qa.qtype}:{qa.relation}")[:1 + by_relation]:
+                    d = res.setdefault(key, {"n": 0, "em": 0.0, "token_acc": 0.0, "chance": 0.0})
+                    d["n"] += 1
+                    d["em"] += float(ok.all())
+                    d["token_acc"] += float(ok.mean())
+                    d["chance"] += qa.chance
                 if records is not None:
                     records.append({"qtype": qa.qtype, "relation": qa.relation, "em": float(ok.all()),
                                     "chance": qa.chance,

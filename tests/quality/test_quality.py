@@ -82,6 +82,45 @@ def test_training_rows_weights_and_packing():
     assert (targets[w == 1.0] == D.EOS).sum() >= 2  # several question/answer pairs, each ending in <eos>
 
 
+def test_fewer_kinds_of_facts_and_questions():
+    """`Curriculum(facts=, asks=)`: documents state only the chosen relations and only the
+    asked ones are questioned (two-hop needs the boss facts); every person's values are drawn
+    as in a full world, so a subset only leaves sentences out. Unknown, empty, or unstated
+    relations are refused by name."""
+    names = D.split_names()["train"]
+    with pytest.raises(ValueError, match="asks"):
+        D.Curriculum(facts=("city",))  # asks defaults to all four, three of them unstated
+    assert D.Curriculum(facts=("city",), asks=("city",)).two_hop_attrs == ()
+    for facts, asks in ((("city",), ("city",)), (D.RELATIONS, ("city",))):
+        toks, w = D.training_sequence(np.random.default_rng(0), names, 512, D.Curriculum(1, 2, 2, 6, 0.5, facts, asks))
+        text = D.decode(toks[toks != D.PAD])
+        qs = [q.split(" answer :")[0] for q in text.split("question : ")[1:]]
+        docs = " ".join(d.split("question :")[0] for d in text.split("document :")[1:]).split()
+        assert len(qs) >= 4 and all(q.startswith("where does") and q.endswith("live ?") for q in qs), qs
+        two_hop = [q for q in qs if "boss of" in q]
+        if facts == ("city",):  # no boss facts: no two-hop questions, and only city sentences
+            assert not two_hop and "lives" in docs and not {"likes", "works", "reports"} & set(docs)
+        else:
+            assert two_hop and {"lives", "likes", "works", "reports"} <= set(docs)
+    full = D.make_world(np.random.default_rng(3), names, 2, 2)
+    part = D.make_world(np.random.default_rng(3), names, 2, 2, facts=("city", "boss"))
+    assert full.people == part.people and part.written == ("city", "boss")
+    assert sum(map(len, part.docs)) < sum(map(len, full.docs))
+    with pytest.raises(ValueError, match="no 'color' facts"):
+        D.make_question(np.random.default_rng(0), part, "lookup", "color")
+    ep = D.eval_episodes("val", 3, seed=1, n_docs=2, per_doc=2, questions_per_type=2, facts=("city", "job"))
+    assert {qa.relation for e in ep for qa in e.qas} == {"city", "job"} and {qa.qtype for e in ep for qa in e.qas} == {"lookup"}
+    assert [e.docs for e in D.eval_episodes("val", 2, seed=1)] == [
+        e.docs for e in D.eval_episodes("val", 2, seed=1, facts=D.RELATIONS, asks=D.RELATIONS)]
+    for bad in (dict(facts=()), dict(facts=("town",)), dict(facts=("city", "city")), dict(facts=("city",), asks=("job",)),
+                dict(two_hop=1.5)):
+        with pytest.raises(ValueError, match="Curriculum"):
+            D.Curriculum(**bad)
+    two = D.make_world(np.random.default_rng(0), names, 2, 2, facts=("city",))
+    with pytest.raises(ValueError, match="two-hop question needs the 'boss' facts"):
+        D.make_question(np.random.default_rng(0), two, "two_hop")
+
+
 def test_tokenizer_json_matches_vocab(tmp_path):
     tokenizers = pytest.importorskip("tokenizers")
     p = tmp_path / "tokenizer.json"
@@ -250,8 +289,11 @@ def test_train_script_writes_a_servable_checkpoint_and_continues_from_it(tmp_pat
     weights_asked = []
     real_sequence = tq.D.training_sequence
 
+    stages = []
+
     def spy(*a_, **kw):
         weights_asked.append(a_[4])
+        stages.append(a_[3])
         return real_sequence(*a_, **kw)
 
     tq.D.training_sequence = spy
@@ -261,6 +303,7 @@ def test_train_script_writes_a_servable_checkpoint_and_continues_from_it(tmp_pat
     finally:
         tq.D.training_sequence = real_sequence
     a = tmp_path / "a"
+    assert {c.facts for c in stages} == {D.RELATIONS}
     assert load_model(a).cfg.head_dim == 24  # --set reached the config
     assert weights_asked and set(weights_asked) == {0.5}  # --other-weight reached the data
     hist = json.loads((a / "train_log.json").read_text())["history"]
@@ -287,12 +330,31 @@ def test_train_script_writes_a_servable_checkpoint_and_continues_from_it(tmp_pat
     assert wa.keys() == wb.keys()
     moved = [k for k in wa if not np.array_equal(np.asarray(wa[k].get_value()), np.asarray(wb[k].get_value()))]
     assert moved and all(k[-2:] == ("ffn", "bias") or k[-1] == "bias" and "ffn" in k for k in moved), moved
+    # --simple-*: the in-window stage states and asks cities only until stage 0.15 (the first half of this
+    # run: stages 0, 0.085 | 0.17, 0.255), then everything; the validation
+    # curve is on such worlds, per relation, and says so
+    stages.clear()
+    tq.D.training_sequence = spy
+    try:
+        tq.main(["--init-from", str(a), "--max-steps", "4", "--curriculum-until", "0.34", "--simple-until", "0.15", "--simple-facts", "city",
+                 "--simple-two-hop", "0", "--eval-every", "2", "--out", str(tmp_path / "s")] + common)
+    finally:
+        tq.D.training_sequence = real_sequence
+    per_step = [stages[i:i + 2] for i in range(0, len(stages), 2)]
+    assert [{(c.facts, c.asks, c.two_hop) for c in st} for st in per_step] == [
+        {(("city",), ("city",), 0.0)}] * 2 + [{(D.RELATIONS, D.RELATIONS, 0.3)}] * 2
+    log = json.loads((tmp_path / "s" / "train_log.json").read_text())
+    assert log["val_curve_worlds"] == {"facts": ["city"], "asks": ["city"]}
+    assert {k for c in log["val_curve"] for k in c if k != "step"} == {"lookup", "lookup:city"}
+    assert set(log["teacher_forced_val"]) >= set(D.QTYPES)  # the end of the run: full worlds
     with pytest.raises(SystemExit):
         tq.main(["--init-from", str(tmp_path / "nothing"), "--out", str(tmp_path / "c")])
     for bad in (["--curriculum-from", "0.5", "--curriculum-until", "0.4"], ["--dense-csa-until", "1.5"],
                 ["--set", "sliding_window"], ["--set", "layer_types=4"], ["--set", "head_dim=wide"],
                 ["--set", "no_such_field=1"], ["--other-weight", "2"], ["--min-lr-frac", "-0.1"], ["--op-profile", "-1"],
-                ["--init-from", str(a), "--set", "sliding_window=64"]):
+                ["--init-from", str(a), "--set", "sliding_window=64"], ["--simple-facts", "town"],
+                ["--simple-facts", "city", "--simple-asks", "boss"], ["--simple-until", "2"],
+                ["--simple-two-hop", "1.5"]):
         with pytest.raises(SystemExit):
             tq.main(bad + ["--out", str(tmp_path / "d")])
 
