@@ -207,7 +207,9 @@ def main(argv=None):
         ov = {k: v for k, v in ov.items() if not k.startswith("_")}
         prof = dataclasses.replace(base, name=f"{base.name}-{name}", **ov) if ov else base
         runtimes[name] = ReuseRuntime(model, prof, fingerprint)
-    eps = D.eval_episodes(args.split, args.n, seed=args.seed, n_docs=args.docs, per_doc=args.per_doc)
+    templates = D.templates_of(args.checkpoint)  # the wording the model was trained on
+    eps = D.eval_episodes(args.split, args.n, seed=args.seed, n_docs=args.docs, per_doc=args.per_doc,
+                          templates=templates)
     rng = np.random.default_rng([args.seed, 7])
     records, t_start, artifact_layers = [], time.perf_counter(), {}
     rec_rt = next(iter(runtimes.values()))
@@ -258,7 +260,7 @@ def main(argv=None):
     certs = {name: rt.counters.snapshot() for name, rt in runtimes.items()}
     result = {"command": "python launch/eval_quality.py " + " ".join(argv if argv is not None else __import__("sys").argv[1:]),
               "date": datetime.date.today().isoformat(), "device": str(jax.devices()[0].device_kind),
-              "jax": jax.__version__, "checkpoint": args.checkpoint, "split": args.split, "n_worlds": args.n,
+              "jax": jax.__version__, "checkpoint": args.checkpoint, "split": args.split, "templates": templates, "n_worlds": args.n,
               "docs_per_request": args.docs, "profile": base.to_dict(), "variants": dict(vs),
               "artifact_layers": artifact_layers,
               "seconds": round(time.perf_counter() - t_start, 1), "summary": summary, "certification": certs,

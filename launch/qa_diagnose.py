@@ -43,10 +43,12 @@ def main(argv=None):
     except ValueError:
         ap.error(f"--sizes: expected e.g. 2x1,9x8, got {a.sizes!r}")
     tr = Trainer(load_model(a.checkpoint), TrainConfig(block=512))
-    out = {"checkpoint": a.checkpoint, "episodes": a.episodes, "sizes": {}}
+    templates = D.templates_of(a.checkpoint)  # the wording the model was trained on
+    out = {"checkpoint": a.checkpoint, "templates": templates, "episodes": a.episodes, "sizes": {}}
     for n_docs, per_doc in sizes:
         recs = []
-        eps = D.eval_episodes("test", a.episodes, seed=1000, n_docs=n_docs, per_doc=per_doc, questions_per_type=4)
+        eps = D.eval_episodes("test", a.episodes, seed=1000, n_docs=n_docs, per_doc=per_doc, questions_per_type=4,
+                              templates=templates)
         teacher_forced_scores(tr, eps, a.seq_len, 8, records=recs)
         groups = collections.defaultdict(list)
         for r in recs:

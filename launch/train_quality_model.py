@@ -61,6 +61,7 @@ def curriculum(frac: float, row: int, args) -> D.Curriculum:
         cur = D.Curriculum(2, min(6, full), args.per_doc, 16, two_hop=0.5)
     else:
         cur = D.Curriculum(max(2, full - 1), full, args.per_doc, 24, two_hop=0.5)
+    cur = dataclasses.replace(cur, templates=args.templates)
     if frac < args.simple_until:  # fewer kinds of facts / questions first (--simple-*)
         cur = dataclasses.replace(cur, facts=args.simple_facts, asks=args.simple_asks,
                                   two_hop=cur.two_hop if args.simple_two_hop is None else args.simple_two_hop)
@@ -106,6 +107,10 @@ def main(argv=None):
     ap.add_argument("--dense-csa-until", type=float, default=0.0,
                     help="curriculum stage (a budget fraction, as --curriculum-from) until which CSA layers attend "
                          "every visible compressed entry instead of the indexer's top-k (0: never)")
+    ap.add_argument("--templates", choices=D.TEMPLATES, default="plain",
+                    help="the wording of facts and questions (quality.data.TEMPLATES; echo: each question ends in the "
+                         "word that precedes the answer in its fact); recorded in train_log.json, where the "
+                         "evaluation scripts read it")
     ap.add_argument("--simple-until", type=float, default=0.0,
                     help="curriculum stage (a budget fraction, as --curriculum-from) until which episodes hold only "
                          "the --simple-facts and ask only the --simple-asks (0: never)")
@@ -232,7 +237,7 @@ def main(argv=None):
     simple = args.simple_until > args.curriculum_from
     curve_rel = dict(facts=args.simple_facts, asks=args.simple_asks) if simple else {}
     probe_eps = D.eval_episodes("val", 16, seed=2000 + args.seed, n_docs=args.eval_docs, per_doc=args.per_doc,
-                                questions_per_type=4, **curve_rel) if args.eval_every else []
+                                questions_per_type=4, templates=args.templates, **curve_rel) if args.eval_every else []
     if args.eval_every:
         log["val_curve_worlds"] = {"facts": list(curve_rel.get("facts", D.RELATIONS)),
                                    "asks": list(curve_rel.get("asks", D.RELATIONS))}
@@ -350,7 +355,7 @@ def main(argv=None):
             break
         t0 = time.perf_counter()
         eps = D.eval_episodes(split, args.eval_episodes, seed=1000 + args.seed, n_docs=args.eval_docs,
-                              per_doc=args.per_doc, questions_per_type=4)
+                              per_doc=args.per_doc, questions_per_type=4, templates=args.templates)
         log[f"teacher_forced_{split}"] = teacher_forced_scores(trainer, eps, args.seq_len, args.batch)
         log[f"teacher_forced_{split}"]["seconds"] = round(time.perf_counter() - t0, 2)
         print(split, json.dumps(log[f"teacher_forced_{split}"]), flush=True)

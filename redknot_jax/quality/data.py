@@ -47,8 +47,10 @@ COLORS = ["red", "blue", "green", "yellow", "purple", "orange", "pink", "brown",
           "gray", "teal"]
 JOBS = ["baker", "pilot", "doctor", "farmer", "lawyer", "artist", "nurse", "chef", "miner", "judge",
         "tailor", "sailor"]
+# the "echo" templates' words, after the others so that every earlier id stays as it was
+ECHO_WORDS = ["which", "city", "is", "fond", "work"]
 VOCAB_SIZE = 128
-_USED = SPECIALS + WORDS + SYLLABLES + CITIES + COLORS + JOBS
+_USED = SPECIALS + WORDS + SYLLABLES + CITIES + COLORS + JOBS + ECHO_WORDS
 VOCAB = _USED + [f"<unused_{i}>" for i in range(VOCAB_SIZE - len(_USED))]
 ID = {w: i for i, w in enumerate(VOCAB)}
 BOS, EOS, PAD = ID["<bos>"], ID["<eos>"], ID["<pad>"]
@@ -56,6 +58,14 @@ assert len(VOCAB) == VOCAB_SIZE and len(ID) == VOCAB_SIZE, "vocabulary words mus
 
 ATTRS = {"city": CITIES, "color": COLORS, "job": JOBS}
 RELATIONS = ("city", "color", "job", "boss")
+# The wording of facts and questions. "plain" (every checkpoint so far): "where does X live ?" for
+# "X lives in oslo .". "echo": each question ends in the word that precedes the answer in its fact
+# ("which city does X live in ?", "which color is X fond of ?" for "X is fond of teal .", "which job
+# does X work as ?"), as the boss question always did ("who does X report to ?" for "X reports to Y .").
+TEMPLATES = ("plain", "echo")
+_FACT_WORDS = {"plain": {"city": ["lives", "in"], "color": ["likes"], "job": ["works", "as"], "boss": ["reports", "to"]},
+               "echo": {"city": ["lives", "in"], "color": ["is", "fond", "of"], "job": ["works", "as"],
+                        "boss": ["reports", "to"]}}
 QTYPES = ("lookup", "two_hop")
 SPLITS = ("train", "val", "test")
 
@@ -137,11 +147,13 @@ class World:
     people: list[Person]
     docs: list[list[int]]  # token ids per document
     written: tuple[str, ...] = RELATIONS  # the relations whose fact sentences the documents hold
+    templates: str = "plain"  # the wording (TEMPLATES)
 
     def facts(self, p: Person) -> list[list[str]]:
-        n = list(p.name)
-        return [n + ["lives", "in", p.city, "."], n + ["likes", p.color, "."],
-                n + ["works", "as", p.job, "."], n + ["reports", "to", *self.people[p.boss].name, "."]]
+        """p's four fact sentences (words), in RELATIONS order."""
+        vals = {"city": [p.city], "color": [p.color], "job": [p.job], "boss": list(self.people[p.boss].name)}
+        verbs = _FACT_WORDS[self.templates]
+        return [list(p.name) + verbs[r] + vals[r] + ["."] for r in RELATIONS]
 
 
 def check_relations(what: str, rels: Sequence[str], within: Sequence[str] = RELATIONS) -> tuple[str, ...]:
@@ -152,12 +164,20 @@ def check_relations(what: str, rels: Sequence[str], within: Sequence[str] = RELA
     return rels
 
 
+def check_templates(templates: str) -> str:
+    if templates not in TEMPLATES:
+        raise ValueError(f"templates: expected one of {TEMPLATES}, got {templates!r}")
+    return templates
+
+
 def make_world(rng: np.random.Generator, names: Sequence[tuple[str, str]], n_docs: int,
-               per_doc: int, facts: Sequence[str] = RELATIONS) -> World:
+               per_doc: int, facts: Sequence[str] = RELATIONS, templates: str = "plain") -> World:
     """n_docs documents of per_doc people each (names drawn without replacement from `names`).
     `facts`: the relations whose sentences the documents hold (every person still has all
-    four values, drawn the same way: a subset only leaves sentences out)."""
+    four values, drawn the same way: a subset only leaves sentences out). `templates`: the
+    wording (TEMPLATES); the draws do not depend on it."""
     facts = check_relations("make_world facts", facts)
+    check_templates(templates)
     n = n_docs * per_doc
     if n > len(names):
         raise ValueError(f"make_world: {n} people need more than the {len(names)} names of the pool")
@@ -170,7 +190,7 @@ def make_world(rng: np.random.Generator, names: Sequence[tuple[str, str]], n_doc
         boss += boss >= i
         people.append(Person(names[j], CITIES[rng.integers(len(CITIES))], COLORS[rng.integers(len(COLORS))],
                              JOBS[rng.integers(len(JOBS))], boss, i // per_doc))
-    w = World(people, [], tuple(r for r in RELATIONS if r in facts))
+    w = World(people, [], tuple(r for r in RELATIONS if r in facts), templates)
     for d in range(n_docs):
         sents = [s for p in people if p.doc == d for r, s in zip(RELATIONS, w.facts(p)) if r in facts]
         order = rng.permutation(len(sents))
@@ -182,6 +202,12 @@ _LOOKUP_Q = {"city": "where does {} live ?", "color": "what color does {} like ?
              "job": "what job does {} do ?", "boss": "who does {} report to ?"}
 _TWOHOP_Q = {"city": "where does the boss of {} live ?", "color": "what color does the boss of {} like ?",
              "job": "what job does the boss of {} do ?"}
+_QUESTIONS = {"plain": (_LOOKUP_Q, _TWOHOP_Q),
+              "echo": ({"city": "which city does {} live in ?", "color": "which color is {} fond of ?",
+                        "job": "which job does {} work as ?", "boss": "who does {} report to ?"},
+                       {"city": "which city does the boss of {} live in ?",
+                        "color": "which color is the boss of {} fond of ?",
+                        "job": "which job does the boss of {} work as ?"})}
 
 
 def make_question(rng: np.random.Generator, world: World, qtype: str, relation: str | None = None) -> QA:
@@ -196,7 +222,7 @@ def make_question(rng: np.random.Generator, world: World, qtype: str, relation: 
         rel = relation or RELATIONS[rng.integers(len(RELATIONS))]
         p = people[rng.integers(len(people))]
         ans = list(people[p.boss].name) if rel == "boss" else [getattr(p, rel)]
-        q = _LOOKUP_Q[rel].format(" ".join(p.name))
+        q = _QUESTIONS[world.templates][0][rel].format(" ".join(p.name))
         docs = (p.doc,)
         facts = (world.facts(p)[RELATIONS.index(rel)],)
     elif qtype == "two_hop":
@@ -206,7 +232,7 @@ def make_question(rng: np.random.Generator, world: World, qtype: str, relation: 
             raise ValueError("make_question: no person has a boss in another document (one document?)")
         p = cands[rng.integers(len(cands))]
         ans = [getattr(people[p.boss], rel)]
-        q = _TWOHOP_Q[rel].format(" ".join(p.name))
+        q = _QUESTIONS[world.templates][1][rel].format(" ".join(p.name))
         docs = (p.doc, people[p.boss].doc)
         facts = (world.facts(p)[RELATIONS.index("boss")], world.facts(people[p.boss])[RELATIONS.index(rel)])
     else:
@@ -251,8 +277,10 @@ class Curriculum:
     two_hop: float = 0.5
     facts: tuple[str, ...] = RELATIONS  # the relations the documents state
     asks: tuple[str, ...] = RELATIONS  # the relations asked (lookups; two-hop: its attributes)
+    templates: str = "plain"  # the wording of facts and questions (TEMPLATES)
 
     def __post_init__(self):
+        check_templates(self.templates)
         check_relations("Curriculum facts", self.facts)
         check_relations("Curriculum asks", self.asks, self.facts)
         if not 0.0 <= self.two_hop <= 1.0:
@@ -288,7 +316,7 @@ def training_sequence(rng: np.random.Generator, names: Sequence[tuple[str, str]]
         n_docs = int(rng.integers(min(cur.min_docs, hi), hi + 1))
         sub = [pool[i] for i in order[used:used + n_docs * cur.per_doc]]
         used += n_docs * cur.per_doc
-        world = make_world(rng, sub, n_docs, cur.per_doc, cur.facts)
+        world = make_world(rng, sub, n_docs, cur.per_doc, cur.facts, cur.templates)
         ep = [t for d in world.docs for t in d]
         ew = [other_weight] * len(ep)
         if len(ep) > left:
@@ -342,19 +370,25 @@ class Episode:
 
 def eval_episodes(split: str, n: int, seed: int, n_docs: int = 10, per_doc: int = 8,
                   questions_per_type: int = 1, facts: Sequence[str] = RELATIONS,
-                  asks: Sequence[str] | None = None) -> list[Episode]:
+                  asks: Sequence[str] | None = None, templates: str = "plain") -> list[Episode]:
     """n worlds of the split (seeded), each with `questions_per_type` questions of every type
     (relations round-robin). `facts` / `asks` as in `Curriculum` (asks defaults to facts):
     worlds of fewer fact kinds for probing a curriculum stage that has fewer; two-hop
     questions need the boss facts and an asked attribute."""
     if split not in SPLITS:
         raise ValueError(f"split: expected one of {SPLITS}, got {split!r}")
-    cur = Curriculum(facts=tuple(facts), asks=tuple(facts if asks is None else asks))
+    cur = Curriculum(facts=tuple(facts), asks=tuple(facts if asks is None else asks), templates=templates)
+    if cur.two_hop_attrs and n_docs < 2:
+        raise ValueError(f"eval_episodes: two-hop questions need at least 2 documents, got n_docs={n_docs} "
+                         "(or leave the boss facts out)")
     pool = split_names()[split]
     rng = np.random.default_rng([seed, SPLITS.index(split)])
     out = []
     for e in range(n):
-        world = make_world(rng, pool, n_docs, per_doc, cur.facts)
+        while True:  # a small world may keep every boss in its own document: no two-hop question; draw again
+            world = make_world(rng, pool, n_docs, per_doc, cur.facts, cur.templates)
+            if not cur.two_hop_attrs or any(world.people[p.boss].doc != p.doc for p in world.people):
+                break
         qas = []
         for k in range(questions_per_type):
             qas.append(make_question(rng, world, "lookup", cur.asks[(e + k) % len(cur.asks)]))
@@ -362,6 +396,16 @@ def eval_episodes(split: str, n: int, seed: int, n_docs: int = 10, per_doc: int 
                 qas.append(make_question(rng, world, "two_hop", cur.two_hop_attrs[(e + k) % len(cur.two_hop_attrs)]))
         out.append(Episode(world.docs, qas))
     return out
+
+
+def templates_of(checkpoint) -> str:
+    """The wording a checkpoint written by launch/train_quality_model.py was trained on (its
+    train_log.json's --templates; "plain" for checkpoints from before the option)."""
+    import pathlib
+
+    log = pathlib.Path(checkpoint) / "train_log.json"
+    t = json.loads(log.read_text()).get("args", {}).get("templates", "plain") if log.is_file() else "plain"
+    return check_templates(t)
 
 
 def teacher_forced_rows(ep: Episode, seq_len: int):

@@ -110,6 +110,11 @@ def test_fewer_kinds_of_facts_and_questions():
         D.make_question(np.random.default_rng(0), part, "lookup", "color")
     ep = D.eval_episodes("val", 3, seed=1, n_docs=2, per_doc=2, questions_per_type=2, facts=("city", "job"))
     assert {qa.relation for e in ep for qa in e.qas} == {"city", "job"} and {qa.qtype for e in ep for qa in e.qas} == {"lookup"}
+    # worlds of 2 x 2 whose bosses all sit in their own document are drawn again (seed 5 has one), never refused
+    assert all(len([q for q in e.qas if q.qtype == "two_hop"]) == 4
+               for e in D.eval_episodes("val", 32, seed=5, n_docs=2, per_doc=2, questions_per_type=4))
+    with pytest.raises(ValueError, match="at least 2 documents"):
+        D.eval_episodes("val", 1, seed=0, n_docs=1, per_doc=4)
     assert [e.docs for e in D.eval_episodes("val", 2, seed=1)] == [
         e.docs for e in D.eval_episodes("val", 2, seed=1, facts=D.RELATIONS, asks=D.RELATIONS)]
     for bad in (dict(facts=()), dict(facts=("town",)), dict(facts=("city", "city")), dict(facts=("city",), asks=("job",)),
@@ -119,6 +124,35 @@ def test_fewer_kinds_of_facts_and_questions():
     two = D.make_world(np.random.default_rng(0), names, 2, 2, facts=("city",))
     with pytest.raises(ValueError, match="two-hop question needs the 'boss' facts"):
         D.make_question(np.random.default_rng(0), two, "two_hop")
+
+
+def test_echo_templates_end_each_question_in_the_words_before_its_answer(tmp_path):
+    """templates="echo": every lookup question ends in the word that precedes the answer in its
+    fact sentence (the plain wording does that for the boss only: "report to ?" / "reports to Y"); the world's draws are the
+    wording's only difference; earlier ids are unchanged (the new words take unused slots);
+    a checkpoint's train_log.json names its wording."""
+    names = D.split_names()["val"]
+    for tpl, echoed in (("plain", {"boss"}), ("echo", set(D.RELATIONS))):
+        w = D.make_world(np.random.default_rng(4), names, 3, 3, templates=tpl)
+        rng = np.random.default_rng(0)
+        for rel in D.RELATIONS:
+            qa = D.make_question(rng, w, "lookup", rel)
+            q = D.decode(qa.question).split()[:-3]  # "... ?", "answer", ":" dropped
+            fact = list(qa.facts[0])
+            before = D.decode(fact[:len(fact) - len(qa.answer) - 1]).split()[2:]  # the words between name and answer
+            assert (q[-1] == before[-1]) == (rel in echoed), (tpl, rel, q, before)
+            assert D.decode(qa.answer) in D.decode(w.docs[qa.docs[0]])
+    a, b = (D.make_world(np.random.default_rng(4), names, 3, 3, templates=t) for t in D.TEMPLATES)
+    assert a.people == b.people and D.decode(a.docs[0]) != D.decode(b.docs[0])
+    before = D.SPECIALS + D.WORDS + D.SYLLABLES + D.CITIES + D.COLORS + D.JOBS  # the vocabulary until now
+    assert D.VOCAB[:len(before)] == before and D.VOCAB[len(before):len(before) + 5] == D.ECHO_WORDS
+    for bad in (lambda: D.Curriculum(templates="fancy"), lambda: D.make_world(np.random.default_rng(0), names, 2, 2, templates="x"),
+                lambda: D.eval_episodes("val", 1, seed=0, templates="x")):
+        with pytest.raises(ValueError, match="templates"):
+            bad()
+    assert D.templates_of(tmp_path) == "plain"  # no train_log.json: a checkpoint from before the option
+    (tmp_path / "train_log.json").write_text(json.dumps({"args": {"templates": "echo"}}))
+    assert D.templates_of(tmp_path) == "echo"
 
 
 def test_tokenizer_json_matches_vocab(tmp_path):
@@ -337,7 +371,7 @@ def test_train_script_writes_a_servable_checkpoint_and_continues_from_it(tmp_pat
     tq.D.training_sequence = spy
     try:
         tq.main(["--init-from", str(a), "--max-steps", "4", "--curriculum-until", "0.34", "--simple-until", "0.15", "--simple-facts", "city",
-                 "--simple-two-hop", "0", "--eval-every", "2", "--out", str(tmp_path / "s")] + common)
+                 "--simple-two-hop", "0", "--eval-every", "2", "--templates", "echo", "--out", str(tmp_path / "s")] + common)
     finally:
         tq.D.training_sequence = real_sequence
     per_step = [stages[i:i + 2] for i in range(0, len(stages), 2)]
@@ -345,8 +379,9 @@ def test_train_script_writes_a_servable_checkpoint_and_continues_from_it(tmp_pat
         {(("city",), ("city",), 0.0)}] * 2 + [{(D.RELATIONS, D.RELATIONS, 0.3)}] * 2
     log = json.loads((tmp_path / "s" / "train_log.json").read_text())
     assert log["val_curve_worlds"] == {"facts": ["city"], "asks": ["city"]}
+    assert {c.templates for c in stages} == {"echo"} and D.templates_of(tmp_path / "s") == "echo"
     assert {k for c in log["val_curve"] for k in c if k != "step"} == {"lookup", "lookup:city"}
-    assert set(log["teacher_forced_val"]) >= set(D.QTYPES)  # the end of the run: full worlds
+    assert "lookup" in log["teacher_forced_val"]  # the end of the run: full worlds (2 x 2 fit one or two questions)
     with pytest.raises(SystemExit):
         tq.main(["--init-from", str(tmp_path / "nothing"), "--out", str(tmp_path / "c")])
     for bad in (["--curriculum-from", "0.5", "--curriculum-until", "0.4"], ["--dense-csa-until", "1.5"],
@@ -354,7 +389,7 @@ def test_train_script_writes_a_servable_checkpoint_and_continues_from_it(tmp_pat
                 ["--set", "no_such_field=1"], ["--other-weight", "2"], ["--min-lr-frac", "-0.1"], ["--op-profile", "-1"],
                 ["--init-from", str(a), "--set", "sliding_window=64"], ["--simple-facts", "town"],
                 ["--simple-facts", "city", "--simple-asks", "boss"], ["--simple-until", "2"],
-                ["--simple-two-hop", "1.5"]):
+                ["--simple-two-hop", "1.5"], ["--templates", "fancy"]):
         with pytest.raises(SystemExit):
             tq.main(bad + ["--out", str(tmp_path / "d")])
 
