@@ -2,7 +2,8 @@
 heads attend to the needed fact sentence, and to which of its rows (name0, name1, the word
 before the answer, the answer's first row, the closing "."): per layer, the head with the most
 mass on the sentence, mean over the 2 x 2 validation worlds (seed 2000) whose fact sits in the
-window; boss questions and attribute questions apart. Window keys only.
+window; boss questions and attribute questions apart; beside it, that head's mean mass on each
+other person's row of the same kind (the rows after the same verb words). Window keys only.
     python docs/results/qa_cpu_binding_s16/boss_attention.py CHECKPOINT"""
 import sys, numpy as np, jax, jax.numpy as jnp
 from redknot_jax.quality import data as D
@@ -37,6 +38,12 @@ for ep in eps:
             roles = [st, st + 1, va - 1, va, st + L - 1]  # name0 name1 pre-word value "."
             d = agg.setdefault((key, li), np.zeros((5, p.shape[1])))
             d += p[at][:, roles].T
+            # the same relation's value rows of the other people in the window (rows after their verb words)
+            verb = fact[2:L - 1 - len(qa.answer)]
+            others = [j + len(verb) for j in range(max(0, at - cfg.sliding_window + 1), at - len(verb))
+                      if toks[j:j + len(verb)] == verb and j + len(verb) != va and j + len(verb) < at]
+            o = agg.setdefault((key, li, "other"), np.zeros(p.shape[1]))
+            o += p[at][:, others].mean(-1) if others else 0
             agg.setdefault((key, "n"), [0])[0] += (li == 0)
         a, c = blk.attn(xa, jnp.zeros((1,), jnp.int32), jnp.full((1,), n, jnp.int32), cache["layers"][li], freqs, n)
         x = HyperConnection.post(x, a, post, comb)
@@ -48,4 +55,5 @@ for key in ("boss", "attr"):
     for li in range(cfg.num_layers):
         m = agg[(key, li)] / nq
         h = int(np.argmax(m.sum(0)))
-        print(f"layer {li:2d} head {h:2d} sentence mass {m[:, h].sum():.2f}: {m[:, h]}")
+        o = agg[(key, li, "other")] / nq
+        print(f"layer {li:2d} head {h:2d} sentence mass {m[:, h].sum():.2f}: {m[:, h]}  | each other person's value row {o[h]:.3f}")
