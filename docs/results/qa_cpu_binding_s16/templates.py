@@ -5,13 +5,17 @@ H200 runs bound. `echo` rewrites the attribute templates that way (new words go 
 vocabulary slots; nothing in the library changes); `base` keeps them.
 Worlds: 2 documents x 2 people, every relation asked, lookups only; a 4-layer, hidden-64 model
 of the project's modules, rows of 256 tokens, constant lr 3e-3.
-    python docs/results/qa_cpu_binding_s16/templates.py base|echo STEPS"""
+    python docs/results/qa_cpu_binding_s16/templates.py base|echo STEPS [city]
+`city`: one document of 4 people (all four facts), city questions only, as session 14's
+full.py city setup (where plain city binding showed at CPU steps ~450-800); validation on
+2 x 2 worlds, city questions."""
 import sys, time, numpy as np, jax.numpy as jnp
 from redknot_jax.init import random_model
 from redknot_jax.quality import data as D
 from redknot_jax.quality.model_config import qa_test_config
 from redknot_jax.quality.train import TrainConfig, Trainer, teacher_forced_scores
 mode, steps = sys.argv[1], int(sys.argv[2])
+city = sys.argv[3:] == ["city"]
 if mode == "echo":
     for i, w in enumerate(["which", "city", "is", "fond", "work"]):
         old = f"<unused_{i}>"
@@ -33,9 +37,9 @@ cfg = qa_test_config(num_layers=4, hidden_size=64, head_dim=32, rope_dim=8, q_lo
 tr = Trainer(random_model(cfg, seed=0, dtype=jnp.float32), TrainConfig(lr=3e-3, block=128))
 rng = np.random.default_rng(0)
 names = D.split_names()["train"]
-cur = D.Curriculum(2, 2, 2, 8, two_hop=0.0)
+cur = D.Curriculum(1, 1, 4, 4, two_hop=0.0, asks=("city",)) if city else D.Curriculum(2, 2, 2, 8, two_hop=0.0)
 B, T, lr0 = 8, 256, 3e-3
-eps = D.eval_episodes("val", 32, seed=5, n_docs=2, per_doc=2, questions_per_type=4)
+eps = D.eval_episodes("val", 32, seed=5, n_docs=2, per_doc=2, questions_per_type=4, asks=("city",) if city else None)
 print(mode, "example:", D.decode(D.training_sequence(np.random.default_rng(1), names, T, cur)[0])[:400], flush=True)
 t0, hist = time.time(), []
 for s in range(steps):
