@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import pathlib
 from typing import Iterable, Sequence
 
 import numpy as np
@@ -401,8 +402,6 @@ def eval_episodes(split: str, n: int, seed: int, n_docs: int = 10, per_doc: int 
 def templates_of(checkpoint) -> str:
     """The wording a checkpoint written by launch/train_quality_model.py was trained on (its
     train_log.json's --templates; "plain" for checkpoints from before the option)."""
-    import pathlib
-
     log = pathlib.Path(checkpoint) / "train_log.json"
     t = json.loads(log.read_text()).get("args", {}).get("templates", "plain") if log.is_file() else "plain"
     return check_templates(t)
