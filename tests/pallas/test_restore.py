@@ -57,12 +57,13 @@ def test_protected_rows_inverse_map():
     assert np.asarray(p).tolist() == [-1, -1, 0, -1, -1, 1, -1, -1, -1]
 
 
-@pytest.mark.parametrize("seed,t,bn,steps,indices", [(0, 128, 128, 2, "gmem"), (1, 100, 64, 3, "smem")])
-def test_kernel_matches_reference_interpret(seed, t, bn, steps, indices):
+@pytest.mark.parametrize("seed,t,k,bn,steps", [(0, 256, 256, 128, 2), (1, 100, 128, 64, 3)])
+def test_kernel_matches_reference_interpret(seed, t, k, bn, steps):
     """The kernel itself, run by Mosaic GPU interpret mode on CPU (GPU: natively), on a small
-    consumer-shaped problem: restored, protected and padding rows, rows not a multiple of 64."""
-    args, kw = rs.make_problem(jax.random.key(seed), t=t, g=2, hpg=4, k=128, o=256, pool=300, global_head=2)
-    cfg = rs.RestoreConfig(block_n=bn, steps=steps, indices=indices)
+    consumer-shaped problem: restored, protected and padding rows, rows not a multiple of 128,
+    more contraction steps than slots (slots reused) and fewer."""
+    args, kw = rs.make_problem(jax.random.key(seed), t=t, g=2, hpg=4, k=k, o=256, pool=300, global_head=2)
+    cfg = rs.RestoreConfig(block_n=bn, steps=steps)
     got = rs.restore(*args, **kw, config=cfg)
     want = rs.restore_reference(*args, **kw)
     assert got.shape == want.shape and got.dtype == want.dtype
@@ -72,11 +73,11 @@ def test_kernel_matches_reference_interpret(seed, t, bn, steps, indices):
     np.testing.assert_array_equal(np.asarray(got)[p >= 0], np.asarray(args[4])[p[p >= 0]])
 
 
-@pytest.mark.parametrize("indices", ["gmem", "smem"])
-def test_kernel_lowers_for_cuda(indices):
+@pytest.mark.parametrize("bn,steps", [(256, 3), (128, 4)])
+def test_kernel_lowers_for_cuda(bn, steps):
     """Flash shapes: the Mosaic GPU lowering (layout inference, TMA shapes) runs on CPU."""
     args, kw = rs.make_problem(jax.random.key(0), t=256)
-    cfg = rs.RestoreConfig(indices=indices)
+    cfg = rs.RestoreConfig(block_n=bn, steps=steps)
     f = jax.jit(lambda *a: rs.restore(*a, **kw, config=cfg, interpret=False))
     text = f.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text
@@ -100,8 +101,10 @@ def test_bad_inputs_raise():
         rs.restore(jnp.concatenate([o_g, o_g], 2), wo_a, zl, zl_row, z_p, prot_idx, global_heads=(0, 1))
     with pytest.raises(ValueError, match="block_n"):
         rs.RestoreConfig(block_n=96)
-    with pytest.raises(ValueError, match="indices"):
-        rs.RestoreConfig(indices="registers")
+    with pytest.raises(ValueError, match="steps"):
+        rs.RestoreConfig(steps=1)
+    with pytest.raises(ValueError, match="shared memory"):
+        rs.RestoreConfig(block_n=256, steps=4)
     with pytest.raises(ValueError, match="block_n"):
         rs.restore(o_g, wo_a, zl, zl_row, z_p, prot_idx, **kw, config=rs.RestoreConfig(block_n=256))
 
@@ -114,14 +117,13 @@ def _poisoned_run(f, *a, **k):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("seed,t,bn,indices", [(0, 4096, 128, "gmem"), (1, 1000, 256, "gmem"), (2, 64, 64, "gmem"),
-                                               # added after the H200 run of 2026-11-30 (not yet run on a GPU)
-                                               (3, 4096, 128, "smem"), (4, 1000, 256, "smem")])
-def test_kernel_matches_reference_gpu(seed, t, bn, indices):
+@pytest.mark.parametrize("seed,t,bn,steps", [(0, 4096, 256, 3), (1, 1000, 256, 2), (2, 64, 64, 2), (3, 4096, 128, 4),
+                                             (4, 1000, 128, 3)])
+def test_kernel_matches_reference_gpu(seed, t, bn, steps):
     if jax.default_backend() != "gpu":
         pytest.skip("needs a GPU")
     args, kw = rs.make_problem(jax.random.key(seed), t=t)
-    got = _poisoned_run(rs.restore, *args, **kw, config=rs.RestoreConfig(block_n=bn, indices=indices))
+    got = _poisoned_run(rs.restore, *args, **kw, config=rs.RestoreConfig(block_n=bn, steps=steps))
     want = rs.restore_reference(*args, **kw)
     assert bool(jnp.all(jnp.isfinite(got.astype(jnp.float32))))
     assert rel_err(got.astype(jnp.float32), want.astype(jnp.float32)) < TOL["kernel_bf16_o"][0]
@@ -142,7 +144,9 @@ def test_consumer_runs_the_kernel(monkeypatch):
     traced = []  # indexer kernel calls traced into the mosaic programs
     kernel = ix.indexer_scores
     monkeypatch.setattr(ix, "indexer_scores", lambda *a, **k: traced.append(a[0].shape) or kernel(*a, **k))
-    xla, mosaic = ReuseRuntime(model, prof, "fp"), ReuseRuntime(model, prof, "fp", kernels="indexer,restore")
+    # the XLA side named explicitly: "auto" resolves to the faster kernels on a GPU
+    xla = ReuseRuntime(model, prof, "fp", kernels="xla")
+    mosaic = ReuseRuntime(model, prof, "fp", kernels="indexer,restore")
     a = xla.prefill(req, "redknot", require_reuse=True)
     b = mosaic.prefill(req, "redknot", require_reuse=True)
     assert 0 < b.plan.fraction_protected() < 1 and (a.plan.protected == b.plan.protected).all()
