@@ -54,7 +54,7 @@ def curriculum(frac: float, row: int, args) -> D.Curriculum:
     rows full-size evaluation worlds. No question repeats within an episode."""
     full = max(2, args.eval_docs)
     if frac < 0.35:
-        cur = D.Curriculum(1, 2, 2, 6, two_hop=0.3)
+        cur = D.Curriculum(*args.inwindow, two_hop=0.3)
     elif frac < 0.6:
         cur = D.Curriculum(1, 2, max(2, args.per_doc // 2), 8, two_hop=0.4)
     elif frac < 0.8 or row % 2:
@@ -111,6 +111,9 @@ def main(argv=None):
                     help="the wording of facts and questions (quality.data.TEMPLATES; echo: each question ends in the "
                          "word that precedes the answer in its fact); recorded in train_log.json, where the "
                          "evaluation scripts read it")
+    ap.add_argument("--inwindow", default="1,2,2,6", metavar="MIN_DOCS,MAX_DOCS,PER_DOC,QUESTIONS",
+                    help="the first (in-window) stage's episodes: documents per episode, people per document, "
+                         "questions per episode (at most; no question repeats)")
     ap.add_argument("--simple-until", type=float, default=0.0,
                     help="curriculum stage (a budget fraction, as --curriculum-from) until which episodes hold only "
                          "the --simple-facts and ask only the --simple-asks (0: never)")
@@ -156,6 +159,13 @@ def main(argv=None):
                      two_hop=0.0 if args.simple_two_hop is None else args.simple_two_hop)
     except ValueError as e:
         ap.error(f"--simple-facts / --simple-asks / --simple-two-hop: {e}")
+    try:
+        args.inwindow = tuple(int(v) for v in args.inwindow.split(","))
+    except ValueError:
+        ap.error(f"--inwindow: expected four integers MIN_DOCS,MAX_DOCS,PER_DOC,QUESTIONS, got {args.inwindow!r}")
+    if len(args.inwindow) != 4 or not (1 <= args.inwindow[0] <= args.inwindow[1] and args.inwindow[2] >= 2
+                                       and args.inwindow[3] >= 1):
+        ap.error(f"--inwindow: expected 1 <= MIN_DOCS <= MAX_DOCS, PER_DOC >= 2, QUESTIONS >= 1, got {args.inwindow}")
     if args.op_profile < 0:
         ap.error(f"--op-profile: expected a step count >= 0, got {args.op_profile}")
     if not 0.0 <= args.other_weight <= 1.0:
@@ -310,7 +320,7 @@ def main(argv=None):
             rec = log["history"][-1]
             rec["elapsed_s"] = round(time.perf_counter() - t_start, 2)
             print(f"step {step} t={rec['elapsed_s']:.0f}s frac={frac:.2f} lr={lr:.2e} loss={rec['loss']:.3f} "
-                  f"answer_ce={rec['answer_ce']:.3f} answer_acc={rec['answer_acc']:.3f} "
+                  f"answer_ce={rec['answer_ce']:.3f} answer_acc={rec['answer_acc']:.3f} span_acc={rec['span_acc']:.3f} "
                   f"indexer_kl={rec['indexer_kl']:.3f} gnorm={rec['grad_norm']:.2f}", flush=True)
         if args.eval_every and step % args.eval_every == 0:
             th.join()  # the evaluation forward compiles on the side thread from the first step on

@@ -242,12 +242,17 @@ class Trainer:
         lm = jnp.sum(ce * w) / jnp.maximum(jnp.sum(w), 1e-6)
         ikl = jnp.mean(jnp.stack(list(kls.values()))) if kls else jnp.zeros(())
         ans = w >= 1.0  # answer tokens and their <eos>
-        acc = jnp.sum((jnp.argmax(logits, -1) == targets) & ans) / jnp.maximum(jnp.sum(ans), 1)
+        hit = jnp.argmax(logits, -1) == targets
+        acc = jnp.sum(hit & ans) / jnp.maximum(jnp.sum(ans), 1)
+        # the answer span alone: the <eos> after it is right almost from the start, so answer_acc
+        # = (span_acc + 1) / 2 for one-token answers; span_acc is what compares with chance
+        span = ans & (targets != model.cfg.eos_token_id)
+        span_acc = jnp.sum(hit & span) / jnp.maximum(jnp.sum(span), 1)
         ans_ce = jnp.sum(ce * ans) / jnp.maximum(jnp.sum(ans), 1)
-        return lm + self.tc.indexer_coef * ikl, (lm, ikl, ans_ce, acc, loads)
+        return lm + self.tc.indexer_coef * ikl, (lm, ikl, ans_ce, acc, span_acc, loads)
 
     def _train_step(self, graphdef, params, rest, opt_state, tokens, w, lr, decay):
-        (loss, (lm, ikl, ans_ce, acc, loads)), grads = jax.value_and_grad(self._loss, argnums=1, has_aux=True)(
+        (loss, (lm, ikl, ans_ce, acc, span_acc, loads)), grads = jax.value_and_grad(self._loss, argnums=1, has_aux=True)(
             graphdef, params, rest, tokens, w)
         g, p = ravel_pytree(grads)[0], ravel_pytree(params)[0]
         gnorm = jnp.linalg.norm(g)
@@ -260,7 +265,7 @@ class Trainer:
                 bias[...] = bias[...] + self.tc.bias_rate * jnp.sign(jnp.mean(load) - load)
             _, params, _ = nnx.split(model, nnx.Param, ...)
         stats = {"loss": loss, "lm": lm, "indexer_kl": ikl, "answer_ce": ans_ce, "answer_acc": acc,
-                 "grad_norm": gnorm}
+                 "span_acc": span_acc, "grad_norm": gnorm}
         return params, opt_state, stats
 
     def step(self, tokens, w, lr: float):
@@ -387,24 +392,28 @@ def load_model(directory, dtype=jnp.float32) -> Model:
 # ----------------------------------------------------------------------------- teacher-forced eval
 def teacher_forced_scores(trainer: Trainer, episodes, seq_len: int, batch: int, records: list | None = None,
                           by_relation: bool = False):
-    """Greedy-equivalent EM per question type from one forward per row: a question counts as
-    exact when the argmax of every target of its answer span and of the <eos> after it is the
-    gold token (exactly what greedy decoding would then emit). Also per-token accuracy and the
+    """Greedy-equivalent EM per question type, each question in a row of its own (the world's
+    documents, then that question: what a served request sees): a question counts as exact when
+    the argmax of every target of its answer span and of the <eos> after it is the gold token
+    (exactly what greedy decoding would then emit). Also per-token accuracy and the
     mean in-context chance (`QA.chance`), the EM to compare with.
     `records`: a list to which one dict per question is appended (qtype, relation, em, the
     question's in-context chance `QA.chance`, and
     `distance`: tokens from the answer back to the start of the farthest fact it needs; beyond
     the sliding window only compressed entries reach it).
     `by_relation`: also one entry per question type and relation, keyed "lookup:city" etc."""
-    from redknot_jax.quality.data import fact_distance, teacher_forced_rows
+    from redknot_jax.quality.data import Episode, fact_distance, teacher_forced_rows
 
     rows, meta = [], []
     for ep in episodes:
-        r = teacher_forced_rows(ep, seq_len)
-        if r is None:
-            continue
-        rows.append(r[0])
-        meta.append((r[1], r[2]))
+        # one row per question, as a served request: no earlier question's answer in view (with
+        # several per row, a repeated question could be copied and answered ones eliminated)
+        for qa in ep.qas:
+            r = teacher_forced_rows(Episode(ep.docs, [qa]), seq_len)
+            if r is None:
+                continue
+            rows.append(r[0])
+            meta.append((r[1], r[2]))
     res = {}
     for s in range(0, len(rows), batch):
         chunk = rows[s:s + batch]

@@ -240,8 +240,14 @@ def test_a_few_steps_lower_the_loss_and_train_the_indexer(tmp_path):
 
     recs = []
     eps = D.eval_episodes("val", 2, seed=0, n_docs=2, per_doc=2, questions_per_type=1)
+    seen, logits = [], tr.logits
+    tr.logits = lambda x: seen.append(np.asarray(x)) or logits(x)
     scores = teacher_forced_scores(tr, eps, 128, 2, records=recs)
-    assert len(recs) == sum(v["n"] for v in scores.values()) > 0
+    del tr.logits
+    # every question scored, each in a row of its own: no earlier question or answer in view
+    assert len(recs) == sum(v["n"] for v in scores.values()) == sum(len(ep.qas) for ep in eps) > 0
+    rows = np.concatenate(seen)[:len(recs)]
+    assert [int(np.sum(r == D.ID["question"])) for r in rows] == [1] * len(recs)
     assert all(r["distance"] > 0 and r["em"] in (0.0, 1.0) for r in recs)
 
     tr.round_to_bf16()
@@ -371,7 +377,8 @@ def test_train_script_writes_a_servable_checkpoint_and_continues_from_it(tmp_pat
     tq.D.training_sequence = spy
     try:
         tq.main(["--init-from", str(a), "--max-steps", "4", "--curriculum-until", "0.34", "--simple-until", "0.15", "--simple-facts", "city",
-                 "--simple-two-hop", "0", "--eval-every", "2", "--templates", "echo", "--out", str(tmp_path / "s")] + common)
+                 "--simple-two-hop", "0", "--eval-every", "2", "--templates", "echo", "--inwindow", "1,1,4,1",
+                 "--out", str(tmp_path / "s")] + common)
     finally:
         tq.D.training_sequence = real_sequence
     per_step = [stages[i:i + 2] for i in range(0, len(stages), 2)]
@@ -380,6 +387,9 @@ def test_train_script_writes_a_servable_checkpoint_and_continues_from_it(tmp_pat
     log = json.loads((tmp_path / "s" / "train_log.json").read_text())
     assert log["val_curve_worlds"] == {"facts": ["city"], "asks": ["city"]}
     assert {c.templates for c in stages} == {"echo"} and D.templates_of(tmp_path / "s") == "echo"
+    # --inwindow: the in-window stage's episode shape (one document of four people, one question)
+    assert {(c.min_docs, c.max_docs, c.per_doc, c.questions) for c in stages} == {(1, 1, 4, 1)}
+    assert all(0 <= r["span_acc"] <= 1 for r in log["history"])  # the answer span's accuracy, without <eos>
     assert {k for c in log["val_curve"] for k in c if k != "step"} == {"lookup", "lookup:city"}
     assert "lookup" in log["teacher_forced_val"]  # the end of the run: full worlds (2 x 2 fit one or two questions)
     with pytest.raises(SystemExit):
@@ -389,7 +399,8 @@ def test_train_script_writes_a_servable_checkpoint_and_continues_from_it(tmp_pat
                 ["--set", "no_such_field=1"], ["--other-weight", "2"], ["--min-lr-frac", "-0.1"], ["--op-profile", "-1"],
                 ["--init-from", str(a), "--set", "sliding_window=64"], ["--simple-facts", "town"],
                 ["--simple-facts", "city", "--simple-asks", "boss"], ["--simple-until", "2"],
-                ["--simple-two-hop", "1.5"], ["--templates", "fancy"]):
+                ["--simple-two-hop", "1.5"], ["--templates", "fancy"], ["--inwindow", "1,2,2"],
+                ["--inwindow", "2,1,2,6"], ["--inwindow", "1,2,1,6"], ["--inwindow", "one,2,2,6"]):
         with pytest.raises(SystemExit):
             tq.main(bad + ["--out", str(tmp_path / "d")])
 
