@@ -4,7 +4,9 @@ per episode, so no earlier answer narrows the choice (session 14's mqar.py asked
 once: an eliminator scores 0.52 there without binding). Prints the answer span's accuracy
 (`span_acc`, no <eos>) against in-context chance.
 
-    python docs/results/qa_s17/mqar1.py single|pair STEPS N
+    python docs/results/qa_s17/mqar1.py single|pair STEPS N [FIELD=VALUE ...]
+
+FIELD=VALUE: numeric overrides of the model config (e.g. rope_dim=32: RoPE on every dimension).
 """
 import sys
 import time
@@ -18,8 +20,9 @@ from redknot_jax.quality.model_config import qa_test_config
 from redknot_jax.quality.train import TrainConfig, Trainer
 
 mode, steps, npeople = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-cfg = qa_test_config(num_layers=4, hidden_size=64, head_dim=32, rope_dim=8, q_lora_rank=32, sliding_window=256,
-                     o_lora_rank=32, index_topk=64)
+over = {k: float(v) if "." in v else int(v) for k, v in (a.split("=") for a in sys.argv[4:])}
+cfg = qa_test_config(**{**dict(num_layers=4, hidden_size=64, head_dim=32, rope_dim=8, q_lora_rank=32, sliding_window=256,
+                               o_lora_rank=32, index_topk=64), **over})
 tr = Trainer(random_model(cfg, seed=0, dtype=jnp.float32), TrainConfig(lr=3e-3, block=128))
 rng = np.random.default_rng(0)
 S = D.SYLLABLES
@@ -64,5 +67,5 @@ for s in range(steps):
     st = tr.step(np.asarray(rows, np.int32), np.asarray(ws, np.float32), 3e-3 * min(1, (s + 1) / 30))
     hist.append(float(st["span_acc"]))
     if s % 50 == 0 or s == steps - 1:
-        print(mode, npeople, s, f"{time.time() - t0:.0f}s", "answer_ce %.3f span_acc %.3f (last 50) chance %.3f"
+        print(mode, npeople, *sys.argv[4:], s, f"{time.time() - t0:.0f}s", "answer_ce %.3f span_acc %.3f (last 50) chance %.3f"
               % (float(st["answer_ce"]), np.mean(hist[-50:]), np.mean(ch[-2000:])), flush=True)
