@@ -75,7 +75,7 @@ class RestoreConfig:
 
 def default_config(o: int) -> RestoreConfig:
     """The widest block_n that divides the output-group rank (Flash / Pro: 1024 -> 256)."""
-    bn = next(b for b in (256, 128, 64) if o % b == 0) if o % 64 == 0 else 64
+    bn = next((b for b in (256, 128) if o % b == 0), 64)
     return RestoreConfig(block_n=bn)
 
 

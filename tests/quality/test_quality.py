@@ -234,6 +234,21 @@ def test_a_few_steps_lower_the_loss_and_train_the_indexer(tmp_path):
     batch = D.training_batch(rng, names, 2, 128, cur)  # one fixed batch: the loss must fall on it
     losses = [float(tr.step(*batch, lr_at(tc, 0.5))["loss"]) for _ in range(6)]
     assert losses[-1] < losses[0] - 0.5, losses
+    # the step's accuracies are those of its logits: answer_acc over the answer tokens and their
+    # <eos>, span_acc over the answer tokens alone (the figure to compare with chance). The batch's
+    # answers and <eos> are learnt by now; a few wrongly predicted document tokens are weighted as
+    # answers too, so the two figures differ and a span_acc that counted the <eos> fails here
+    tokens, targets = batch[0], batch[0][:, 1:]
+    hit = np.argmax(np.asarray(tr.logits(tokens[:, :-1])), -1) == targets
+    w = batch[1].copy()
+    w[(w > 0) & ~hit & (targets != D.EOS)] = 1.0
+    ans = w >= 1.0
+    span = ans & (targets != D.EOS)
+    st = tr.step(tokens, w, 0.0)
+    want_answer, want_span = np.mean(hit[ans]), np.mean(hit[span])
+    assert want_answer != want_span
+    assert np.isclose(float(st["answer_acc"]), want_answer, atol=1e-6)
+    assert np.isclose(float(st["span_acc"]), want_span, atol=1e-6)
     after = tr.model()
     assert not np.allclose(np.asarray(after.layers[2].attn.indexer.wq_b[...]), idx0), "indexer got no update"
     assert not np.allclose(np.asarray(after.layers[3].ffn.bias[...]), bias0), "router bias not balanced"
