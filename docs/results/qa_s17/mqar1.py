@@ -4,7 +4,7 @@ per episode, so no earlier answer narrows the choice (session 14's mqar.py asked
 once: an eliminator scores 0.52 there without binding). Prints the answer span's accuracy
 (`span_acc`, no <eos>) against in-context chance.
 
-    python docs/results/qa_s17/mqar1.py single|pair|kv STEPS N [FIELD=VALUE ...]
+    python docs/results/qa_s17/mqar1.py single|pair|kv|ind|zoo STEPS N [FIELD=VALUE ...]
 
 kv (session 18): single-syllable names, the fact with no words between ("ka oslo ."), the
 question with none either ("question : ka ? answer : oslo"); the others as single.
