@@ -151,6 +151,21 @@ class TrainConfig:
             raise ValueError(f"TrainConfig.compute_dtype: expected 'float32' or 'bfloat16', got {self.compute_dtype!r}")
 
 
+def answer_stats(logits, targets, w, eos_id: int):
+    """(weighted next-token CE, answer CE, answer_acc, span_acc) of logits [b, t, v] against
+    targets [b, t] with per-target weights w (answer tokens and their <eos> weigh >= 1).
+    answer_acc counts the answer tokens and their <eos>; span_acc the answer tokens alone: the
+    <eos> is right almost from the start (answer_acc = (span_acc + 1) / 2 for one-token
+    answers), so span_acc is the figure to compare with chance."""
+    ce = jax.nn.logsumexp(logits, -1) - jnp.take_along_axis(logits, targets[..., None], -1)[..., 0]
+    lm = jnp.sum(ce * w) / jnp.maximum(jnp.sum(w), 1e-6)
+    ans = w >= 1.0
+    span = ans & (targets != eos_id)
+    hit = jnp.argmax(logits, -1) == targets
+    mean_over = lambda x, m: jnp.sum(x * m) / jnp.maximum(jnp.sum(m), 1)
+    return lm, mean_over(ce, ans), mean_over(hit, ans), mean_over(hit, span)
+
+
 def lr_at(tc: TrainConfig, frac: float) -> float:
     """Linear warm-up then cosine decay to min_lr_frac, by the fraction of the training budget
     used (time or steps, whichever the caller budgets)."""
@@ -238,17 +253,8 @@ class Trainer:
         model = nnx.merge(graphdef, self._compute_params(params), rest)
         inputs, targets = tokens[:, :-1], tokens[:, 1:]
         logits, kls, loads = forward_train(model, inputs, self.tc.block)
-        ce = jax.nn.logsumexp(logits, -1) - jnp.take_along_axis(logits, targets[..., None], -1)[..., 0]
-        lm = jnp.sum(ce * w) / jnp.maximum(jnp.sum(w), 1e-6)
+        lm, ans_ce, acc, span_acc = answer_stats(logits, targets, w, model.cfg.eos_token_id)
         ikl = jnp.mean(jnp.stack(list(kls.values()))) if kls else jnp.zeros(())
-        ans = w >= 1.0  # answer tokens and their <eos>
-        hit = jnp.argmax(logits, -1) == targets
-        acc = jnp.sum(hit & ans) / jnp.maximum(jnp.sum(ans), 1)
-        # the answer span alone: the <eos> after it is right almost from the start, so answer_acc
-        # = (span_acc + 1) / 2 for one-token answers; span_acc is what compares with chance
-        span = ans & (targets != model.cfg.eos_token_id)
-        span_acc = jnp.sum(hit & span) / jnp.maximum(jnp.sum(span), 1)
-        ans_ce = jnp.sum(ce * ans) / jnp.maximum(jnp.sum(ans), 1)
         return lm + self.tc.indexer_coef * ikl, (lm, ikl, ans_ce, acc, span_acc, loads)
 
     def _train_step(self, graphdef, params, rest, opt_state, tokens, w, lr, decay):

@@ -37,12 +37,12 @@ import optax
 from redknot_jax.init import random_model
 from redknot_jax.quality import data as D
 from redknot_jax.quality.model_config import qa_test_config
-from redknot_jax.quality.train import TrainConfig, Trainer
+from redknot_jax.quality.train import TrainConfig, Trainer, answer_stats
 
 mode, steps, npeople = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 over = dict(a.split("=") for a in sys.argv[4:])
 arch = over.pop("arch", "redknot")
-warm_mode, warm_steps = (over.pop("warm").split(":") + [0])[:2] if "warm" in over else (mode, 0)
+warm_mode, warm_steps = over.pop("warm", f"{mode}:0").split(":")
 final_mode, warm_steps = mode, int(warm_steps)
 B, T, PACK, EVERY, ASK = (int(over.pop(k, d)) for k, d in (("B", 8), ("T", 256), ("pack", 0), ("every", 50), ("ask", 1)))
 LR = float(over.pop("lr", 3e-3))
@@ -98,13 +98,8 @@ class Vanilla:
 
     def _train_step(self, params, opt, tokens, w, lr):
         def loss(p):
-            logits = self.forward(p, tokens[:, :-1])
-            tg = tokens[:, 1:]
-            ce = jax.nn.logsumexp(logits, -1) - jnp.take_along_axis(logits, tg[..., None], -1)[..., 0]
-            span = (w >= 1.0) & (tg != D.EOS)
-            acc = jnp.sum((jnp.argmax(logits, -1) == tg) & span) / jnp.maximum(jnp.sum(span), 1)
-            ans = w >= 1.0
-            return jnp.sum(ce * w) / jnp.sum(w), (jnp.sum(ce * ans) / jnp.maximum(jnp.sum(ans), 1), acc)
+            lm, ans_ce, _, span_acc = answer_stats(self.forward(p, tokens[:, :-1]), tokens[:, 1:], w, D.EOS)
+            return lm, (ans_ce, span_acc)
 
         (_, (ce, acc)), g = jax.value_and_grad(loss, has_aux=True)(params)
         u, opt = self.tx.update(g, opt, params)

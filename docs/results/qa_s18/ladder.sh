@@ -23,4 +23,6 @@ for name in "${names[@]}"; do
     echo "== $name"
     cat "/tmp/ladder/$name.log"
 done >"$out/ladder.log"
-tail -n 3 /tmp/ladder/*.log
+for name in "${names[@]}"; do
+    echo "$name: $(tail -n 1 "/tmp/ladder/$name.log")"
+done

@@ -1,5 +1,5 @@
 """One line per variant of a ladder log (docs/results/qa_s18/ladder.sh): steps run, the first
-step whose span accuracy (last `every` steps) passes 0.6, and the curve.
+step whose span accuracy (last `every` steps) passes 0.6, and the last one.
 
     python docs/results/qa_s18/summarize.py docs/results/qa_s18/ladder2_h200.log
 """
