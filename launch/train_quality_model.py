@@ -9,7 +9,9 @@ tokenizer.json) and a training log.
 Schedule by the fraction of the training budget used (time, or --max-steps): learning rate
 warm-up + cosine; curriculum (`curriculum`): short packed episodes inside the sliding window
 first, then half-size documents, then 2-6, then half the rows full-size episodes (as many
-documents as the evaluation requests). With --dense-csa-until, CSA attention is dense (every
+documents as the evaluation requests). With --recall-until, the episodes before that stage
+are associative-recall warm-ups in the same words (session 19: a textbook transformer learnt
+the QA wording only after one). With --dense-csa-until, CSA attention is dense (every
 visible compressed entry, `Trainer.step_fn`) until that curriculum stage, then the model's
 top-k; the top-k step compiles on a side thread meanwhile. The end of the
 budget is reserved for rounding to the shipped bf16 weights, saving, and the teacher-forced
@@ -62,6 +64,8 @@ def curriculum(frac: float, row: int, args) -> D.Curriculum:
     else:
         cur = D.Curriculum(max(2, full - 1), full, args.per_doc, 24, two_hop=0.5)
     cur = dataclasses.replace(cur, templates=args.templates)
+    if frac < args.recall_until:  # associative recall first (--recall-until)
+        cur = dataclasses.replace(cur, recall=True)
     if frac < args.simple_until:  # fewer kinds of facts / questions first (--simple-*)
         cur = dataclasses.replace(cur, facts=args.simple_facts, asks=args.simple_asks,
                                   two_hop=cur.two_hop if args.simple_two_hop is None else args.simple_two_hop)
@@ -114,6 +118,10 @@ def main(argv=None):
     ap.add_argument("--inwindow", default="1,2,2,6", metavar="MIN_DOCS,MAX_DOCS,PER_DOC,QUESTIONS",
                     help="the first (in-window) stage's episodes: documents per episode, people per document, "
                          "questions per episode (at most; no question repeats)")
+    ap.add_argument("--recall-until", type=float, default=0.0,
+                    help="curriculum stage (a budget fraction, as --curriculum-from) until which episodes are "
+                         "associative-recall warm-ups (quality.data.recall_episode: 'ka lo oslo .' facts, then "
+                         "'me ru rome' queries, no question words) instead of QA (0: never)")
     ap.add_argument("--simple-until", type=float, default=0.0,
                     help="curriculum stage (a budget fraction, as --curriculum-from) until which episodes hold only "
                          "the --simple-facts and ask only the --simple-asks (0: never)")
@@ -150,8 +158,9 @@ def main(argv=None):
         ap.error(f"--dense-csa-until: expected a fraction in [0, 1], got {args.dense_csa_until}")
     if not 0.0 <= args.min_lr_frac <= 1.0:
         ap.error(f"--min-lr-frac: expected a share in [0, 1], got {args.min_lr_frac}")
-    if not 0.0 <= args.simple_until <= 1.0:
-        ap.error(f"--simple-until: expected a fraction in [0, 1], got {args.simple_until}")
+    for flag in ("simple_until", "recall_until"):
+        if not 0.0 <= getattr(args, flag) <= 1.0:
+            ap.error(f"--{flag.replace('_', '-')}: expected a fraction in [0, 1], got {getattr(args, flag)}")
     try:
         args.simple_facts = tuple(args.simple_facts.split(","))
         args.simple_asks = tuple(args.simple_asks.split(",")) if args.simple_asks else args.simple_facts

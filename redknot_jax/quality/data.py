@@ -279,6 +279,10 @@ class Curriculum:
     facts: tuple[str, ...] = RELATIONS  # the relations the documents state
     asks: tuple[str, ...] = RELATIONS  # the relations asked (lookups; two-hop: its attributes)
     templates: str = "plain"  # the wording of facts and questions (TEMPLATES)
+    # associative-recall warm-up (Zoology's multi-query associative recall in this vocabulary):
+    # per episode one asked relation; documents state it as "ka lo oslo ."; then asked names are
+    # each followed directly by the value ("me ru rome"), no question words; no two-hop
+    recall: bool = False
 
     def __post_init__(self):
         check_templates(self.templates)
@@ -299,7 +303,8 @@ def training_sequence(rng: np.random.Generator, names: Sequence[tuple[str, str]]
     seq_len + 1 tokens are filled, then <pad>. Names are disjoint across the row's episodes.
 
     Returns (tokens [seq_len + 1] int32, target weights [seq_len] float32): weight 1 for answer
-    tokens and their <eos>, `other_weight` for every other real target, 0 for padding.
+    tokens and their <eos>, `other_weight` for every other real target, 0 for padding. With
+    `cur.recall` the episodes are `recall_episode`s (weight 1 on the recalled values).
     """
     total = seq_len + 1
     toks: list[int] = []
@@ -318,6 +323,13 @@ def training_sequence(rng: np.random.Generator, names: Sequence[tuple[str, str]]
         sub = [pool[i] for i in order[used:used + n_docs * cur.per_doc]]
         used += n_docs * cur.per_doc
         world = make_world(rng, sub, n_docs, cur.per_doc, cur.facts, cur.templates)
+        if cur.recall:
+            ep, ew = recall_episode(rng, world, cur, left, other_weight)
+            if not ep:
+                break
+            toks += ep
+            wts += ew
+            continue
         ep = [t for d in world.docs for t in d]
         ew = [other_weight] * len(ep)
         if len(ep) > left:
@@ -352,6 +364,35 @@ def training_sequence(rng: np.random.Generator, names: Sequence[tuple[str, str]]
     w = np.asarray(wts[1:], np.float32)
     w[n_real - 1:] = 0.0
     return np.asarray(toks, np.int32), w
+
+
+def recall_episode(rng: np.random.Generator, world: World, cur: Curriculum, room: int,
+                   other_weight: float = 0.02) -> tuple[list[int], list[float]]:
+    """The world as one associative-recall episode (`Curriculum.recall`): one relation drawn from
+    `cur.asks`; each document states every person's value of it as "name value ."; then up to
+    `cur.questions` distinct people, each as "name value" with the value weighted 1 (the name
+    `other_weight`). Queries are added while the episode fits in `room` tokens; ([], []) when not
+    even one does."""
+    rel = cur.asks[rng.integers(len(cur.asks))]
+    people = world.people
+
+    def value(p: Person) -> list[str]:
+        return list(people[p.boss].name) if rel == "boss" else [getattr(p, rel)]
+
+    ep = []
+    for d in range(len(world.docs)):
+        mine = [p for p in people if p.doc == d]
+        ep += ["document", ":"] + [w for k in rng.permutation(len(mine)) for w in [*mine[k].name, *value(mine[k]), "."]]
+    ew = [other_weight] * len(ep)
+    for k in rng.choice(len(people), min(cur.questions, len(people)), replace=False):
+        name, val = list(people[k].name), value(people[k])
+        if len(ep) + len(name) + len(val) > room:
+            break
+        ep += name + val
+        ew += [other_weight] * len(name) + [1.0] * len(val)
+    if 1.0 not in ew:
+        return [], []
+    return encode(ep), ew
 
 
 def training_batch(rng: np.random.Generator, names, batch: int, seq_len: int, cur: Curriculum,

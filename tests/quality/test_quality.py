@@ -82,6 +82,44 @@ def test_training_rows_weights_and_packing():
     assert (targets[w == 1.0] == D.EOS).sum() >= 2  # several question/answer pairs, each ending in <eos>
 
 
+def test_recall_episodes_bind_each_name_to_its_stated_value():
+    """`Curriculum(recall=True)`: each episode states one relation as "name value ." and then
+    queries names, each followed directly by that value; only the values are weighted 1, every
+    query names a person of its episode with the value stated there, no name is queried twice
+    in an episode, and the row holds several whole episodes."""
+    names = D.split_names()["train"]
+    for asks in (("city",), ("boss",), D.RELATIONS):
+        toks, w = D.training_sequence(np.random.default_rng(4), names, 256,
+                                      D.Curriculum(1, 2, 4, 6, asks=asks, recall=True))
+        words = [D.VOCAB[t] for t in toks]
+        assert "question" not in words and "<eos>" not in words
+        facts, queried, value_at = {}, set(), []
+        i, episodes, n_queries = 0, 0, 0
+        while i < len(words) and words[i] != "<pad>":
+            if words[i:i + 2] == ["document", ":"]:
+                episodes += bool(queried)  # after queries: a new episode
+                queried.clear()
+                i += 2
+                continue
+            name = tuple(words[i:i + 2])
+            if "." in words[i + 3:i + 5] and not queried:  # a fact: "name value ."
+                end = words.index(".", i + 3)
+                facts[name] = words[i + 2:end]
+                i = end + 1
+                continue
+            val = facts[name]  # a query: a name stated in this episode, then its value
+            assert words[i + 2:i + 2 + len(val)] == val and name not in queried, (name, words[i:i + 6])
+            assert asks != ("boss",) or len(val) == 2
+            queried.add(name)
+            value_at += range(i + 2, i + 2 + len(val))
+            n_queries += 1
+            i += 2 + len(val)
+        assert n_queries >= 4 and episodes + bool(queried) >= 2
+        # weight 1 exactly on the targets that are recalled values (target j predicts token j + 1)
+        assert sorted(np.flatnonzero(w == 1.0) + 1) == value_at
+        assert np.isin(w, np.float32([0.0, 0.02, 1.0])).all()
+
+
 def test_fewer_kinds_of_facts_and_questions():
     """`Curriculum(facts=, asks=)`: documents state only the chosen relations and only the
     asked ones are questioned (two-hop needs the boss facts); every person's values are drawn
@@ -391,7 +429,8 @@ def test_train_script_writes_a_servable_checkpoint_and_continues_from_it(tmp_pat
     stages.clear()
     tq.D.training_sequence = spy
     try:
-        tq.main(["--init-from", str(a), "--max-steps", "4", "--curriculum-until", "0.34", "--simple-until", "0.15", "--simple-facts", "city",
+        tq.main(["--init-from", str(a), "--max-steps", "4", "--curriculum-until", "0.34", "--simple-until", "0.15",
+                 "--recall-until", "0.1", "--simple-facts", "city",
                  "--simple-two-hop", "0", "--eval-every", "2", "--templates", "echo", "--inwindow", "1,1,4,1",
                  "--out", str(tmp_path / "s")] + common)
     finally:
@@ -399,6 +438,8 @@ def test_train_script_writes_a_servable_checkpoint_and_continues_from_it(tmp_pat
     per_step = [stages[i:i + 2] for i in range(0, len(stages), 2)]
     assert [{(c.facts, c.asks, c.two_hop) for c in st} for st in per_step] == [
         {(("city",), ("city",), 0.0)}] * 2 + [{(D.RELATIONS, D.RELATIONS, 0.3)}] * 2
+    # --recall-until 0.1: associative-recall episodes at stages 0 and 0.085, then question/answer ones
+    assert [{c.recall for c in st} for st in per_step] == [{True}] * 2 + [{False}] * 2
     log = json.loads((tmp_path / "s" / "train_log.json").read_text())
     assert log["val_curve_worlds"] == {"facts": ["city"], "asks": ["city"]}
     assert {c.templates for c in stages} == {"echo"} and D.templates_of(tmp_path / "s") == "echo"
@@ -413,7 +454,7 @@ def test_train_script_writes_a_servable_checkpoint_and_continues_from_it(tmp_pat
                 ["--set", "sliding_window"], ["--set", "layer_types=4"], ["--set", "head_dim=wide"],
                 ["--set", "no_such_field=1"], ["--other-weight", "2"], ["--min-lr-frac", "-0.1"], ["--op-profile", "-1"],
                 ["--init-from", str(a), "--set", "sliding_window=64"], ["--simple-facts", "town"],
-                ["--simple-facts", "city", "--simple-asks", "boss"], ["--simple-until", "2"],
+                ["--simple-facts", "city", "--simple-asks", "boss"], ["--simple-until", "2"], ["--recall-until", "-1"],
                 ["--simple-two-hop", "1.5"], ["--templates", "fancy"], ["--inwindow", "1,2,2"],
                 ["--inwindow", "2,1,2,6"], ["--inwindow", "1,2,1,6"], ["--inwindow", "one,2,2,6"]):
         with pytest.raises(SystemExit):

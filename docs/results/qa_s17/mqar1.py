@@ -25,6 +25,7 @@ Data options (session 18): B=rows per step (8), T=row length (256), pack=most ep
 cadence (50), lr=peak learning rate (3e-3), ask=questions per episode (1), distinct people: every
 answer is trained (more signal per episode), but only the FIRST question's answer has weight 1.0
 and so enters span_acc (later ones 0.999): no earlier answer exists to eliminate.
+seed=N (session 19): the model's initialisation and the data stream (0).
 """
 import sys
 import time
@@ -46,6 +47,7 @@ warm_mode, warm_steps = over.pop("warm", f"{mode}:0").split(":")
 final_mode, warm_steps = mode, int(warm_steps)
 B, T, PACK, EVERY, ASK = (int(over.pop(k, d)) for k, d in (("B", 8), ("T", 256), ("pack", 0), ("every", 50), ("ask", 1)))
 LR = float(over.pop("lr", 3e-3))
+SEED = int(over.pop("seed", 0))
 over = {k: v if k == "kv" else float(v) if "." in v else int(v) for k, v in over.items()}
 if over.pop("sliding_only", 0):
     over["layer_types"] = ("sliding_attention",) * over.get("num_layers", 4)
@@ -112,12 +114,12 @@ class Vanilla:
 
 
 if arch == "vanilla":
-    tr = Vanilla(**over)
+    tr = Vanilla(seed=SEED, **over)
 else:
     cfg = qa_test_config(**{**dict(num_layers=4, hidden_size=64, head_dim=32, rope_dim=8, q_lora_rank=32,
                                    sliding_window=256, o_lora_rank=32, index_topk=64), **over})
-    tr = Trainer(random_model(cfg, seed=0, dtype=jnp.float32), TrainConfig(lr=LR, block=128))
-rng = np.random.default_rng(0)
+    tr = Trainer(random_model(cfg, seed=SEED, dtype=jnp.float32), TrainConfig(lr=LR, block=128))
+rng = np.random.default_rng(SEED)
 S = D.SYLLABLES
 
 
