@@ -26,6 +26,8 @@ cadence (50), lr=peak learning rate (3e-3), ask=questions per episode (1), disti
 answer is trained (more signal per episode), but only the FIRST question's answer has weight 1.0
 and so enters span_acc (later ones 0.999): no earlier answer exists to eliminate.
 seed=N (session 19): the model's initialisation and the data stream (0).
+mix=P (session 19): after the warm-up, a share P of the rows stays in the warm-up's mode (not scored:
+span_acc is the final mode's alone).
 """
 import sys
 import time
@@ -48,6 +50,7 @@ final_mode, warm_steps = mode, int(warm_steps)
 B, T, PACK, EVERY, ASK = (int(over.pop(k, d)) for k, d in (("B", 8), ("T", 256), ("pack", 0), ("every", 50), ("ask", 1)))
 LR = float(over.pop("lr", 3e-3))
 SEED = int(over.pop("seed", 0))
+MIX = float(over.pop("mix", 0))
 over = {k: v if k == "kv" else float(v) if "." in v else int(v) for k, v in over.items()}
 if over.pop("sliding_only", 0):
     over["layer_types"] = ("sliding_attention",) * over.get("num_layers", 4)
@@ -123,7 +126,8 @@ rng = np.random.default_rng(SEED)
 S = D.SYLLABLES
 
 
-def episode():
+def episode(mode, scored=True):
+    first = 1.0 if scored else 0.999
     if mode in ("single", "kv", "ind", "zoo"):
         names = [[S[i]] for i in rng.choice(len(S), npeople, replace=False)]
     else:
@@ -138,13 +142,13 @@ def episode():
     for i, k in enumerate(asked):
         if mode == "zoo":
             toks += names[k] + [cities[k]]
-            w += [0.02, 1.0 if i == 0 else 0.999]
+            w += [0.02, first if i == 0 else 0.999]
             continue
         q = (["question", ":"] + names[k] + ["?", "answer", ":"] if mode == "kv"
              else ["question", ":"] + names[k] if mode == "ind"
              else ["question", ":", "where", "does"] + names[k] + ["live", "?", "answer", ":"])
         toks += q + [cities[k], "<eos>"]
-        w += [0.02] * len(q) + [1.0 if i == 0 else 0.999] * 2
+        w += [0.02] * len(q) + [first if i == 0 else 0.999] * 2
     return D.encode(toks), w, sum(c == cities[asked[0]] for c in cities) / npeople
 
 
@@ -154,14 +158,16 @@ for s in range(steps):
     rows, ws = [], []
     for _ in range(B):
         t, w, k = [], [], 0
+        mixed = s >= warm_steps and rng.random() < MIX  # a warm-up row after the warm-up: not scored
         while not (PACK and k == PACK):
-            e, ew, c = episode()
+            e, ew, c = episode(warm_mode, False) if mixed else episode(mode)
             if len(t) + len(e) > T + 1:
                 break
             k += 1
             t += e
             w += ew
-            ch.append(c)
+            if not mixed:
+                ch.append(c)
         n = len(t)
         t += [D.PAD] * (T + 1 - n)
         w = (w + [0.0] * (T + 1 - n))[1:]
