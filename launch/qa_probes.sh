@@ -21,7 +21,7 @@ out=$1 budget=$2
 shift 2
 mkdir -p "$out"
 : "${PROBE_ARGS:=--seq-len 1024 --batch 8 --curriculum-until 0.34 --eval-docs 2 --per-doc 2 --eval-episodes 64 --log-every 50}"
-export XLA_PYTHON_CLIENT_PREALLOCATE=false
+export XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}  # the working tree, installed or not
 export XLA_FLAGS="${XLA_FLAGS:---xla_gpu_autotune_level=0 --xla_gpu_enable_triton_gemm=false}"
 mkdir -p /tmp/qa_probe
 names=()
