@@ -3,6 +3,7 @@ export to a hub-layout safetensors directory that the project's loader reads."""
 
 from __future__ import annotations
 
+import inspect
 import json
 import math
 import os
@@ -105,14 +106,17 @@ def hf_generate_logits(model, ids: np.ndarray, steps: int):
     step's logits, tokens), all for a batch of equal-length prompts."""
     from transformers import DynamicCache
 
+    # the cache argument is `cache` from transformers 5.2x on, `past_key_values` before (5.17,
+    # the GPU image's)
+    kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
     cache = DynamicCache(config=model.config)
-    out = model(input_ids=torch.as_tensor(ids, dtype=torch.long), cache=cache, use_cache=True)
+    out = model(input_ids=torch.as_tensor(ids, dtype=torch.long), use_cache=True, **{kw: cache})
     logits = [out.logits[:, -1].float().numpy()]
     toks = []
     nxt = out.logits[:, -1].argmax(-1)
     for _ in range(steps):
         toks.append(nxt.numpy())
-        out = model(input_ids=nxt[:, None], cache=out.cache, use_cache=True)
+        out = model(input_ids=nxt[:, None], use_cache=True, **{kw: getattr(out, kw)})
         logits.append(out.logits[:, -1].float().numpy())
         nxt = out.logits[:, -1].argmax(-1)
     return np.stack(logits, 1), np.stack(toks, 1)

@@ -101,7 +101,9 @@ def reference(hub):
         str(hub), quantization_config=FineGrainedFP8Config(dequantize=True), dtype=torch.float32,
         output_loading_info=True)
     assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
-    return reference_logits(hf.eval(), prompts())
+    # transformers 5.17 (the GPU image's) keeps the unquantised bf16 tensors in bf16 despite
+    # dtype=float32 and then fails on mixed dtypes; 5.24 casts them. bf16 -> fp32 is exact.
+    return reference_logits(hf.float().eval(), prompts())
 
 
 @pytest.fixture(scope="module")

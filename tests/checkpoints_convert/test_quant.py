@@ -163,6 +163,8 @@ def test_fp8_dequant_matches_transformers_fp8dequantize(hf_fp8, shape):
 def test_fp8_dequant_matches_transformers_explicit_block(hf_fp8, shape):
     """_dequantize_fp8_weight (transformers' backward-pass dequantiser) takes the block size
     explicitly and cuts edge blocks at the border, so it must agree with us on ragged shapes too."""
+    if not hasattr(hf_fp8, "_dequantize_fp8_weight"):  # added after transformers 5.17 (the GPU image's)
+        pytest.skip("this transformers has no finegrained_fp8._dequantize_fp8_weight")
     q, s = random_fp8(shape, np.random.default_rng(11))
     theirs = hf_fp8._dequantize_fp8_weight(
         to_torch(q, torch.float8_e4m3fn), to_torch(s, torch.float8_e8m0fnu), [128, 128], torch.float32
