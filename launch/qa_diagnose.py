@@ -1,7 +1,7 @@
 """Where the QA model (issue 10) answers and where it does not: teacher-forced greedy EM on the
-held-out split by world size, by question type and relation, and by the distance from the
-answer back to the farthest fact it needs (beyond the sliding window, only compressed entries
-reach a fact). Beside each EM, the in-context chance (`data.QA.chance`): what a model
+held-out split (`--split val`: the validation split, for choosing between checkpoints) by world
+size, by question type and relation, and by the distance from the answer back to the farthest
+fact it needs (beyond the sliding window, only compressed entries reach a fact). Beside each EM, the in-context chance (`data.QA.chance`): what a model
 scores that emits the asked type's value of a random person of the world, i.e. knows the
 format and the vocabulary but not which fact belongs to whom.
 
@@ -36,6 +36,8 @@ def main(argv=None):
     ap.add_argument("--sizes", default="2x1,2x2,2x4,3x8,9x8", help="worlds as DOCSxPEOPLE_PER_DOC")
     ap.add_argument("--episodes", type=int, default=32, help="test worlds per size (4 questions per type each)")
     ap.add_argument("--seq-len", type=int, default=2048)
+    ap.add_argument("--split", default="test", choices=D.SPLITS,
+                    help="test: the held-out figures to report; val: for choosing between checkpoints")
     ap.add_argument("--json")
     a = ap.parse_args(argv)
     try:
@@ -44,10 +46,10 @@ def main(argv=None):
         ap.error(f"--sizes: expected e.g. 2x1,9x8, got {a.sizes!r}")
     tr = Trainer(load_model(a.checkpoint), TrainConfig(block=512))
     templates = D.templates_of(a.checkpoint)  # the wording the model was trained on
-    out = {"checkpoint": a.checkpoint, "templates": templates, "episodes": a.episodes, "sizes": {}}
+    out = {"checkpoint": a.checkpoint, "split": a.split, "templates": templates, "episodes": a.episodes, "sizes": {}}
     for n_docs, per_doc in sizes:
         recs = []
-        eps = D.eval_episodes("test", a.episodes, seed=1000, n_docs=n_docs, per_doc=per_doc, questions_per_type=4,
+        eps = D.eval_episodes(a.split, a.episodes, seed=1000, n_docs=n_docs, per_doc=per_doc, questions_per_type=4,
                               templates=templates)
         teacher_forced_scores(tr, eps, a.seq_len, 8, records=recs)
         groups = collections.defaultdict(list)

@@ -484,3 +484,9 @@ def test_qa_diagnose_script_splits_em_by_relation_and_distance(tmp_path):
     assert qd.bucket(0) == "[0,128)" and qd.bucket(5000) == ">=1024"
     with pytest.raises(SystemExit):
         qd.main(["--checkpoint", str(tmp_path / "ckpt"), "--sizes", "two"])
+    with pytest.raises(SystemExit):
+        qd.main(["--checkpoint", str(tmp_path / "ckpt"), "--split", "train"])
+    val = qd.main(["--checkpoint", str(tmp_path / "ckpt"), "--split", "val", "--sizes", "2x2", "--episodes", "1",
+                   "--seq-len", "256"])
+    assert val["split"] == "val" and out["split"] == "test"
+    assert sum(v["n"] for k, v in val["sizes"]["2x2"]["em"].items() if k.startswith("type: ")) == 8

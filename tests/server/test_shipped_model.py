@@ -6,9 +6,10 @@ training). The documents are registered as text, cited in a shuffled order, and 
 is asked through the completions endpoint (RedKnot arm and `arm: recompute`), and the first
 question also through chat (the checkpoint's chat template appends `answer :`). Expected: the server's Recomputed answer
 equals the in-process greedy answer of the same weights (serving changes nothing), and the
-model answers some of them right. The world is small (2 documents of 4 people): the shipped
-model is an interim checkpoint that retrieves well inside its 128-row sliding window and
-poorly beyond it (its model card has the scores by world size).
+model answers at least half of them right (6 of 8 on CPU, 2026-12-02; a guess among the world's
+values of the asked kind gets about 2). The world is the size the shipped model was last trained
+on (2 documents of 4 people): it answers facts inside its 128-row sliding window and not yet
+beyond it (its model card has the scores by world size and distance).
 """
 
 from __future__ import annotations
@@ -85,7 +86,7 @@ def test_default_server_answers_held_out_questions(default_server):
         assert status == 200, chat
         assert chat["choices"][0]["message"]["content"].strip() == expected
         right += expected == gold
-    assert right >= 2, f"the shipped model answered {right} of {len(ep.qas)} held-out questions"
+    assert right >= len(ep.qas) // 2, f"the shipped model answered {right} of {len(ep.qas)} held-out questions"
 
 
 def test_ignore_eos_and_tokenize(default_server):
