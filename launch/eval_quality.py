@@ -18,7 +18,8 @@ Artifacts: built once per document and per (fences, Global head), the only profi
 change an artifact's content; a variant that changes only the budget or the fan-out rule gets
 the same payload under a certificate re-issued for its profile digest, so certification still
 runs (and counts) for every request. The `reuse-a-b` variants reuse only layers a..b (the rest
-fenced, i.e. native), which says which layers carry the arms' difference.
+fenced, i.e. native), which says which layers carry the arms' difference. `thin` protects
+only 8 boundary rows and a 16-row tail, so the rows inside the question's window are restored.
 """
 
 from __future__ import annotations
@@ -53,6 +54,11 @@ def variants(names: list[str], reusable: range, n_layers: int) -> list[tuple[str
             grid.append((f"b{int(round(b * 100))}-{mode}", {"budget_override": b, "fanout_mode": mode, "_label": lab}))
     grid.append(("default-refresh", {"latent_refresh": "protected", "_label": "controller, fan-out on, protected "
                                                                            "rows' latents recomputed"}))
+    # the shipped profile protects the last 128 rows (one window) and 64 rows at each end of a
+    # relocated document: a model that answers from inside its window reads only protected rows
+    # there. `thin` restores those rows too, so the arms differ where such a model looks.
+    grid.append(("thin", {"boundary_rows": 8, "tail_rows": 16, "_label": "controller, fan-out on, 8 boundary "
+                                                                         "rows, 16-row tail"}))
     for lo in reusable[::2]:
         hi = min(lo + 1, reusable[-1])
         grid.append((f"reuse-{lo}-{hi}", {"fence_first": lo, "fence_last": n_layers - 1 - hi,

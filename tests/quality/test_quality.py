@@ -355,16 +355,19 @@ def test_eval_quality_smoke(tmp_path):
     model = random_model(cfg, seed=0, dtype=jnp.float32)
     save_checkpoint(model, tmp_path / "ckpt")
     res = ev.main(["--checkpoint", str(tmp_path / "ckpt"), "--n", "1", "--docs", "3", "--per-doc", "2",
-                   "--variants", "reuse-3-4", "--max-new", "1", "--bootstrap", "50",
+                   "--variants", "reuse-3-4,thin", "--max-new", "1", "--bootstrap", "50",
                    "--out", str(tmp_path / "q")])
-    assert set(res["summary"]) == {"reuse-3-4"}
+    assert set(res["summary"]) == {"reuse-3-4", "thin"}
     for cert in res["certification"].values():
         assert cert["validated"] == 2 and not any(cert["fallback"].values())  # no silent recomputation
     # the band variant ran on artifacts built for its own fences (layers 3-4 only; the shipped
     # profile of this model reuses layers 1-4)
-    assert res["artifact_layers"] == {"reuse-3-4": [3, 4]}
+    assert res["artifact_layers"] == {"reuse-3-4": [3, 4], "thin": [1, 2, 3, 4]}
     for r in res["records"]:
         assert 0 <= r["kl"] and r["protected"] > 0
+    # thin protects fewer rows of the same requests than the shipped protection sizes
+    prot = {(r["variant"], r["episode"], r["qtype"]): r["protected"] for r in res["records"]}
+    assert all(prot[("thin", e, q)] < prot[("reuse-3-4", e, q)] for (v, e, q) in prot if v == "thin")
     assert (tmp_path / "q.md").read_text().startswith("| variant")
 
 
