@@ -19,7 +19,8 @@ change an artifact's content; a variant that changes only the budget or the fan-
 the same payload under a certificate re-issued for its profile digest, so certification still
 runs (and counts) for every request. The `reuse-a-b` variants reuse only layers a..b (the rest
 fenced, i.e. native), which says which layers carry the arms' difference. `thin` protects
-only 8 boundary rows and a 16-row tail, so the rows inside the question's window are restored.
+only 1/16 of a window at each end of a relocated document and a 1/8-window tail (8 and 16 rows
+for a 128-row window), so the rows inside the question's window are restored.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ from redknot_jax.reuse.runtime import ReuseRuntime
 DEFAULT_CKPT = pathlib.Path(__file__).resolve().parents[1] / "redknot_jax" / "assets" / "qa_model"
 
 
-def variants(names: list[str], reusable: range, n_layers: int) -> list[tuple[str, dict]]:
+def variants(names: list[str], reusable: range, n_layers: int, window: int = 128) -> list[tuple[str, dict]]:
     """(label, profile overrides). 'default' = the profile as shipped (controller + tau);
     `reusable`: the shipped profile's reusable layers, cut into bands of two for `reuse-a-b`
     (only that band reused, every other layer fenced, i.e. native)."""
@@ -54,11 +55,12 @@ def variants(names: list[str], reusable: range, n_layers: int) -> list[tuple[str
             grid.append((f"b{int(round(b * 100))}-{mode}", {"budget_override": b, "fanout_mode": mode, "_label": lab}))
     grid.append(("default-refresh", {"latent_refresh": "protected", "_label": "controller, fan-out on, protected "
                                                                            "rows' latents recomputed"}))
-    # the shipped profile protects the last 128 rows (one window) and 64 rows at each end of a
+    # the shipped profile protects the last `window` rows and half a window at each end of a
     # relocated document: a model that answers from inside its window reads only protected rows
-    # there. `thin` restores those rows too, so the arms differ where such a model looks.
-    grid.append(("thin", {"boundary_rows": 8, "tail_rows": 16, "_label": "controller, fan-out on, 8 boundary "
-                                                                         "rows, 16-row tail"}))
+    # there. `thin` (1/16 and 1/8 of the window: 8 and 16 rows at 128) restores those rows too.
+    thin = dict(boundary_rows=max(1, window // 16), tail_rows=max(1, window // 8))
+    grid.append(("thin", {**thin, "_label": f"controller, fan-out on, {thin['boundary_rows']} boundary rows, "
+                                           f"{thin['tail_rows']}-row tail"}))
     for lo in reusable[::2]:
         hi = min(lo + 1, reusable[-1])
         grid.append((f"reuse-{lo}-{hi}", {"fence_first": lo, "fence_last": n_layers - 1 - hi,
@@ -207,7 +209,7 @@ def main(argv=None):
     cfg = model.cfg
     fingerprint = f"qa_model:{pathlib.Path(args.checkpoint).name}"
     base = qa_profile(cfg.num_layers, cfg.sliding_window)
-    vs = variants(args.variants.split(","), base.reusable_layers(cfg.num_layers), cfg.num_layers)
+    vs = variants(args.variants.split(","), base.reusable_layers(cfg.num_layers), cfg.num_layers, cfg.sliding_window)
     runtimes = {}
     for name, ov in vs:
         ov = {k: v for k, v in ov.items() if not k.startswith("_")}
