@@ -490,7 +490,7 @@ def test_qa_diagnose_script_splits_em_by_relation_and_distance(tmp_path):
     with pytest.raises(SystemExit):
         qd.main(["--checkpoint", str(tmp_path / "ckpt"), "--sizes", "two"])
     with pytest.raises(SystemExit):
-        qd.main(["--checkpoint", str(tmp_path / "ckpt"), "--split", "train"])
+        qd.main(["--checkpoint", str(tmp_path / "ckpt"), "--split", "heldout"])
     val = qd.main(["--checkpoint", str(tmp_path / "ckpt"), "--split", "val", "--sizes", "2x2", "--episodes", "1",
                    "--seq-len", "256"])
     assert val["split"] == "val" and out["split"] == "test"
