@@ -1,9 +1,10 @@
 """Where the QA model (issue 10) answers and where it does not: teacher-forced greedy EM on the
 held-out split (`--split val`: the validation split, for choosing between checkpoints) by world
 size, by question type and relation, and by the distance from the answer back to the farthest
-fact it needs (beyond the sliding window, only compressed entries reach a fact). Beside each EM, the in-context chance (`data.QA.chance`): what a model
-scores that emits the asked type's value of a random person of the world, i.e. knows the
-format and the vocabulary but not which fact belongs to whom.
+fact it needs (beyond the sliding window, only compressed entries reach a fact). Beside each
+EM, the in-context chance (`data.QA.chance`): what a model scores that emits the asked type's
+value of a random person of the world, i.e. knows the format and the vocabulary but not which
+fact belongs to whom.
 
     python launch/qa_diagnose.py --checkpoint redknot_jax/assets/qa_model          # CPU, ~3 min
     python launch/qa_diagnose.py --checkpoint DIR --sizes 2x1,2x4 --episodes 8 --json out.json

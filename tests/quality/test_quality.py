@@ -491,7 +491,13 @@ def test_qa_diagnose_script_splits_em_by_relation_and_distance(tmp_path):
         qd.main(["--checkpoint", str(tmp_path / "ckpt"), "--sizes", "two"])
     with pytest.raises(SystemExit):
         qd.main(["--checkpoint", str(tmp_path / "ckpt"), "--split", "heldout"])
-    val = qd.main(["--checkpoint", str(tmp_path / "ckpt"), "--split", "val", "--sizes", "2x2", "--episodes", "1",
-                   "--seq-len", "256"])
-    assert val["split"] == "val" and out["split"] == "test"
+    asked = []  # the split each world set is drawn from
+    draw = qd.D.eval_episodes
+    qd.D.eval_episodes = lambda split, *a, **k: asked.append(split) or draw(split, *a, **k)
+    try:
+        val = qd.main(["--checkpoint", str(tmp_path / "ckpt"), "--split", "val", "--sizes", "2x2", "--episodes", "1",
+                       "--seq-len", "256"])
+    finally:
+        qd.D.eval_episodes = draw
+    assert asked == ["val"] and val["split"] == "val" and out["split"] == "test"
     assert sum(v["n"] for k, v in val["sizes"]["2x2"]["em"].items() if k.startswith("type: ")) == 8
