@@ -42,7 +42,7 @@ from redknot_jax.config import ModelConfig
 from redknot_jax.init import random_model
 from redknot_jax.quality import data as D
 from redknot_jax.quality.model_config import qa_config, qa_cpu_config, qa_test_config
-from redknot_jax.quality.train import (TrainConfig, Trainer, load_model, lr_at, save_checkpoint,
+from redknot_jax.quality.train import (TrainConfig, Trainer, load_model, lr_at, recall_scores, save_checkpoint,
                                        teacher_forced_scores, write_serving_files)
 
 
@@ -64,7 +64,9 @@ def curriculum(frac: float, row: int, args) -> D.Curriculum:
     else:
         cur = D.Curriculum(max(2, full - 1), full, args.per_doc, 24, two_hop=0.5)
     cur = dataclasses.replace(cur, templates=args.templates)
-    if frac < args.recall_until:  # associative recall first (--recall-until)
+    if frac < args.recall_until:  # associative recall first (--recall-until, sizes --recall-shape)
+        if args.recall_shape:
+            cur = D.Curriculum(*args.recall_shape, templates=args.templates)
         cur = dataclasses.replace(cur, recall=True)
     if frac < args.simple_until:  # fewer kinds of facts / questions first (--simple-*)
         cur = dataclasses.replace(cur, facts=args.simple_facts, asks=args.simple_asks,
@@ -118,6 +120,9 @@ def main(argv=None):
     ap.add_argument("--inwindow", default="1,2,2,6", metavar="MIN_DOCS,MAX_DOCS,PER_DOC,QUESTIONS",
                     help="the first (in-window) stage's episodes: documents per episode, people per document, "
                          "questions per episode (at most; no question repeats)")
+    ap.add_argument("--recall-shape", metavar="MIN_DOCS,MAX_DOCS,PER_DOC,QUESTIONS",
+                    help="the recall episodes' sizes, as --inwindow (default: the stage's own), e.g. 1,3,32,8: "
+                         "recall of facts up to ~390 rows back while the QA stage after it stays at --inwindow")
     ap.add_argument("--recall-until", type=float, default=0.0,
                     help="curriculum stage (a budget fraction, as --curriculum-from) until which episodes are "
                          "associative-recall warm-ups (quality.data.recall_episode: 'ka lo oslo .' facts, then "
@@ -168,13 +173,17 @@ def main(argv=None):
                      two_hop=0.0 if args.simple_two_hop is None else args.simple_two_hop)
     except ValueError as e:
         ap.error(f"--simple-facts / --simple-asks / --simple-two-hop: {e}")
-    try:
-        args.inwindow = tuple(int(v) for v in args.inwindow.split(","))
-    except ValueError:
-        ap.error(f"--inwindow: expected four integers MIN_DOCS,MAX_DOCS,PER_DOC,QUESTIONS, got {args.inwindow!r}")
-    if len(args.inwindow) != 4 or not (1 <= args.inwindow[0] <= args.inwindow[1] and args.inwindow[2] >= 2
-                                       and args.inwindow[3] >= 1):
-        ap.error(f"--inwindow: expected 1 <= MIN_DOCS <= MAX_DOCS, PER_DOC >= 2, QUESTIONS >= 1, got {args.inwindow}")
+    for flag in ("inwindow", "recall_shape"):
+        text, name = getattr(args, flag), "--" + flag.replace("_", "-")
+        if text is None:
+            continue
+        try:
+            shape = tuple(int(v) for v in text.split(","))
+        except ValueError:
+            ap.error(f"{name}: expected four integers MIN_DOCS,MAX_DOCS,PER_DOC,QUESTIONS, got {text!r}")
+        if len(shape) != 4 or not (1 <= shape[0] <= shape[1] and shape[2] >= 2 and shape[3] >= 1):
+            ap.error(f"{name}: expected 1 <= MIN_DOCS <= MAX_DOCS, PER_DOC >= 2, QUESTIONS >= 1, got {shape}")
+        setattr(args, flag, shape)
     if args.op_profile < 0:
         ap.error(f"--op-profile: expected a step count >= 0, got {args.op_profile}")
     if not 0.0 <= args.other_weight <= 1.0:
@@ -257,6 +266,10 @@ def main(argv=None):
     curve_rel = dict(facts=args.simple_facts, asks=args.simple_asks) if simple else {}
     probe_eps = D.eval_episodes("val", 16, seed=2000 + args.seed, n_docs=args.eval_docs, per_doc=args.per_doc,
                                 questions_per_type=4, templates=args.templates, **curve_rel) if args.eval_every else []
+    # with --recall-until, the curve also follows recall at the --inwindow sizes by distance
+    recall_rows = (D.recall_probe("val", 32, 3000 + args.seed, D.Curriculum(*(args.recall_shape or args.inwindow)),
+                                  args.seq_len)
+                   if args.eval_every and args.recall_until > args.curriculum_from else None)
     if args.eval_every:
         log["val_curve_worlds"] = {"facts": list(curve_rel.get("facts", D.RELATIONS)),
                                    "asks": list(curve_rel.get("asks", D.RELATIONS))}
@@ -339,6 +352,12 @@ def main(argv=None):
                 {"step": step, **{k: {m: round(v[m], 3) for m in ("em", "chance")} for k, v in tf.items()}})
             print(f"step {step} validation " + ", ".join(f"{k} EM {v['em']:.3f} (chance {v['chance']:.3f})"
                                                          for k, v in tf.items()), flush=True)
+            if recall_rows is not None:
+                rs = recall_scores(trainer, *recall_rows, args.batch, cfg.sliding_window)
+                log.setdefault("recall_curve", []).append(
+                    {"step": step, **{k: {m: round(v[m], 3) for m in ("n", "acc", "chance")} for k, v in rs.items()}})
+                print(f"step {step} validation recall " + ", ".join(
+                    f"{k} {v['acc']:.3f} (n {v['n']}, chance {v['chance']:.3f})" for k, v in rs.items()), flush=True)
         if not saved_mid and frac >= 0.6:  # a usable checkpoint even if the run is cut short
             save_checkpoint(trainer.model(), out, metadata={"step": str(step), "note": "mid-training"})
             saved_mid = True

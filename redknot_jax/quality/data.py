@@ -367,32 +367,64 @@ def training_sequence(rng: np.random.Generator, names: Sequence[tuple[str, str]]
 
 
 def recall_episode(rng: np.random.Generator, world: World, cur: Curriculum, room: int,
-                   other_weight: float = 0.02) -> tuple[list[int], list[float]]:
+                   other_weight: float = 0.02, queries: list | None = None) -> tuple[list[int], list[float]]:
     """The world as one associative-recall episode (`Curriculum.recall`): one relation drawn from
     `cur.asks`; each document states every person's value of it as "name value ."; then up to
     `cur.questions` distinct people, each as "name value" with the value weighted 1 (the name
     `other_weight`). Queries are added while the episode fits in `room` tokens; ([], []) when not
-    even one does."""
+    even one does. `queries`: a list to which each query's (target indices predicting its value,
+    distance in tokens from its value back to the stated value, in-context chance: the share of
+    the world's people with that value) is appended, indices relative to the episode's start."""
     rel = cur.asks[rng.integers(len(cur.asks))]
     people = world.people
 
     def value(p: Person) -> list[str]:
         return list(people[p.boss].name) if rel == "boss" else [getattr(p, rel)]
 
-    ep = []
+    ep, stated = [], {}
     for d in range(len(world.docs)):
-        mine = [p for p in people if p.doc == d]
-        ep += ["document", ":"] + [w for k in rng.permutation(len(mine)) for w in [*mine[k].name, *value(mine[k]), "."]]
+        ep += ["document", ":"]
+        for k in rng.permutation([i for i, p in enumerate(people) if p.doc == d]):
+            stated[int(k)] = len(ep) + len(people[k].name)
+            ep += [*people[k].name, *value(people[k]), "."]
     ew = [other_weight] * len(ep)
     for k in rng.choice(len(people), min(cur.questions, len(people)), replace=False):
         name, val = list(people[k].name), value(people[k])
         if len(ep) + len(name) + len(val) > room:
             break
-        ep += name + val
+        ep += name
+        if queries is not None:
+            queries.append((list(range(len(ep) - 1, len(ep) - 1 + len(val))), len(ep) - stated[int(k)],
+                            sum(value(o) == val for o in people) / len(people)))
+        ep += val
         ew += [other_weight] * len(name) + [1.0] * len(val)
     if 1.0 not in ew:
         return [], []
     return encode(ep), ew
+
+
+def recall_probe(split: str, n: int, seed: int, cur: Curriculum, seq_len: int):
+    """n associative-recall episodes of the split at `cur`'s sizes (documents drawn from
+    [cur.min_docs, cur.max_docs], `cur.per_doc` people each), one per row, every person asked
+    once: the probe of whether recall reaches facts beyond the sliding window. Returns (tokens
+    [n, seq_len + 1] int32, per row the `recall_episode` queries)."""
+    if split not in SPLITS:
+        raise ValueError(f"split: expected one of {SPLITS}, got {split!r}")
+    pool = split_names()[split]
+    rng = np.random.default_rng([seed, SPLITS.index(split)])
+    cur = dataclasses.replace(cur, recall=True)
+    rows, meta = [], []
+    for _ in range(n):
+        n_docs = int(rng.integers(cur.min_docs, cur.max_docs + 1))
+        world = make_world(rng, pool, n_docs, cur.per_doc, cur.facts, cur.templates)
+        queries = []
+        ep, _ = recall_episode(rng, world, dataclasses.replace(cur, questions=len(world.people)), seq_len + 1,
+                               queries=queries)
+        if not ep:
+            raise ValueError(f"recall_probe: an episode of {n_docs} x {cur.per_doc} does not fit {seq_len} tokens")
+        rows.append(np.asarray(ep + [PAD] * (seq_len + 1 - len(ep)), np.int32))
+        meta.append(queries)
+    return np.stack(rows), meta
 
 
 def training_batch(rng: np.random.Generator, names, batch: int, seq_len: int, cur: Curriculum,

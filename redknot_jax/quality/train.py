@@ -396,6 +396,29 @@ def load_model(directory, dtype=jnp.float32) -> Model:
 
 
 # ----------------------------------------------------------------------------- teacher-forced eval
+def recall_scores(trainer: Trainer, tokens, meta, batch: int, window: int):
+    """Teacher-forced accuracy of `quality.data.recall_probe` rows by how far back the stated
+    value lies: "inside" the sliding window (< window tokens), "1-2 windows", "beyond 2
+    windows" (only compressed entries reach the last two). A query counts when the argmax of
+    every target of its value is right. Per bucket: n, acc and the mean in-context chance."""
+    res = {}
+    for s in range(0, len(tokens), batch):
+        arr = np.asarray(tokens[s:s + batch])
+        arr = np.concatenate([arr, np.repeat(arr[-1:], batch - len(arr), 0)])
+        pred = np.asarray(jnp.argmax(trainer.logits(arr[:, :-1]), -1))
+        for j, queries in enumerate(meta[s:s + batch]):
+            for span, dist, chance in queries:
+                key = "inside" if dist < window else "1-2 windows" if dist < 2 * window else "beyond 2 windows"
+                d = res.setdefault(key, {"n": 0, "acc": 0.0, "chance": 0.0})
+                d["n"] += 1
+                d["acc"] += float((pred[j, span] == arr[j, np.asarray(span) + 1]).all())
+                d["chance"] += chance
+    for d in res.values():
+        d["acc"] /= d["n"]
+        d["chance"] /= d["n"]
+    return res
+
+
 def teacher_forced_scores(trainer: Trainer, episodes, seq_len: int, batch: int, records: list | None = None,
                           by_relation: bool = False):
     """Greedy-equivalent EM per question type, each question in a row of its own (the world's

@@ -120,6 +120,27 @@ def test_recall_episodes_bind_each_name_to_its_stated_value():
         assert np.isin(w, np.float32([0.0, 0.02, 1.0])).all()
 
 
+def test_recall_probe_marks_each_query_with_its_distance_and_chance():
+    """`recall_probe`: one recall episode per row, every person queried once; each query's
+    target indices predict exactly its value, the value stated `distance` tokens earlier
+    (after the same name), and its chance is the share of the world with that value. Rows of
+    2 x 16 people reach past a 128-row window. An episode that cannot fit is refused."""
+    seq = 400
+    toks, meta = D.recall_probe("val", 6, 1, D.Curriculum(2, 2, 16, 4, asks=("city",)), seq)
+    assert toks.shape == (6, seq + 1) and [len(m) for m in meta] == [32] * 6
+    val_names = {D.ID[a] for n in D.split_names()["val"] for a in n}
+    for row, queries in zip(toks, meta):
+        assert set(row[row != D.PAD].tolist()) - {D.ID[w] for w in ("document", ":", ".", *D.CITIES)} <= val_names
+        for span, dist, chance in queries:
+            at = span[0] + 1  # the value's first token
+            assert dist > 0 and row[at - dist] == row[at] and (row[at - dist - 2:at - dist] == row[at - 2:at]).all()
+            assert row[at - dist + 1] == D.ID["."]  # the stated fact "name value ." (one-token city)
+            assert 0 < chance <= 1
+        assert max(q[1] for q in queries) > 128
+    with pytest.raises(ValueError, match="does not fit"):
+        D.recall_probe("val", 1, 1, D.Curriculum(2, 2, 16, 4), 64)
+
+
 def test_fewer_kinds_of_facts_and_questions():
     """`Curriculum(facts=, asks=)`: documents state only the chosen relations and only the
     asked ones are questioned (two-hop needs the boss facts); every person's values are drawn
@@ -435,7 +456,7 @@ def test_train_script_writes_a_servable_checkpoint_and_continues_from_it(tmp_pat
     tq.D.training_sequence = spy
     try:
         tq.main(["--init-from", str(a), "--max-steps", "4", "--curriculum-until", "0.34", "--simple-until", "0.15",
-                 "--recall-until", "0.1", "--simple-facts", "city",
+                 "--recall-until", "0.1", "--recall-shape", "1,1,6,2", "--simple-facts", "city",
                  "--simple-two-hop", "0", "--eval-every", "2", "--templates", "echo", "--inwindow", "1,1,4,1",
                  "--out", str(tmp_path / "s")] + common)
     finally:
@@ -448,10 +469,18 @@ def test_train_script_writes_a_servable_checkpoint_and_continues_from_it(tmp_pat
     log = json.loads((tmp_path / "s" / "train_log.json").read_text())
     assert log["val_curve_worlds"] == {"facts": ["city"], "asks": ["city"]}
     assert {c.templates for c in stages} == {"echo"} and D.templates_of(tmp_path / "s") == "echo"
-    # --inwindow: the in-window stage's episode shape (one document of four people, one question)
-    assert {(c.min_docs, c.max_docs, c.per_doc, c.questions) for c in stages} == {(1, 1, 4, 1)}
+    # --inwindow: the in-window stage's episode shape (one document of four people, one question);
+    # --recall-shape: the recall episodes' (one document of six people, two queries)
+    assert [{(c.min_docs, c.max_docs, c.per_doc, c.questions) for c in st} for st in per_step] == [
+        {(1, 1, 6, 2)}] * 2 + [{(1, 1, 4, 1)}] * 2
     assert all(0 <= r["span_acc"] <= 1 for r in log["history"])  # the answer span's accuracy, without <eos>
     assert {k for c in log["val_curve"] for k in c if k != "step"} == {"lookup", "lookup:city"}
+    # with --recall-until the curve also follows recall by distance from the stated value: 32 episodes of
+    # 1 x 6 (--recall-shape, about 26 tokens) against qa-test's 8-row window reach all three buckets
+    assert [c["step"] for c in log["recall_curve"]] == [2, 4]
+    for c in log["recall_curve"]:
+        assert set(c) == {"step", "inside", "1-2 windows", "beyond 2 windows"}
+        assert sum(c[k]["n"] for k in c if k != "step") == 6 * 32 and all(0 < c[k]["chance"] <= 1 for k in c if k != "step")
     assert "lookup" in log["teacher_forced_val"]  # the end of the run: full worlds (2 x 2 fit one or two questions)
     with pytest.raises(SystemExit):
         tq.main(["--init-from", str(tmp_path / "nothing"), "--out", str(tmp_path / "c")])
@@ -461,7 +490,7 @@ def test_train_script_writes_a_servable_checkpoint_and_continues_from_it(tmp_pat
                 ["--init-from", str(a), "--set", "sliding_window=64"], ["--simple-facts", "town"],
                 ["--simple-facts", "city", "--simple-asks", "boss"], ["--simple-until", "2"], ["--recall-until", "-1"],
                 ["--simple-two-hop", "1.5"], ["--templates", "fancy"], ["--inwindow", "1,2,2"],
-                ["--inwindow", "2,1,2,6"], ["--inwindow", "1,2,1,6"], ["--inwindow", "one,2,2,6"]):
+                ["--inwindow", "2,1,2,6"], ["--inwindow", "1,2,1,6"], ["--inwindow", "one,2,2,6"], ["--recall-shape", "1,2,2"]):
         with pytest.raises(SystemExit):
             tq.main(bad + ["--out", str(tmp_path / "d")])
 
