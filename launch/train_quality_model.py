@@ -42,8 +42,8 @@ from redknot_jax.config import ModelConfig
 from redknot_jax.init import random_model
 from redknot_jax.quality import data as D
 from redknot_jax.quality.model_config import qa_config, qa_cpu_config, qa_test_config
-from redknot_jax.quality.train import (TrainConfig, Trainer, load_model, lr_at, recall_scores, save_checkpoint,
-                                       teacher_forced_scores, write_serving_files)
+from redknot_jax.quality.train import (TrainConfig, Trainer, by_distance, load_model, lr_at, recall_scores,
+                                       save_checkpoint, teacher_forced_scores, write_serving_files)
 
 
 PROFILE_AFTER = 2  # --op-profile: steps before the trace (the first one compiles)
@@ -394,9 +394,13 @@ def main(argv=None):
         t0 = time.perf_counter()
         eps = D.eval_episodes(split, args.eval_episodes, seed=1000 + args.seed, n_docs=args.eval_docs,
                               per_doc=args.per_doc, questions_per_type=4, templates=args.templates)
-        log[f"teacher_forced_{split}"] = teacher_forced_scores(trainer, eps, args.seq_len, args.batch)
+        recs = []
+        log[f"teacher_forced_{split}"] = teacher_forced_scores(trainer, eps, args.seq_len, args.batch, records=recs)
         log[f"teacher_forced_{split}"]["seconds"] = round(time.perf_counter() - t0, 2)
+        log[f"teacher_forced_{split}_by_distance"] = by_distance(recs, cfg.sliding_window)
         print(split, json.dumps(log[f"teacher_forced_{split}"]), flush=True)
+        print(split, "by distance from the farthest fact:", json.dumps(log[f"teacher_forced_{split}_by_distance"]),
+              flush=True)
         write_log()
     log["total_s"] = round(time.perf_counter() - t_start, 2)
     write_log()

@@ -396,11 +396,31 @@ def load_model(directory, dtype=jnp.float32) -> Model:
 
 
 # ----------------------------------------------------------------------------- teacher-forced eval
+def distance_bucket(distance: int, window: int) -> str:
+    """"inside" the sliding window (< window tokens back), "1-2 windows" or "beyond 2 windows"
+    (only compressed entries reach the last two)."""
+    return "inside" if distance < window else "1-2 windows" if distance < 2 * window else "beyond 2 windows"
+
+
+def by_distance(records, window: int) -> dict:
+    """`teacher_forced_scores` records grouped by question type and `distance_bucket`:
+    {"lookup inside": {"n", "em", "chance"}, ...}."""
+    res = {}
+    for r in records:
+        d = res.setdefault(f"{r['qtype']} {distance_bucket(r['distance'], window)}", {"n": 0, "em": 0.0, "chance": 0.0})
+        d["n"] += 1
+        d["em"] += r["em"]
+        d["chance"] += r["chance"]
+    for d in res.values():
+        d["em"] = round(d["em"] / d["n"], 3)
+        d["chance"] = round(d["chance"] / d["n"], 3)
+    return dict(sorted(res.items()))
+
+
 def recall_scores(trainer: Trainer, tokens, meta, batch: int, window: int):
     """Teacher-forced accuracy of `quality.data.recall_probe` rows by how far back the stated
-    value lies: "inside" the sliding window (< window tokens), "1-2 windows", "beyond 2
-    windows" (only compressed entries reach the last two). A query counts when the argmax of
-    every target of its value is right. Per bucket: n, acc and the mean in-context chance."""
+    value lies (`distance_bucket`). A query counts when the argmax of every target of its value
+    is right. Per bucket: n, acc and the mean in-context chance."""
     res = {}
     for s in range(0, len(tokens), batch):
         arr = np.asarray(tokens[s:s + batch])
@@ -408,7 +428,7 @@ def recall_scores(trainer: Trainer, tokens, meta, batch: int, window: int):
         pred = np.asarray(jnp.argmax(trainer.logits(arr[:, :-1]), -1))
         for j, queries in enumerate(meta[s:s + batch]):
             for span, dist, chance in queries:
-                key = "inside" if dist < window else "1-2 windows" if dist < 2 * window else "beyond 2 windows"
+                key = distance_bucket(dist, window)
                 d = res.setdefault(key, {"n": 0, "acc": 0.0, "chance": 0.0})
                 d["n"] += 1
                 d["acc"] += float((pred[j, span] == arr[j, np.asarray(span) + 1]).all())

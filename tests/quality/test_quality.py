@@ -482,6 +482,10 @@ def test_train_script_writes_a_servable_checkpoint_and_continues_from_it(tmp_pat
         assert set(c) == {"step", "inside", "1-2 windows", "beyond 2 windows"}
         assert sum(c[k]["n"] for k in c if k != "step") == 6 * 32 and all(0 < c[k]["chance"] <= 1 for k in c if k != "step")
     assert "lookup" in log["teacher_forced_val"]  # the end of the run: full worlds (2 x 2 fit one or two questions)
+    # ... and by distance from the farthest fact, against qa-test's 8-row window
+    dist = log["teacher_forced_val_by_distance"]
+    assert dist and {k.split(" ", 1)[1] for k in dist} <= {"inside", "1-2 windows", "beyond 2 windows"}
+    assert sum(v["n"] for k, v in dist.items() if k.startswith("lookup")) == log["teacher_forced_val"]["lookup"]["n"]
     with pytest.raises(SystemExit):
         tq.main(["--init-from", str(tmp_path / "nothing"), "--out", str(tmp_path / "c")])
     for bad in (["--curriculum-from", "0.5", "--curriculum-until", "0.4"], ["--dense-csa-until", "1.5"],
