@@ -15,18 +15,27 @@ z_p [p, g, o] the protected rows' projection through all of wo_a (pass B; an XLA
 `restore_reference` is the consumer's XLA formulation; `restore` the Mosaic GPU kernel with the
 same signature; `RestoreConfig` its validated tiling; `main()` the benchmark.
 
-Kernel layout: one CTA per (128 rows, group, block_n output columns), three warpgroups. A
-producer warpgroup issues the TMA copies: per contraction step of 64 the two consumers' o_G rows
-[128, 64] and the wo_a tile [block_n, 64] (the group's rows, the Global head's columns, read in
-place: no weight copy) into one of `steps` slots; and, between the first steps, each row's
-addend by a one-row TMA copy from its source, z_L pool row, z_p row or a zero row (TMA has no
-gather on Hopper; a copy per row is the gather), onto one barrier per consumer. Each consumer
-warpgroup owns 64 rows (the wgmma M), shares the weight tile with the other, keeps one wgmma in
-flight and releases a slot when its product is done. Its epilogue drops the product of
-protected rows, adds the addend in fp32 in place of the addend in shared memory (each thread
-writes the elements it read) and stores its rows with one TMA copy. Limits: one Global head per
-group (nG = 1, the profiles' "7 of every 8 heads restored"), bf16, k % 64 == 0, o % block_n == 0.
-Mosaic GPU interpret mode runs this kernel on CPU (its wgmma operands all come from shared
+Kernel layout, two forms (`RestoreConfig.resident`), three warpgroups each. A producer
+warpgroup issues the TMA copies: the o_G rows [128, 64] and the wo_a tile [block_n, 64] (the
+group's rows, the Global head's columns, read in place: no weight copy) of each contraction step
+of 64 into one of `steps` slots; and, between the steps, each row's addend by a one-row TMA copy
+from its source, z_L pool row, z_p row or a zero row (TMA has no gather on Hopper; a copy per row
+is the gather), onto one barrier per consumer. Each consumer warpgroup owns 64 rows (the wgmma
+M), shares the weight tile with the other, keeps one wgmma in flight and releases a slot when its
+product is done. Its epilogue drops the product of protected rows, adds the addend in fp32 in
+place of the addend in shared memory (each thread writes the elements it read) and stores its
+rows with one TMA copy.
+* tiled: one CTA per (128 rows, group, block_n output columns); a slot holds both operands, so a
+  row block's o_G is read o / block_n times (4 at block_n 256), from L2 at best;
+* resident: one CTA per (128 rows, group). The producer first loads the CTA's o_G rows
+  [128, k] whole (128 KB at k = 512), one barrier per step; the CTA then loops over the
+  o / block_n column blocks, a slot holding only a weight tile. The weight stream runs on across
+  column blocks (the next block's first tiles load while the consumers run an epilogue), and the
+  producer copies a block's addends once both consumers' stores of the previous block have read
+  the buffer (one addend / output buffer: [128, o] would not fit). o_G is read once.
+Limits: one Global head per group (nG = 1, the profiles' "7 of every 8 heads restored"), bf16,
+k % 64 == 0, o % block_n == 0, shared memory (the resident form holds k = 512 with block_n <= 128).
+Mosaic GPU interpret mode runs both forms on CPU (their wgmma operands all come from shared
 memory), so CPU CI tests the kernel itself, not only its lowering.
 """
 
@@ -47,34 +56,66 @@ HIGHEST = jax.lax.Precision.HIGHEST
 WG_ROWS = 64  # wgmma M of one consumer warpgroup
 BLOCK_T = 2 * WG_ROWS  # rows per CTA: two consumer warpgroups
 BLOCK_K = 64  # one 128-byte swizzle row of bf16: the contraction step
-SMEM_LIMIT = 227 * 1024
+SMEM_LIMIT = 227 * 1024  # Hopper's per-CTA shared memory
+HEAD_DIM = 512  # the Flash / Pro head dim: the k RestoreConfig's budget is checked at
 
 
 @dataclasses.dataclass(frozen=True)
 class RestoreConfig:
-    """Tiling: block_n output columns per CTA (wgmma N, shared by both consumers), steps the
-    number of operand slots of the contraction pipeline. Shared memory: steps * (128 + block_n)
-    * 64 * 2 bytes of operands, 128 * block_n * 2 of addend rows (the output staging too) and
-    the rows' (source row, kind) pairs."""
+    """Tiling: block_n output columns per product (wgmma N, shared by both consumers), steps the
+    number of operand slots of the contraction pipeline, resident the form:
+
+    * False ("tiled"): one CTA per (128 rows, group, block_n columns); a slot holds the o_G rows
+      [128, 64] and the weight tile [block_n, 64] of one contraction step, so a row block's o_G
+      is read once per column block (o / block_n times);
+    * True ("resident"): one CTA per (128 rows, group); the CTA's o_G rows [128, k] are loaded
+      into shared memory once and the CTA loops over the o / block_n column blocks, a slot
+      holding one weight tile [block_n, 64]; the weight stream runs on across column blocks, so
+      the next block's first tiles load during a block's epilogue.
+
+    Shared memory (`smem_bytes`): the operand slots, o_G (resident: [128, k] whole), 128 *
+    block_n * 2 bytes of addend rows (the output staging too) and the rows' (source row, kind)
+    pairs. __post_init__ checks it at k = HEAD_DIM, the Flash / Pro head dim; `restore` checks
+    the k it is given."""
 
     block_n: int = 256
     steps: int = 3
+    resident: bool = False
 
     def __post_init__(self):
         if self.block_n not in (64, 128, 256):
             raise ValueError(f"RestoreConfig.block_n: expected 64, 128 or 256, got {self.block_n}")
         if not 2 <= self.steps <= 4:
             raise ValueError(f"RestoreConfig.steps: expected 2..4, got {self.steps}")
+        if not isinstance(self.resident, bool):
+            raise ValueError(f"RestoreConfig.resident: expected a bool, got {self.resident!r}")
         if self.smem_bytes() > SMEM_LIMIT:
-            raise ValueError(f"RestoreConfig: {self.smem_bytes()} bytes of shared memory > {SMEM_LIMIT}")
+            raise ValueError(self.over_budget())
 
-    def smem_bytes(self) -> int:
-        return (self.steps * (BLOCK_T + self.block_n) * BLOCK_K * 2 + BLOCK_T * self.block_n * 2
-                + 2 * BLOCK_T * 4 + 1024)
+    @property
+    def form(self) -> str:
+        return "resident" if self.resident else "tiled"
+
+    def smem_bytes(self, k: int = HEAD_DIM) -> int:
+        """Shared memory of one CTA at head dim k (barriers rounded up to 1 KB)."""
+        o_g = BLOCK_T * k * 2 if self.resident else self.steps * BLOCK_T * BLOCK_K * 2
+        weights = self.steps * self.block_n * BLOCK_K * 2
+        return o_g + weights + BLOCK_T * self.block_n * 2 + 2 * BLOCK_T * 4 + 1024
+
+    def over_budget(self, k: int = HEAD_DIM) -> str:
+        """The error of a config whose shared memory at head dim k exceeds the budget."""
+        why = (f" (o_G [{BLOCK_T}, {k}] {BLOCK_T * k * 2 // 1024} KB + {self.steps} weight slots [{self.block_n}, "
+               f"{BLOCK_K}] + addend / output rows [{BLOCK_T}, {self.block_n}]: use a smaller block_n or fewer steps)"
+               if self.resident else "")
+        return (f"RestoreConfig(block_n={self.block_n}, steps={self.steps}, form={self.form!r}): "
+                f"{self.smem_bytes(k)} bytes of shared memory at k={k} > {SMEM_LIMIT}, the Hopper per-CTA budget{why}")
 
 
-def default_config(o: int) -> RestoreConfig:
-    """The widest block_n that divides the output-group rank (Flash / Pro: 1024 -> 256)."""
+def default_config(o: int, resident: bool = False) -> RestoreConfig:
+    """The widest block_n that divides the output-group rank and fits (Flash / Pro, o = 1024:
+    tiled 256 with 3 slots; resident 128 with 4 slots, 226 KB of shared memory at k = 512)."""
+    if resident:
+        return RestoreConfig(block_n=128 if o % 128 == 0 else 64, steps=4, resident=True)
     bn = next((b for b in (256, 128) if o % b == 0), 64)
     return RestoreConfig(block_n=bn)
 
@@ -126,55 +167,98 @@ def _kernel_call(a, wo_a, zl, zp, z0, idx, *, g, o, k, col0, cfg, interpret):
     from redknot_jax.pallas.seg_attention import specialise
 
     t = a.shape[0]
-    bt, bn, nk, slots = BLOCK_T, cfg.block_n, k // BLOCK_K, cfg.steps
+    bt, bn, nk, slots, resident = BLOCK_T, cfg.block_n, k // BLOCK_K, cfg.steps, cfg.resident
+    nb = o // bn if resident else 1  # column blocks per CTA
     dtype = a.dtype
-    tiled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+    swizzled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))  # the wgmma operands
+    # the addend copies of a column block spread over its first `spread` steps, issued while the
+    # consumers compute: tiled over all steps (as measured); resident over the first half, so the
+    # last rows land well before the epilogue (one addend buffer: the next block's cannot be
+    # fetched during this one)
+    spread = max(1, nk // 2) if resident else nk
+
+    def slot(j, kk):  # the slot of contraction step kk of column block j (j an int or traced)
+        if isinstance(j, int):
+            return (j * nk + kk) % slots
+        if nk % slots == 0:  # every column block starts at slot 0: static
+            return kk % slots
+        return lax.rem(j * nk + kk, slots)
+
+    def when(cond, f):  # f() where cond holds: a Python bool (tiled, j = 0) or a traced one (resident)
+        if not isinstance(cond, bool):
+            pl.when(cond)(f)
+        elif cond:
+            f()
 
     def body(a_ref, w_ref, zl_ref, zp_ref, z0_ref, idx_ref, out_ref, scratch):
-        (a_s, w_s, add_s, idx_s), (idx_bar, ready, add_bar, free) = scratch
+        (a_s, w_s, add_s, idx_s), (idx_bar, a_bar, ready, add_bar, free, add_free) = scratch
         r0 = lax.axis_index("t") * bt
-        c0 = lax.axis_index("g") * o + lax.axis_index("n") * bn  # this tile's columns of z [t, g*o]
+        # the CTA's first column of z [t, g*o]: its group's, and (tiled) its column block's
+        n0 = lax.axis_index("g") * o + (0 if resident else lax.axis_index("n") * bn)
         a0 = lax.axis_index("g") * k  # the group's Global head in o_G [t, g*k]
 
         def consumer(w):
             plgpu.set_max_registers(232, action="increase")
             rows = pl.ds(w * WG_ROWS, WG_ROWS)
 
-            def product(acc_ref):
-                for s in range(nk):  # one wgmma in flight: step s - 1's slot is free once s is issued
-                    plgpu.barrier_wait(ready.at[s % slots])
-                    plgpu.wgmma(acc_ref, a_s.at[s % slots, rows], w_s.at[s % slots].T)
+            def product(acc_ref, j):
+                for kk in range(nk):  # one wgmma in flight: step kk - 1's slot is free once kk is issued
+                    if resident:  # o_G's chunk kk, loaded once, before the first column block uses it
+                        when(j == 0, lambda kk=kk: plgpu.barrier_wait(a_bar.at[kk]))
+                    sl = slot(j, kk)
+                    plgpu.barrier_wait(ready.at[sl])
+                    plgpu.wgmma(acc_ref, a_s.at[kk if resident else sl, rows], w_s.at[sl].T)
                     plgpu.wgmma_wait(1)
-                    if s:
-                        plgpu.barrier_arrive(free.at[(s - 1) % slots])
+                    if kk:
+                        plgpu.barrier_arrive(free.at[slot(j, kk - 1)])
                 plgpu.wgmma_wait(0)
-                plgpu.barrier_arrive(free.at[(nk - 1) % slots])
+                plgpu.barrier_arrive(free.at[slot(j, nk - 1)])
                 return acc_ref[...]
 
-            acc = pl.run_scoped(product, plgpu.ACC((WG_ROWS, bn), jnp.float32))
             plgpu.barrier_wait(idx_bar)
-            plgpu.barrier_wait(add_bar.at[w])
             kinds = plgpu.load(idx_s.at[1, rows], layout=plgpu.Layout.WGMMA.reduce(1), optimized=False)
-            keep = lax.broadcast_in_dim(kinds != 2, (WG_ROWS, bn), [0])  # protected rows: replaced
-            # the addend's elements are overwritten by the threads that read them (whole rows: a
-            # column slice of this buffer gave wrong results on the H200 at block_n 128)
-            add = plgpu.load(add_s.at[rows], layout=plgpu.Layout.WGMMA, optimized=False).astype(jnp.float32)
-            add_s.at[rows][...] = (jnp.where(keep, acc, 0.0) + add).astype(dtype)
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(add_s.at[rows], out_ref.at[pl.ds(r0 + w * WG_ROWS, WG_ROWS), pl.ds(c0, bn)])
+
+            def column_block(j):  # columns n0 + j * bn ..: product, epilogue, store (not awaited)
+                acc = pl.run_scoped(lambda acc_ref: product(acc_ref, j), plgpu.ACC((WG_ROWS, bn), jnp.float32))
+                plgpu.barrier_wait(add_bar.at[w])
+                keep = lax.broadcast_in_dim(kinds != 2, (WG_ROWS, bn), [0])  # protected rows: replaced
+                # the addend's elements are overwritten by the threads that read them (whole rows: a
+                # column slice of this buffer gave wrong results on the H200 at block_n 128)
+                add = plgpu.load(add_s.at[rows], layout=plgpu.Layout.WGMMA, optimized=False).astype(jnp.float32)
+                add_s.at[rows][...] = (jnp.where(keep, acc, 0.0) + add).astype(dtype)
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(add_s.at[rows],
+                                        out_ref.at[pl.ds(r0 + w * WG_ROWS, WG_ROWS), pl.ds(n0 + j * bn, bn)])
+
+            if resident:
+                @pl.loop(0, nb)
+                def _block(j):
+                    column_block(j)
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the store has read the rows:
+                    plgpu.barrier_arrive(add_free.at[w])  # the next block's addends may land there
+            else:
+                column_block(0)
             plgpu.wait_smem_to_gmem(0)
 
         def producer():
             plgpu.set_max_registers(40, action="decrease")
             plgpu.copy_gmem_to_smem(idx_ref.at[:, pl.ds(r0, bt)], idx_s, idx_bar)
 
-            def load(s):
-                plgpu.copy_gmem_to_smem(a_ref.at[pl.ds(r0, bt), pl.ds(a0 + s * BLOCK_K, BLOCK_K)], a_s.at[s % slots],
-                                        ready.at[s % slots])
-                plgpu.copy_gmem_to_smem(w_ref.at[pl.ds(c0, bn), pl.ds(col0 + s * BLOCK_K, BLOCK_K)],
-                                        w_s.at[s % slots], ready.at[s % slots])
+            def o_g(kk):  # the CTA's o_G rows [128, 64] of contraction step kk
+                return a_ref.at[pl.ds(r0, bt), pl.ds(a0 + kk * BLOCK_K, BLOCK_K)]
 
-            def addends(lo, hi):  # rows lo .. hi - 1: each row's addend from its source, one copy per row
+            if resident:  # all of the CTA's o_G rows, once, a barrier per step
+                for kk in range(nk):
+                    plgpu.copy_gmem_to_smem(o_g(kk), a_s.at[kk], a_bar.at[kk])
+
+            def load(j, kk):  # step kk of column block j into its slot: the weight tile (tiled: and o_G's)
+                sl = slot(j, kk)
+                if not resident:
+                    plgpu.copy_gmem_to_smem(o_g(kk), a_s.at[sl], ready.at[sl])
+                plgpu.copy_gmem_to_smem(w_ref.at[pl.ds(n0 + j * bn, bn), pl.ds(col0 + kk * BLOCK_K, BLOCK_K)],
+                                        w_s.at[sl], ready.at[sl])
+
+            def addends(lo, hi, c0):  # rows lo .. hi - 1, columns c0 ..: each row's addend from its source
                 for w in (0, 1):
                     a_lo, a_hi = max(lo, w * WG_ROWS), min(hi, (w + 1) * WG_ROWS)
                     if a_lo >= a_hi:
@@ -189,40 +273,67 @@ def _kernel_call(a, wo_a, zl, zp, z0, idx, *, g, o, k, col0, cfg, interpret):
                                 plgpu.copy_gmem_to_smem(ref.at[pl.ds(src, 1), pl.ds(c0, bn)], add_s.at[pl.ds(rr, 1)],
                                                         add_bar.at[w])
 
-            for s in range(min(slots, nk)):
-                load(s)
+            def column_block(j):
+                for kk in range(nk):
+                    if kk < spread:
+                        addends(kk * bt // spread, (kk + 1) * bt // spread, n0 + j * bn)
+                    j2, kk2 = j + (kk + slots) // nk, (kk + slots) % nk  # the step `slots` ahead
+
+                    def _next(j=j, kk=kk, j2=j2, kk2=kk2):
+                        plgpu.barrier_wait(free.at[slot(j, kk)])  # both consumers are done with step (j, kk)
+                        load(j2, kk2)
+
+                    when(j2 < nb, _next)
+
+            for s in range(min(slots, nb * nk)):
+                load(s // nk, s % nk)
             plgpu.barrier_wait(idx_bar)
-            for s in range(nk):  # the addend copies spread over the steps, issued while the consumers compute
-                addends(s * bt // nk, (s + 1) * bt // nk)
-                if s + slots < nk:
-                    plgpu.barrier_wait(free.at[s % slots])  # both consumers are done with step s
-                    load(s + slots)
-            for s in range(max(nk - slots, 0), nk):  # observe the last releases (every phase is waited on)
-                plgpu.barrier_wait(free.at[s % slots])
+            if resident:
+                def addends_free():  # both consumers' stores of the previous block have read the rows
+                    for w in (0, 1):
+                        plgpu.barrier_wait(add_free.at[w])
+
+                @pl.loop(0, nb)
+                def _block(j):
+                    when(j > 0, addends_free)
+                    column_block(j)
+
+                addends_free()  # the last block's (every phase is waited on)
+            else:
+                column_block(0)
+            for s in range(max(nb * nk - slots, 0), nb * nk):  # observe the last releases
+                plgpu.barrier_wait(free.at[slot(s // nk, s % nk)])
 
         specialise(lax.axis_index("wg"), consumer, producer)
 
     scratch = (
-        (plgpu.SMEM((slots, bt, BLOCK_K), dtype, transforms=tiled),
-         plgpu.SMEM((slots, bn, BLOCK_K), dtype, transforms=tiled),
-         plgpu.SMEM((bt, bn), dtype),  # addend rows, then the output rows
+        # o_G: the CTA's rows whole (resident) or a step's chunk per slot (tiled); the weight
+        # tiles; the addend rows, then the output rows; the rows' (source row, kind)
+        (plgpu.SMEM((nk if resident else slots, bt, BLOCK_K), dtype, transforms=swizzled),
+         plgpu.SMEM((slots, bn, BLOCK_K), dtype, transforms=swizzled),
+         plgpu.SMEM((bt, bn), dtype),
          plgpu.SMEM((2, bt), jnp.int32)),
-        # ids ready; a slot's operands ready (two copies); a consumer's addend rows (one copy per
-        # row); a slot free (both consumers)
-        (plgpu.Barrier(), plgpu.Barrier(num_arrivals=2, num_barriers=slots),
-         plgpu.Barrier(num_arrivals=WG_ROWS, num_barriers=2), plgpu.Barrier(num_arrivals=2, num_barriers=slots)),
+        # ids ready; (resident) o_G's chunk ready; a slot's operands ready (tiled: two copies); a
+        # consumer's addend rows (one copy per row); a slot free (both consumers); (resident) a
+        # consumer's addend rows free (its store has read them)
+        (plgpu.Barrier(), plgpu.Barrier(num_barriers=nk) if resident else None,
+         plgpu.Barrier(num_arrivals=1 if resident else 2, num_barriers=slots),
+         plgpu.Barrier(num_arrivals=WG_ROWS, num_barriers=2), plgpu.Barrier(num_arrivals=2, num_barriers=slots),
+         plgpu.Barrier(num_barriers=2) if resident else None),
     )
 
     def entry(*refs):
         pl.run_scoped(lambda *sc: body(*refs, sc), *scratch, collective_axes="wg")
 
+    grid, names = ((t // bt, g), ("t", "g")) if resident else ((t // bt, g, o // bn), ("t", "g", "n"))
     return plgpu.kernel(
-        entry, out_type=jax.ShapeDtypeStruct((t, g * o), dtype), grid=(t // bt, g, o // bn),
-        grid_names=("t", "g", "n"), num_threads=3, thread_name="wg",
+        entry, out_type=jax.ShapeDtypeStruct((t, g * o), dtype), grid=grid, grid_names=names, num_threads=3,
+        thread_name="wg",
         # No automatic warpgroup barriers (Pallas would put one before each of the 128 addend
         # copies). Safe: the producer reads only the ids, after their barrier; each consumer thread
         # overwrites only the addend elements it read itself, and commit_smem (a fence and a
-        # warpgroup barrier) precedes the output's TMA.
+        # warpgroup barrier) precedes the output's TMA; the wait for the store to have read the
+        # rows ends with a warpgroup barrier, before any thread releases them.
         compiler_params=plgpu.CompilerParams(unsafe_no_auto_barriers=True),
         interpret=interpret_params(interpret))(a, wo_a, zl, zp, z0, idx)
 
@@ -237,6 +348,8 @@ def restore_unsupported(k: int, o: int, n_global: int, dtype, config: RestoreCon
         return f"bf16 operands expected, got {dtype}"
     if k % BLOCK_K or o % cfg.block_n:
         return f"k={k} must divide by {BLOCK_K} and o={o} by block_n={cfg.block_n}"
+    if cfg.smem_bytes(k) > SMEM_LIMIT:
+        return cfg.over_budget(k)
     return None
 
 
@@ -244,9 +357,11 @@ def restore(o_g, wo_a, zl, zl_row, z_p, prot_idx, *, global_heads, config: Resto
             interpret: bool | None = None):
     """Mosaic GPU fused restoration; same signature and result as `restore_reference`.
 
-    Supported: one Global head per group, bf16 operands, k % 64 == 0, o % block_n == 0; anything
-    else raises ValueError (the caller then uses the reference explicitly). Rows are padded to
-    a multiple of 128 here when needed (a copy; the consumer's row counts are multiples of 128).
+    Supported: one Global head per group, bf16 operands, k % 64 == 0, o % block_n == 0, a CTA's
+    shared memory within the budget at this k; anything else raises ValueError (the caller then
+    uses the reference explicitly). config: the tiling and the form (`RestoreConfig.resident`;
+    default the tiled `default_config(o)`). Rows are padded to a multiple of 128 here when needed
+    (a copy; the consumer's row counts are multiples of 128).
     interpret: Mosaic GPU interpret mode; None = on when the default backend is not a GPU."""
     t, g, ng, k, o, hpg, heads = _check(o_g, wo_a, zl, zl_row, z_p, prot_idx, global_heads)
     cfg = config or default_config(o)
@@ -303,44 +418,60 @@ def moved_bytes(args) -> int:
 
 
 def main(argv=None):
-    """Kernel vs XLA reference at consumer shapes; GB/s against a copy measured in the same run."""
+    """Kernel forms vs XLA reference at consumer shapes, timed interleaved (each round times the
+    reference and every kernel once); GB/s against a copy measured in the same run."""
     import argparse
 
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=main.__doc__)
     ap.add_argument("--json", default=None)
     ap.add_argument("--rows", default="8192,65536")
+    ap.add_argument("--form", default="tiled,resident",
+                    help="kernel forms to compare: tiled (a CTA per column block), resident (o_G in shared memory)")
     ap.add_argument("--block-n", default="128,256")
     ap.add_argument("--steps", default="2,3", help="RestoreConfig.steps variants to compare")
+    ap.add_argument("--repeats", type=int, default=3, help="interleaved rounds; each figure is the median over them")
     a = ap.parse_args(argv)
+    forms = a.form.split(",")
+    if not forms or any(f not in ("tiled", "resident") for f in forms):
+        ap.error(f"--form: expected a comma list of tiled, resident, got {a.form!r}")
+    configs = []
+    for form in forms:
+        for bn, st in [(int(v), int(w)) for v in a.block_n.split(",") for w in a.steps.split(",")]:
+            try:
+                configs.append(RestoreConfig(block_n=bn, steps=st, resident=form == "resident"))
+            except ValueError as e:  # a shared-memory budget it exceeds: said, not timed
+                print(f"{form} block_n={bn} steps={st}: not timed: {e}", flush=True)
     x = jnp.ones((1 << 28,), jnp.bfloat16)  # 512 MB: read + write
     copy = jax.jit(lambda u: u + 1)
     copy_gbs = 2 * x.nbytes / median_time(copy, x, iters=10) / 1e9
+    del x
     peak = matmul_peak_tflops()
     rows = []
     for t in [int(v) for v in a.rows.split(",")]:
         args, kw = make_problem(jax.random.key(t), t=t)
         ref = jax.jit(functools.partial(restore_reference, **kw))
         zr = ref(*args)
-        tr = median_time(ref, *args)
         nbytes = moved_bytes(args)
         tflop = 2 * t * args[0].shape[1] * args[0].shape[3] * args[2].shape[2] / 1e12  # the Global-head product
-        for bn, st in [(int(v), int(w)) for v in a.block_n.split(",") for w in a.steps.split(",")]:
-            try:
-                cfg = RestoreConfig(block_n=bn, steps=st)
-            except ValueError as e:  # a shared-memory budget it exceeds: said, not timed
-                print(f"block_n={bn} steps={st}: {e}", flush=True)
-                continue
-            ker = jax.jit(functools.partial(restore, **kw, config=cfg))
-            zk = ker(*args)
-            err = rel_err(zk, zr)
-            tk = median_time(ker, *args)
-            rows.append(dict(rows=t, config=dataclasses.asdict(cfg), rel_err=err, kernel_ms=tk * 1e3,
-                             xla_ms=tr * 1e3, speedup=tr / tk, kernel_gbs=nbytes / tk / 1e9, xla_gbs=nbytes / tr / 1e9,
+        kers = [jax.jit(functools.partial(restore, **kw, config=cfg)) for cfg in configs]
+        errs = [rel_err(ker(*args), zr) for ker in kers]  # compiled here, before any timing
+        times = [[] for _ in range(len(kers) + 1)]  # the reference's, then each kernel's
+        for _ in range(a.repeats):
+            for ts, f in zip(times, [ref, *kers]):
+                ts.append(median_time(f, *args))
+        tr = float(np.median(times[0]))
+        for cfg, err, ts in zip(configs, errs, times[1:]):
+            tk = float(np.median(ts))
+            rows.append(dict(rows=t, form=cfg.form, config=dataclasses.asdict(cfg), smem_bytes=cfg.smem_bytes(),
+                             rel_err=err, kernel_ms=tk * 1e3, xla_ms=tr * 1e3, speedup=tr / tk,
+                             kernel_ms_rounds=[v * 1e3 for v in ts], xla_ms_rounds=[v * 1e3 for v in times[0]],
+                             kernel_gbs=nbytes / tk / 1e9, xla_gbs=nbytes / tr / 1e9,
                              kernel_frac_of_copy=nbytes / tk / 1e9 / copy_gbs, kernel_tflops=tflop / tk,
                              xla_tflops=tflop / tr))
-            print(f"t={t:6d} block_n={bn:3d} steps={st} err {err:.1e} kernel {tk * 1e3:7.3f} ms xla {tr * 1e3:7.3f} ms "
-                  f"x{tr / tk:4.2f} {nbytes / tk / 1e9:6.0f} GB/s ({nbytes / tk / 1e9 / copy_gbs:.0%} of copy "
-                  f"{copy_gbs:.0f}), {tflop / tk:.0f} TFLOP/s (peak {peak:.0f})", flush=True)
+            print(f"t={t:6d} {cfg.form:8s} block_n={cfg.block_n:3d} steps={cfg.steps} err {err:.1e} "
+                  f"kernel {tk * 1e3:7.3f} ms xla {tr * 1e3:7.3f} ms x{tr / tk:4.2f} {nbytes / tk / 1e9:6.0f} GB/s "
+                  f"({nbytes / tk / 1e9 / copy_gbs:.0%} of copy {copy_gbs:.0f}), {tflop / tk:.0f} TFLOP/s "
+                  f"(peak {peak:.0f})", flush=True)
     return record("restore", a.json, argv, copy_gbs=copy_gbs, matmul_peak_tflops=peak, rows=rows)
 
 

@@ -57,30 +57,61 @@ def test_protected_rows_inverse_map():
     assert np.asarray(p).tolist() == [-1, -1, 0, -1, -1, 1, -1, -1, -1]
 
 
-@pytest.mark.parametrize("seed,t,k,bn,steps", [(0, 256, 256, 128, 2), (1, 100, 128, 64, 3)])
-def test_kernel_matches_reference_interpret(seed, t, k, bn, steps):
-    """The kernel itself, run by Mosaic GPU interpret mode on CPU (GPU: natively), on a small
-    consumer-shaped problem: restored, protected and padding rows, rows not a multiple of 128,
-    more contraction steps than slots (slots reused) and fewer."""
+@pytest.mark.parametrize("seed,t,k,bn,steps,resident", [
+    (0, 256, 256, 128, 2, False), (1, 100, 128, 64, 3, False),
+    # resident: 2 column blocks, slots dividing the 4 steps; 4 column blocks of 2 steps through 3
+    # slots (slot indices computed in the loop, the weight stream running 1-2 blocks ahead)
+    (0, 256, 256, 128, 2, True), (1, 100, 128, 64, 3, True)])
+def test_kernel_matches_reference_interpret(seed, t, k, bn, steps, resident):
+    """The kernel itself, both forms, run by Mosaic GPU interpret mode on CPU (GPU: natively), on a
+    small consumer-shaped problem: restored, protected and padding rows, rows not a multiple of
+    64, more contraction steps than slots (slots reused) and fewer. Interpret mode fills the
+    output with NaN before the kernel runs (uninitialized_memory="nan"), so an element the kernel
+    never writes is caught."""
     args, kw = rs.make_problem(jax.random.key(seed), t=t, g=2, hpg=4, k=k, o=256, pool=300, global_head=2)
-    cfg = rs.RestoreConfig(block_n=bn, steps=steps)
+    cfg = rs.RestoreConfig(block_n=bn, steps=steps, resident=resident)
     got = rs.restore(*args, **kw, config=cfg)
     want = rs.restore_reference(*args, **kw)
     assert got.shape == want.shape and got.dtype == want.dtype
+    assert bool(jnp.all(jnp.isfinite(got.astype(jnp.float32))))
     assert rel_err(got.astype(jnp.float32), want.astype(jnp.float32)) < TOL["kernel_bf16_o"][0]
     # the protected rows are exactly z_p's (replaced, not added)
     p = np.asarray(rs.protected_rows(args[5], t))
     np.testing.assert_array_equal(np.asarray(got)[p >= 0], np.asarray(args[4])[p[p >= 0]])
+    # every kind of row is present and right on its own (restored, padding)
+    zl_row = np.asarray(args[3])
+    for rows in (zl_row >= 0, (zl_row < 0) & (p < 0)):
+        assert rows.any()
+        assert rel_err(got[rows].astype(jnp.float32), want[rows].astype(jnp.float32)) < TOL["kernel_bf16_o"][0]
 
 
-@pytest.mark.parametrize("bn,steps", [(256, 3), (128, 4)])
-def test_kernel_lowers_for_cuda(bn, steps):
-    """Flash shapes: the Mosaic GPU lowering (layout inference, TMA shapes) runs on CPU."""
+@pytest.mark.parametrize("bn,steps,resident", [(256, 3, False), (128, 4, False), (128, 4, True), (128, 3, True)])
+def test_kernel_lowers_for_cuda(bn, steps, resident):
+    """Flash shapes (8 groups, k 512, o 1024): the Mosaic GPU lowering (layout inference, TMA
+    shapes, and Mosaic's own shared-memory check against 227 KB) runs on CPU. The resident
+    default (block_n 128, 4 slots) is the tightest budget: 230,568 bytes by Mosaic's count; with
+    3 slots, which do not divide the 8 steps, the slot indices are computed in the loop."""
     args, kw = rs.make_problem(jax.random.key(0), t=256)
-    cfg = rs.RestoreConfig(block_n=bn, steps=steps)
+    cfg = rs.RestoreConfig(block_n=bn, steps=steps, resident=resident)
     f = jax.jit(lambda *a: rs.restore(*a, **kw, config=cfg, interpret=False))
     text = f.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text
+
+
+def test_config_budget():
+    """Shared memory: the resident form holds o_G [128, 512] (128 KB), so block_n 256 does not
+    fit beside its weight slots and output rows; the defaults fit; a larger head dim is refused."""
+    assert rs.default_config(1024) == rs.RestoreConfig(block_n=256, steps=3)
+    res = rs.default_config(1024, resident=True)
+    assert res == rs.RestoreConfig(block_n=128, steps=4, resident=True) and res.smem_bytes() <= rs.SMEM_LIMIT
+    for steps in (2, 3, 4):
+        with pytest.raises(ValueError, match=r"shared memory at k=512 > 232448.*o_G \[128, 512\]"):
+            rs.RestoreConfig(block_n=256, steps=steps, resident=True)
+    with pytest.raises(ValueError, match="resident"):
+        rs.RestoreConfig(resident="yes")
+    assert "shared memory at k=1024" in rs.restore_unsupported(1024, 1024, 1, jnp.bfloat16, res)
+    assert rs.restore_unsupported(1024, 1024, 1, jnp.bfloat16, rs.RestoreConfig(block_n=256)) is None
+    assert rs.restore_unsupported(512, 1024, 1, jnp.bfloat16, res) is None
 
 
 def test_bad_inputs_raise():
@@ -117,16 +148,22 @@ def _poisoned_run(f, *a, **k):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("seed,t,bn,steps", [(0, 4096, 256, 3), (1, 1000, 256, 2), (2, 64, 64, 2), (3, 4096, 128, 4),
-                                             (4, 1000, 128, 3)])
-def test_kernel_matches_reference_gpu(seed, t, bn, steps):
+@pytest.mark.parametrize("seed,t,bn,steps,resident", [
+    (0, 4096, 256, 3, False), (1, 1000, 256, 2, False), (2, 64, 64, 2, False), (3, 4096, 128, 4, False),
+    (4, 1000, 128, 3, False),
+    (0, 4096, 128, 4, True), (1, 1000, 128, 2, True), (2, 64, 64, 2, True), (3, 4096, 64, 3, True),
+    (4, 1000, 128, 3, True)])
+def test_kernel_matches_reference_gpu(seed, t, bn, steps, resident):
     if jax.default_backend() != "gpu":
         pytest.skip("needs a GPU")
     args, kw = rs.make_problem(jax.random.key(seed), t=t)
-    got = _poisoned_run(rs.restore, *args, **kw, config=rs.RestoreConfig(block_n=bn, steps=steps))
+    cfg = rs.RestoreConfig(block_n=bn, steps=steps, resident=resident)
+    got = _poisoned_run(rs.restore, *args, **kw, config=cfg)
     want = rs.restore_reference(*args, **kw)
     assert bool(jnp.all(jnp.isfinite(got.astype(jnp.float32))))
     assert rel_err(got.astype(jnp.float32), want.astype(jnp.float32)) < TOL["kernel_bf16_o"][0]
+    p = np.asarray(rs.protected_rows(args[5], t))
+    np.testing.assert_array_equal(np.asarray(got)[p >= 0], np.asarray(args[4])[p[p >= 0]])
 
 
 def test_consumer_runs_the_kernel(monkeypatch):
