@@ -1,8 +1,8 @@
 """Where the QA model (issue 10) answers and where it does not: teacher-forced greedy EM on the
 held-out split (`--split val`: the validation split, for choosing between checkpoints) by world
 size, by question type and relation, and by the distance from the answer back to the farthest
-fact it needs (beyond the sliding window, only compressed entries reach a fact). Beside each
-EM, the in-context chance (`data.QA.chance`): what a model scores that emits the asked type's
+fact it needs, in buckets of the model's sliding window (beyond it, only compressed entries
+reach a fact). Beside each EM, the in-context chance (`data.QA.chance`): what a model scores that emits the asked type's
 value of a random person of the world, i.e. knows the format and the vocabulary but not which
 fact belongs to whom.
 
@@ -21,14 +21,18 @@ import numpy as np
 from redknot_jax.quality import data as D
 from redknot_jax.quality.train import TrainConfig, Trainer, load_model, teacher_forced_scores
 
-EDGES = (0, 128, 256, 512, 1024, 1 << 30)
+WINDOWS = (0, 1, 2, 4, 8)  # bucket edges in sliding windows: inside, 1-2 windows back, 2-4, 4-8, beyond
 
 
-def bucket(d: int) -> str:
-    for a, b in zip(EDGES, EDGES[1:]):
+def bucket(d: int, window: int) -> str:
+    """The distance bucket of d tokens back, in rows, edges at multiples of the model's window."""
+    if d < 0:
+        raise ValueError(f"distance {d} < 0")
+    edges = [w * window for w in WINDOWS]
+    for a, b in zip(edges, edges[1:]):
         if a <= d < b:
-            return f"[{a},{b})" if b < EDGES[-1] else f">={a}"
-    raise ValueError(f"distance {d} < 0")
+            return f"[{a},{b})"
+    return f">={edges[-1]}"
 
 
 def main(argv=None):
@@ -46,6 +50,7 @@ def main(argv=None):
     except ValueError:
         ap.error(f"--sizes: expected e.g. 2x1,9x8, got {a.sizes!r}")
     tr = Trainer(load_model(a.checkpoint), TrainConfig(block=512))
+    window = tr.cfg.sliding_window
     templates = D.templates_of(a.checkpoint)  # the wording the model was trained on
     out = {"checkpoint": a.checkpoint, "split": a.split, "templates": templates, "episodes": a.episodes, "sizes": {}}
     for n_docs, per_doc in sizes:
@@ -57,7 +62,7 @@ def main(argv=None):
         for r in recs:
             hit = (r["em"], r["chance"])
             groups[("relation", f"{r['qtype']}/{r['relation']}")].append(hit)
-            groups[("distance", f"{r['qtype']} {bucket(r['distance'])}")].append(hit)
+            groups[("distance", f"{r['qtype']} {bucket(r['distance'], window)}")].append(hit)
             groups[("type", r["qtype"])].append(hit)
         res = {f"{k[0]}: {k[1]}": {"n": len(v), "em": round(float(np.mean([h[0] for h in v])), 3),
                                    "chance": round(float(np.mean([h[1] for h in v])), 3)}

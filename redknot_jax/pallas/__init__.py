@@ -8,7 +8,7 @@ the consumer and `generate.Engine`); a resolved set is a comma list of them."""
 import jax
 
 KERNELS = ("indexer", "restore", "ragged_dot", "sparse_attention")
-FASTER = ("indexer", "ragged_dot", "sparse_attention")  # measured faster than their XLA references on the H200 (docs/kernels.md)
+FASTER = ("indexer", "restore", "ragged_dot", "sparse_attention")  # measured faster than their XLA references on the H200 (docs/kernels.md)
 
 
 def resolve_kernels(kernels: str, model, n_global: int | None = None) -> str:
@@ -39,8 +39,9 @@ def resolve_kernels(kernels: str, model, n_global: int | None = None) -> str:
            "sparse_attention": sparse_attention_unsupported(cfg.num_heads, cfg.head_dim, model.dtype)
            if CSA in cfg.layer_types else "no CSA layer"}
     if kernels == "auto":
-        return ",".join(k for k in FASTER if why[k] is None) if gpu else ""
-    names = {"xla": [], "": [], "mosaic": list(KERNELS)}.get(kernels, kernels.split(","))
+        names = [k for k in FASTER if why[k] is None] if gpu else []
+    else:
+        names = {"xla": [], "": [], "mosaic": list(KERNELS)}.get(kernels, kernels.split(","))
     bad = [k for k in names if k not in KERNELS]
     if bad:
         raise ValueError(f"kernels: expected 'auto', 'xla', 'mosaic' or a comma list of {KERNELS}, got {kernels!r}")

@@ -18,11 +18,16 @@ same signature; `RestoreConfig` its validated tiling; `main()` the benchmark.
 Kernel layout, two forms (`RestoreConfig.resident`), three warpgroups each. A producer
 warpgroup issues the TMA copies: the o_G rows [128, 64] and the wo_a tile [block_n, 64] (the
 group's rows, the Global head's columns, read in place: no weight copy) of each contraction step
-of 64 into one of `steps` slots; and, between the steps, each row's addend by a one-row TMA copy
-from its source, z_L pool row, z_p row or a zero row (TMA has no gather on Hopper; a copy per row
-is the gather), onto one barrier per consumer. Each consumer warpgroup owns 64 rows (the wgmma
+of 64 into one of `steps` slots; and, between the steps, the rows' addends from their sources,
+z_L pool rows or z_p rows, by a one-row TMA copy each (TMA has no gather on Hopper: a copy per
+row is the gather); each row arrives once on its consumer's barrier, padding rows (no addend)
+without a copy. `RestoreConfig.chunk` > 1 copies an aligned run of up to 16 rows whose sources are
+consecutive rows of one array in one copy (`addend_chunks`), the rows it covers arriving plainly:
+up to 9x fewer copies, and slower on the H200 (0.80-0.96x of a copy per row, 2026-12-03): the
+producer's per-row branching, not the copies, sets the pace. Each consumer warpgroup owns 64 rows (the wgmma
 M), shares the weight tile with the other, keeps one wgmma in flight and releases a slot when its
-product is done. Its epilogue drops the product of protected rows, adds the addend in fp32 in
+product is done. Its epilogue drops the product of protected rows, adds the addend (zero on
+padding rows) in fp32 in
 place of the addend in shared memory (each thread writes the elements it read) and stores its
 rows with one TMA copy.
 * tiled: one CTA per (128 rows, group, block_n output columns); a slot holds both operands, so a
@@ -58,12 +63,14 @@ BLOCK_T = 2 * WG_ROWS  # rows per CTA: two consumer warpgroups
 BLOCK_K = 64  # one 128-byte swizzle row of bf16: the contraction step
 SMEM_LIMIT = 227 * 1024  # Hopper's per-CTA shared memory
 HEAD_DIM = 512  # the Flash / Pro head dim: the k RestoreConfig's budget is checked at
+CHUNKS = (16, 8, 4, 2)  # addend copies: aligned runs of these many rows, else one row
 
 
 @dataclasses.dataclass(frozen=True)
 class RestoreConfig:
     """Tiling: block_n output columns per product (wgmma N, shared by both consumers), steps the
-    number of operand slots of the contraction pipeline, resident the form:
+    number of operand slots of the contraction pipeline, chunk the longest addend copy (rows),
+    resident the form:
 
     * False ("tiled"): one CTA per (128 rows, group, block_n columns); a slot holds the o_G rows
       [128, 64] and the weight tile [block_n, 64] of one contraction step, so a row block's o_G
@@ -74,13 +81,14 @@ class RestoreConfig:
       the next block's first tiles load during a block's epilogue.
 
     Shared memory (`smem_bytes`): the operand slots, o_G (resident: [128, k] whole), 128 *
-    block_n * 2 bytes of addend rows (the output staging too) and the rows' (source row, kind)
-    pairs. __post_init__ checks it at k = HEAD_DIM, the Flash / Pro head dim; `restore` checks
+    block_n * 2 bytes of addend rows (the output staging too) and the rows' (source row, kind, chunk)
+    triples. __post_init__ checks it at k = HEAD_DIM, the Flash / Pro head dim; `restore` checks
     the k it is given."""
 
     block_n: int = 256
     steps: int = 3
     resident: bool = False
+    chunk: int = 1  # the longest addend copy in rows (`addend_chunks`; 1: a copy per row, as measured fastest)
 
     def __post_init__(self):
         if self.block_n not in (64, 128, 256):
@@ -89,6 +97,8 @@ class RestoreConfig:
             raise ValueError(f"RestoreConfig.steps: expected 2..4, got {self.steps}")
         if not isinstance(self.resident, bool):
             raise ValueError(f"RestoreConfig.resident: expected a bool, got {self.resident!r}")
+        if self.chunk not in (1, *CHUNKS):
+            raise ValueError(f"RestoreConfig.chunk: expected one of 1, {', '.join(map(str, CHUNKS))}, got {self.chunk}")
         if self.smem_bytes() > SMEM_LIMIT:
             raise ValueError(self.over_budget())
 
@@ -100,7 +110,7 @@ class RestoreConfig:
         """Shared memory of one CTA at head dim k (barriers rounded up to 1 KB)."""
         o_g = BLOCK_T * k * 2 if self.resident else self.steps * BLOCK_T * BLOCK_K * 2
         weights = self.steps * self.block_n * BLOCK_K * 2
-        return o_g + weights + BLOCK_T * self.block_n * 2 + 2 * BLOCK_T * 4 + 1024
+        return o_g + weights + BLOCK_T * self.block_n * 2 + 3 * BLOCK_T * 4 + 1024
 
     def over_budget(self, k: int = HEAD_DIM) -> str:
         """The error of a config whose shared memory at head dim k exceeds the budget."""
@@ -160,7 +170,24 @@ def protected_rows(prot_idx, t: int) -> jax.Array:
     return jnp.full((t,), -1, jnp.int32).at[prot_idx].set(jnp.arange(n, dtype=jnp.int32), mode="drop")
 
 
-def _kernel_call(a, wo_a, zl, zp, z0, idx, *, g, o, k, col0, cfg, interpret):
+def addend_chunks(kind, row, max_chunk: int = CHUNKS[0]) -> jax.Array:
+    """size [t] (t a multiple of max_chunk): the rows one addend copy starting at each row
+    covers. A chunk of s rows starts at a multiple of s, holds rows of one source (kind 1: z_L,
+    2: z_p) whose source rows are consecutive, and is the largest such (up to max_chunk) that
+    no larger chunk already covers; rows it covers after its first get 0, as do padding rows
+    (kind 0: no addend); any other row copies alone (1)."""
+    t = kind.shape[0]
+    link = jnp.concatenate([(kind[1:] == kind[:-1]) & (row[1:] == row[:-1] + 1), jnp.zeros((1,), bool)])
+    size = jnp.where(kind > 0, 1, 0).astype(jnp.int32)
+    covered = jnp.zeros((t,), bool)
+    for s in (c for c in CHUNKS if c <= max_chunk):
+        good = link.reshape(-1, s)[:, :-1].all(axis=1) & (kind[::s] > 0) & ~covered[::s]
+        size = size.at[::s].set(jnp.where(good, s, size[::s]))
+        covered = covered | jnp.repeat(good, s)
+    return jnp.where(covered & (size == 1), 0, size)
+
+
+def _kernel_call(a, wo_a, zl, zp, idx, *, g, o, k, col0, cfg, interpret):
     import jax.experimental.pallas as pl
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
@@ -174,8 +201,11 @@ def _kernel_call(a, wo_a, zl, zp, z0, idx, *, g, o, k, col0, cfg, interpret):
     # the addend copies of a column block spread over its first `spread` steps, issued while the
     # consumers compute: tiled over all steps (as measured); resident over the first half, so the
     # last rows land well before the epilogue (one addend buffer: the next block's cannot be
-    # fetched during this one)
+    # fetched during this one). Step kk copies rows bounds[kk] .. bounds[kk + 1] - 1, whole
+    # chunks (multiples of CHUNKS[0]).
     spread = max(1, nk // 2) if resident else nk
+    units = bt // CHUNKS[0]
+    bounds = [kk * units // spread * CHUNKS[0] for kk in range(spread + 1)]
 
     def slot(j, kk):  # the slot of contraction step kk of column block j (j an int or traced)
         if isinstance(j, int):
@@ -190,7 +220,7 @@ def _kernel_call(a, wo_a, zl, zp, z0, idx, *, g, o, k, col0, cfg, interpret):
         elif cond:
             f()
 
-    def body(a_ref, w_ref, zl_ref, zp_ref, z0_ref, idx_ref, out_ref, scratch):
+    def body(a_ref, w_ref, zl_ref, zp_ref, idx_ref, out_ref, scratch):
         (a_s, w_s, add_s, idx_s), (idx_bar, a_bar, ready, add_bar, free, add_free) = scratch
         r0 = lax.axis_index("t") * bt
         # the CTA's first column of z [t, g*o]: its group's, and (tiled) its column block's
@@ -222,10 +252,11 @@ def _kernel_call(a, wo_a, zl, zp, z0, idx, *, g, o, k, col0, cfg, interpret):
                 acc = pl.run_scoped(lambda acc_ref: product(acc_ref, j), plgpu.ACC((WG_ROWS, bn), jnp.float32))
                 plgpu.barrier_wait(add_bar.at[w])
                 keep = lax.broadcast_in_dim(kinds != 2, (WG_ROWS, bn), [0])  # protected rows: replaced
+                pad = lax.broadcast_in_dim(kinds == 0, (WG_ROWS, bn), [0])  # padding rows: no addend landed
                 # the addend's elements are overwritten by the threads that read them (whole rows: a
                 # column slice of this buffer gave wrong results on the H200 at block_n 128)
                 add = plgpu.load(add_s.at[rows], layout=plgpu.Layout.WGMMA, optimized=False).astype(jnp.float32)
-                add_s.at[rows][...] = (jnp.where(keep, acc, 0.0) + add).astype(dtype)
+                add_s.at[rows][...] = (jnp.where(keep, acc, 0.0) + jnp.where(pad, 0.0, add)).astype(dtype)
                 plgpu.commit_smem()
                 plgpu.copy_smem_to_gmem(add_s.at[rows],
                                         out_ref.at[pl.ds(r0 + w * WG_ROWS, WG_ROWS), pl.ds(n0 + j * bn, bn)])
@@ -258,7 +289,7 @@ def _kernel_call(a, wo_a, zl, zp, z0, idx, *, g, o, k, col0, cfg, interpret):
                 plgpu.copy_gmem_to_smem(w_ref.at[pl.ds(n0 + j * bn, bn), pl.ds(col0 + kk * BLOCK_K, BLOCK_K)],
                                         w_s.at[sl], ready.at[sl])
 
-            def addends(lo, hi, c0):  # rows lo .. hi - 1, columns c0 ..: each row's addend from its source
+            def addends(lo, hi, c0):  # rows lo .. hi - 1, columns c0 ..: one arrival per row (module doc)
                 for w in (0, 1):
                     a_lo, a_hi = max(lo, w * WG_ROWS), min(hi, (w + 1) * WG_ROWS)
                     if a_lo >= a_hi:
@@ -266,17 +297,23 @@ def _kernel_call(a, wo_a, zl, zp, z0, idx, *, g, o, k, col0, cfg, interpret):
 
                     @pl.loop(a_lo, a_hi)
                     def _row(rr, w=w):
-                        src, kind = idx_s[0, rr], idx_s[1, rr]
-                        for want, ref in ((0, z0_ref), (1, zl_ref), (2, zp_ref)):
-                            @pl.when(kind == want)
-                            def _(ref=ref):
-                                plgpu.copy_gmem_to_smem(ref.at[pl.ds(src, 1), pl.ds(c0, bn)], add_s.at[pl.ds(rr, 1)],
-                                                        add_bar.at[w])
+                        src, kind, size = idx_s[0, rr], idx_s[1, rr], idx_s[2, rr]
+
+                        @pl.when(size == 0)  # covered by an earlier row's copy, or padding
+                        def _():
+                            plgpu.barrier_arrive(add_bar.at[w])
+
+                        for s in (1, *(c for c in CHUNKS if c <= cfg.chunk)):
+                            for want, ref in ((1, zl_ref), (2, zp_ref)):
+                                @pl.when((size == s) & (kind == want))
+                                def _(ref=ref, s=s):
+                                    plgpu.copy_gmem_to_smem(ref.at[pl.ds(src, s), pl.ds(c0, bn)],
+                                                            add_s.at[pl.ds(rr, s)], add_bar.at[w])
 
             def column_block(j):
                 for kk in range(nk):
                     if kk < spread:
-                        addends(kk * bt // spread, (kk + 1) * bt // spread, n0 + j * bn)
+                        addends(bounds[kk], bounds[kk + 1], n0 + j * bn)
                     j2, kk2 = j + (kk + slots) // nk, (kk + slots) % nk  # the step `slots` ahead
 
                     def _next(j=j, kk=kk, j2=j2, kk2=kk2):
@@ -308,13 +345,13 @@ def _kernel_call(a, wo_a, zl, zp, z0, idx, *, g, o, k, col0, cfg, interpret):
 
     scratch = (
         # o_G: the CTA's rows whole (resident) or a step's chunk per slot (tiled); the weight
-        # tiles; the addend rows, then the output rows; the rows' (source row, kind)
+        # tiles; the addend rows, then the output rows; the rows' (source row, kind, chunk size)
         (plgpu.SMEM((nk if resident else slots, bt, BLOCK_K), dtype, transforms=swizzled),
          plgpu.SMEM((slots, bn, BLOCK_K), dtype, transforms=swizzled),
          plgpu.SMEM((bt, bn), dtype),
-         plgpu.SMEM((2, bt), jnp.int32)),
+         plgpu.SMEM((3, bt), jnp.int32)),
         # ids ready; (resident) o_G's chunk ready; a slot's operands ready (tiled: two copies); a
-        # consumer's addend rows (one copy per row); a slot free (both consumers); (resident) a
+        # consumer's addend rows (an arrival per row); a slot free (both consumers); (resident) a
         # consumer's addend rows free (its store has read them)
         (plgpu.Barrier(), plgpu.Barrier(num_barriers=nk) if resident else None,
          plgpu.Barrier(num_arrivals=1 if resident else 2, num_barriers=slots),
@@ -329,13 +366,12 @@ def _kernel_call(a, wo_a, zl, zp, z0, idx, *, g, o, k, col0, cfg, interpret):
     return plgpu.kernel(
         entry, out_type=jax.ShapeDtypeStruct((t, g * o), dtype), grid=grid, grid_names=names, num_threads=3,
         thread_name="wg",
-        # No automatic warpgroup barriers (Pallas would put one before each of the 128 addend
-        # copies). Safe: the producer reads only the ids, after their barrier; each consumer thread
+        # No automatic warpgroup barriers (Pallas would put one before each addend copy). Safe: the producer reads only the ids, after their barrier; each consumer thread
         # overwrites only the addend elements it read itself, and commit_smem (a fence and a
         # warpgroup barrier) precedes the output's TMA; the wait for the store to have read the
         # rows ends with a warpgroup barrier, before any thread releases them.
         compiler_params=plgpu.CompilerParams(unsafe_no_auto_barriers=True),
-        interpret=interpret_params(interpret))(a, wo_a, zl, zp, z0, idx)
+        interpret=interpret_params(interpret))(a, wo_a, zl, zp, idx)
 
 
 def restore_unsupported(k: int, o: int, n_global: int, dtype, config: RestoreConfig | None = None) -> str | None:
@@ -378,23 +414,31 @@ def restore(o_g, wo_a, zl, zl_row, z_p, prot_idx, *, global_heads, config: Resto
         a = jnp.pad(a, ((0, tp), (0, 0)))
         kind, row = jnp.pad(kind, (0, tp)), jnp.pad(row, (0, tp))
     z = _kernel_call(a, wo_a, zl.reshape(zl.shape[0], g * o), z_p.reshape(z_p.shape[0], g * o),
-                     jnp.zeros((1, g * o), jnp.bfloat16), jnp.stack([row, kind]), g=g, o=o, k=k, col0=heads[0] * k, cfg=cfg,
+                     jnp.stack([row, kind, addend_chunks(kind, row, cfg.chunk)]), g=g, o=o, k=k, col0=heads[0] * k, cfg=cfg,
                      interpret=interpret)
     return z[:t].reshape(t, g, o)
 
 
 # ----------------------------------------------------------------------------- problems, benchmark
 def make_problem(key, *, t: int, g: int = 8, hpg: int = 8, k: int = 512, o: int = 1024, pool: int | None = None,
-                 protected: float = 0.25, global_head: int = 0, dtype=jnp.bfloat16):
+                 protected: float = 0.25, runs: int = 0, global_head: int = 0, dtype=jnp.bfloat16):
     """A consumer-shaped random problem (Flash dimensions by default): rows split into restored
     (z_L from a pool of `pool` rows, in document order), protected (a `protected` share, z_p)
-    and padding rows at the end. Returns (args, kwargs) for restore / restore_reference."""
+    and padding rows at the end. runs: 0, each row protected on its own (scattered, as budget-
+    selected rows can be: the shortest addend chunks); n > 0, protected rows in runs of about n
+    (as boundary rows and the tail are). Returns (args, kwargs) for restore / restore_reference."""
     ks = jax.random.split(key, 5)
     pool = pool or t
     o_g = (jax.random.normal(ks[0], (t, g, 1, k), jnp.float32)).astype(dtype)
     wo_a = (jax.random.normal(ks[1], (g * o, hpg * k), jnp.float32) * k ** -0.5).astype(dtype)
     zl = jax.random.normal(ks[2], (pool, g, o), jnp.float32).astype(dtype)
-    prot = np.array(jax.random.bernoulli(ks[3], protected, (t,)))
+    if runs:  # alternating runs, geometric lengths: protected mean `runs`, restored to the share
+        rng = np.random.default_rng(np.asarray(jax.random.key_data(ks[3])).ravel())
+        lens = rng.geometric([1 / runs if i % 2 else min(1.0, protected / (runs * (1 - protected) + 1e-9))
+                              for i in range(2 * t)])
+        prot = np.repeat(np.arange(2 * t) % 2 == 1, lens)[:t]
+    else:
+        prot = np.array(jax.random.bernoulli(ks[3], protected, (t,)))
     pad = max(1, t // 16) if t >= 32 else 0
     prot[t - pad:] = False
     real = np.arange(t) < t - pad
@@ -430,25 +474,34 @@ def main(argv=None):
     ap.add_argument("--block-n", default="128,256")
     ap.add_argument("--steps", default="2,3", help="RestoreConfig.steps variants to compare")
     ap.add_argument("--repeats", type=int, default=3, help="interleaved rounds; each figure is the median over them")
+    ap.add_argument("--protected", type=float, default=0.25, help="protected share of the rows")
+    ap.add_argument("--runs", default="0,32",
+                    help="protected-row layouts (make_problem's runs): 0 scattered, n runs of about n rows")
+    ap.add_argument("--chunk", default="16", help="RestoreConfig.chunk variants: the longest addend copy (1: per row)")
     a = ap.parse_args(argv)
     forms = a.form.split(",")
     if not forms or any(f not in ("tiled", "resident") for f in forms):
         ap.error(f"--form: expected a comma list of tiled, resident, got {a.form!r}")
     configs = []
     for form in forms:
-        for bn, st in [(int(v), int(w)) for v in a.block_n.split(",") for w in a.steps.split(",")]:
+        for bn, st, ch in [(int(v), int(w), int(c)) for v in a.block_n.split(",") for w in a.steps.split(",")
+                           for c in a.chunk.split(",")]:
             try:
-                configs.append(RestoreConfig(block_n=bn, steps=st, resident=form == "resident"))
+                configs.append(RestoreConfig(block_n=bn, steps=st, resident=form == "resident", chunk=ch))
             except ValueError as e:  # a shared-memory budget it exceeds: said, not timed
-                print(f"{form} block_n={bn} steps={st}: not timed: {e}", flush=True)
+                print(f"{form} block_n={bn} steps={st} chunk={ch}: not timed: {e}", flush=True)
     x = jnp.ones((1 << 28,), jnp.bfloat16)  # 512 MB: read + write
     copy = jax.jit(lambda u: u + 1)
     copy_gbs = 2 * x.nbytes / median_time(copy, x, iters=10) / 1e9
     del x
     peak = matmul_peak_tflops()
     rows = []
-    for t in [int(v) for v in a.rows.split(",")]:
-        args, kw = make_problem(jax.random.key(t), t=t)
+    for t, runs in [(int(v), int(r)) for v in a.rows.split(",") for r in a.runs.split(",")]:
+        args, kw = make_problem(jax.random.key(t), t=t, protected=a.protected, runs=runs)
+        row, p_row = np.asarray(args[3]), np.asarray(protected_rows(args[5], t))
+        kind = np.where(p_row >= 0, 2, np.where(row >= 0, 1, 0)).astype(np.int32)
+        src = np.where(kind == 2, p_row, np.maximum(row, 0)).astype(np.int32)
+        kind, src = (jnp.asarray(np.pad(v, (0, -t % BLOCK_T))) for v in (kind, src))
         ref = jax.jit(functools.partial(restore_reference, **kw))
         zr = ref(*args)
         nbytes = moved_bytes(args)
@@ -462,13 +515,16 @@ def main(argv=None):
         tr = float(np.median(times[0]))
         for cfg, err, ts in zip(configs, errs, times[1:]):
             tk = float(np.median(ts))
-            rows.append(dict(rows=t, form=cfg.form, config=dataclasses.asdict(cfg), smem_bytes=cfg.smem_bytes(),
+            copies = int(np.count_nonzero(addend_chunks(kind, src, cfg.chunk)))
+            rows.append(dict(rows=t, runs=runs, protected=a.protected, addend_copies_per_row=copies / t, form=cfg.form,
+                             config=dataclasses.asdict(cfg), smem_bytes=cfg.smem_bytes(),
                              rel_err=err, kernel_ms=tk * 1e3, xla_ms=tr * 1e3, speedup=tr / tk,
                              kernel_ms_rounds=[v * 1e3 for v in ts], xla_ms_rounds=[v * 1e3 for v in times[0]],
                              kernel_gbs=nbytes / tk / 1e9, xla_gbs=nbytes / tr / 1e9,
                              kernel_frac_of_copy=nbytes / tk / 1e9 / copy_gbs, kernel_tflops=tflop / tk,
                              xla_tflops=tflop / tr))
-            print(f"t={t:6d} {cfg.form:8s} block_n={cfg.block_n:3d} steps={cfg.steps} err {err:.1e} "
+            print(f"t={t:6d} runs={runs:2d} ({copies / t:.2f} copies/row) {cfg.form:8s} block_n={cfg.block_n:3d} "
+                  f"steps={cfg.steps} chunk={cfg.chunk:2d} err {err:.1e} "
                   f"kernel {tk * 1e3:7.3f} ms xla {tr * 1e3:7.3f} ms x{tr / tk:4.2f} {nbytes / tk / 1e9:6.0f} GB/s "
                   f"({nbytes / tk / 1e9 / copy_gbs:.0%} of copy {copy_gbs:.0f}), {tflop / tk:.0f} TFLOP/s "
                   f"(peak {peak:.0f})", flush=True)

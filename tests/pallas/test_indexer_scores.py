@@ -76,7 +76,7 @@ def test_kernel_matches_reference_gpu(seed, t, s, block_s):
     _check(q, w, keys, got, k=min(512, s - 1))
 
 
-def test_consumer_kernel_sets():
+def test_consumer_kernel_sets(monkeypatch):
     """Consumer(kernels=): 'auto' runs no kernel off a GPU (interpret mode is for tests), names
     resolve to a canonical set, unknown names and kernels the model cannot run are refused."""
     import dataclasses
@@ -87,7 +87,7 @@ def test_consumer_kernel_sets():
 
     cfg = dataclasses.replace(config.tiny("csa"), head_dim=64, o_lora_rank=64, index_head_dim=64)
     model = random_model(cfg, seed=0, dtype=jnp.bfloat16)
-    assert resolve_kernels("auto", model, 1) == ("indexer" if jax.default_backend() == "gpu" else "")
+    assert resolve_kernels("auto", model, 1) == ("indexer,restore" if jax.default_backend() == "gpu" else "")
     assert resolve_kernels("xla", model, 1) == resolve_kernels("", model, 1) == ""  # a resolved set resolves to itself
     assert resolve_kernels("restore,indexer", model, 1) == "indexer,restore"
     with pytest.raises(ValueError, match="ragged_dot kernel cannot run"):  # "mosaic" is all four; the
@@ -100,6 +100,10 @@ def test_consumer_kernel_sets():
     assert resolve_kernels("restore,indexer", model) == "indexer" and resolve_kernels("restore", model) == ""
     fp32 = random_model(cfg, seed=0, dtype=jnp.float32)
     assert resolve_kernels("auto", fp32, 1) == ""  # auto picks only what the model can run
+    with monkeypatch.context() as m:  # on a GPU: the faster kernels this tiny model's shapes allow,
+        m.setattr(jax, "default_backend", lambda: "gpu")
+        assert resolve_kernels("auto", model, 1) == "indexer,restore"  # the restoration in the consumer only
+        assert resolve_kernels("auto", model) == "indexer"
     with pytest.raises(ValueError, match="indexer kernel cannot run.*bf16"):
         resolve_kernels("indexer", fp32, 1)
 

@@ -57,19 +57,49 @@ def test_protected_rows_inverse_map():
     assert np.asarray(p).tolist() == [-1, -1, 0, -1, -1, 1, -1, -1, -1]
 
 
-@pytest.mark.parametrize("seed,t,k,bn,steps,resident", [
-    (0, 256, 256, 128, 2, False), (1, 100, 128, 64, 3, False),
+def test_addend_chunks():
+    """Aligned runs of consecutive source rows of one kind become one copy of 16, 8, 4 or 2 rows
+    (the largest aligned one), the rows it covers and padding rows none; on random layouts every
+    row with an addend is covered by exactly one chunk of its own kind and consecutive sources."""
+    kind = np.array([1] * 20 + [2, 2, 1, 0] * 3 + [1] * 16 + [0] * 80, np.int32)
+    row = np.concatenate([np.arange(20) + 5, [0, 1, 30, 0, 2, 3, 31, 0, 4, 5, 40, 0], np.arange(16) + 100,
+                          np.zeros(80, int)]).astype(np.int32)
+    row[7] = 99  # breaks the first 16-row run: 8 of rows 8..15, 4 of 0..3, 2 of 4..5, 1 and 1
+    got = np.asarray(rs.addend_chunks(jnp.asarray(kind), jnp.asarray(row)))
+    assert got[:48].tolist() == ([4, 0, 0, 0, 2, 0, 1, 1, 8] + [0] * 7 + [4, 0, 0, 0]
+                                 + [2, 0, 1, 0] * 3 + [16] + [0] * 15)
+    assert (got[48:] == 0).all()
+    for runs in (0, 8):
+        args, _ = rs.make_problem(jax.random.key(runs), t=1024, g=1, hpg=2, k=64, o=64, runs=runs)
+        p = np.asarray(rs.protected_rows(args[5], 1024))
+        kind = np.where(p >= 0, 2, np.where(np.asarray(args[3]) >= 0, 1, 0)).astype(np.int32)
+        src = np.where(kind == 2, p, np.maximum(np.asarray(args[3]), 0)).astype(np.int32)
+        size = np.asarray(rs.addend_chunks(jnp.asarray(kind), jnp.asarray(src)))
+        hits = np.zeros(1024, int)
+        for r in np.flatnonzero(size):
+            s = size[r]
+            assert r % s == 0 and (kind[r:r + s] == kind[r]).all()
+            assert (src[r:r + s] == src[r] + np.arange(s)).all()
+            hits[r:r + s] += 1
+        assert (hits == (kind > 0)).all()
+        assert size.max() == (16 if runs else 8)  # the longest chunks these layouts hold
+
+
+@pytest.mark.parametrize("seed,t,k,bn,steps,resident,runs,chunk", [
+    (0, 256, 256, 128, 2, False, 0, 1), (1, 100, 128, 64, 3, False, 0, 1), (3, 256, 128, 128, 2, False, 16, 1),
+    # protected rows in runs: 16-row copies of z_L and of z_p
+    (2, 256, 128, 128, 2, False, 16, 16),
     # resident: 2 column blocks, slots dividing the 4 steps; 4 column blocks of 2 steps through 3
     # slots (slot indices computed in the loop, the weight stream running 1-2 blocks ahead)
-    (0, 256, 256, 128, 2, True), (1, 100, 128, 64, 3, True)])
-def test_kernel_matches_reference_interpret(seed, t, k, bn, steps, resident):
+    (0, 256, 256, 128, 2, True, 0, 1), (1, 100, 128, 64, 3, True, 0, 1), (2, 256, 128, 128, 2, True, 16, 16)])
+def test_kernel_matches_reference_interpret(seed, t, k, bn, steps, resident, runs, chunk):
     """The kernel itself, both forms, run by Mosaic GPU interpret mode on CPU (GPU: natively), on a
     small consumer-shaped problem: restored, protected and padding rows, rows not a multiple of
-    64, more contraction steps than slots (slots reused) and fewer. Interpret mode fills the
-    output with NaN before the kernel runs (uninitialized_memory="nan"), so an element the kernel
-    never writes is caught."""
-    args, kw = rs.make_problem(jax.random.key(seed), t=t, g=2, hpg=4, k=k, o=256, pool=300, global_head=2)
-    cfg = rs.RestoreConfig(block_n=bn, steps=steps, resident=resident)
+    64, more contraction steps than slots (slots reused) and fewer, addend copies of 1 to 16 rows.
+    Interpret mode fills the output with NaN before the kernel runs (uninitialized_memory="nan"),
+    so an element the kernel never writes is caught."""
+    args, kw = rs.make_problem(jax.random.key(seed), t=t, g=2, hpg=4, k=k, o=256, pool=300, global_head=2, runs=runs)
+    cfg = rs.RestoreConfig(block_n=bn, steps=steps, resident=resident, chunk=chunk)
     got = rs.restore(*args, **kw, config=cfg)
     want = rs.restore_reference(*args, **kw)
     assert got.shape == want.shape and got.dtype == want.dtype
@@ -109,6 +139,8 @@ def test_config_budget():
             rs.RestoreConfig(block_n=256, steps=steps, resident=True)
     with pytest.raises(ValueError, match="resident"):
         rs.RestoreConfig(resident="yes")
+    with pytest.raises(ValueError, match="chunk: expected one of 1, 16, 8, 4, 2, got 3"):
+        rs.RestoreConfig(chunk=3)
     assert "shared memory at k=1024" in rs.restore_unsupported(1024, 1024, 1, jnp.bfloat16, res)
     assert rs.restore_unsupported(1024, 1024, 1, jnp.bfloat16, rs.RestoreConfig(block_n=256)) is None
     assert rs.restore_unsupported(512, 1024, 1, jnp.bfloat16, res) is None
@@ -148,16 +180,17 @@ def _poisoned_run(f, *a, **k):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("seed,t,bn,steps,resident", [
-    (0, 4096, 256, 3, False), (1, 1000, 256, 2, False), (2, 64, 64, 2, False), (3, 4096, 128, 4, False),
-    (4, 1000, 128, 3, False),
-    (0, 4096, 128, 4, True), (1, 1000, 128, 2, True), (2, 64, 64, 2, True), (3, 4096, 64, 3, True),
-    (4, 1000, 128, 3, True)])
-def test_kernel_matches_reference_gpu(seed, t, bn, steps, resident):
+@pytest.mark.parametrize("seed,t,bn,steps,resident,runs,chunk", [
+    (0, 4096, 256, 3, False, 0, 1), (1, 1000, 256, 2, False, 0, 16), (2, 64, 64, 2, False, 0, 1),
+    (3, 4096, 128, 4, False, 0, 16), (4, 1000, 128, 3, False, 0, 1), (5, 4096, 256, 3, False, 32, 16),
+    (6, 4096, 256, 3, False, 32, 1),
+    (0, 4096, 128, 4, True, 0, 1), (1, 1000, 128, 2, True, 0, 16), (2, 64, 64, 2, True, 0, 1),
+    (3, 4096, 64, 3, True, 0, 16), (4, 1000, 128, 3, True, 0, 1), (5, 4096, 128, 4, True, 32, 16)])
+def test_kernel_matches_reference_gpu(seed, t, bn, steps, resident, runs, chunk):
     if jax.default_backend() != "gpu":
         pytest.skip("needs a GPU")
-    args, kw = rs.make_problem(jax.random.key(seed), t=t)
-    cfg = rs.RestoreConfig(block_n=bn, steps=steps, resident=resident)
+    args, kw = rs.make_problem(jax.random.key(seed), t=t, runs=runs)
+    cfg = rs.RestoreConfig(block_n=bn, steps=steps, resident=resident, chunk=chunk)
     got = _poisoned_run(rs.restore, *args, **kw, config=cfg)
     want = rs.restore_reference(*args, **kw)
     assert bool(jnp.all(jnp.isfinite(got.astype(jnp.float32))))

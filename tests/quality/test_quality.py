@@ -519,7 +519,10 @@ def test_qa_diagnose_script_splits_em_by_relation_and_distance(tmp_path):
     assert sum(v["n"] for k, v in em.items() if k.startswith("distance: ")) == n
     assert json.loads((tmp_path / "d.json").read_text())["sizes"]["2x2"]["people"] == 4
     assert all(0 < v["chance"] <= 1 for v in em.values())
-    assert qd.bucket(0) == "[0,128)" and qd.bucket(5000) == ">=1024"
+    assert qd.bucket(0, 128) == "[0,128)" and qd.bucket(5000, 128) == ">=1024" and qd.bucket(40, 32) == "[32,64)"
+    window = qa_test_config().sliding_window  # the buckets follow the model's window
+    assert {k.split(" ", 2)[2] for k in em if k.startswith("distance: ")} <= {
+        qd.bucket(w * window, window) for w in (0, 1, 2, 4, 8)}
     with pytest.raises(SystemExit):
         qd.main(["--checkpoint", str(tmp_path / "ckpt"), "--sizes", "two"])
     with pytest.raises(SystemExit):
