@@ -21,15 +21,14 @@ group's rows, the Global head's columns, read in place: no weight copy) of each 
 of 64 into one of `steps` slots; and, between the steps, the rows' addends from their sources,
 z_L pool rows or z_p rows, by a one-row TMA copy each (TMA has no gather on Hopper: a copy per
 row is the gather); each row arrives once on its consumer's barrier, padding rows (no addend)
-without a copy. `RestoreConfig.chunk` > 1 copies an aligned run of up to 16 rows whose sources are
-consecutive rows of one array in one copy (`addend_chunks`), the rows it covers arriving plainly:
-up to 9x fewer copies, and slower on the H200 (0.80-0.96x of a copy per row, 2026-12-03): the
-producer's per-row branching, not the copies, sets the pace. Each consumer warpgroup owns 64 rows (the wgmma
-M), shares the weight tile with the other, keeps one wgmma in flight and releases a slot when its
-product is done. Its epilogue drops the product of protected rows, adds the addend (zero on
-padding rows) in fp32 in
-place of the addend in shared memory (each thread writes the elements it read) and stores its
-rows with one TMA copy.
+without a copy. `RestoreConfig.chunk` > 1 copies an aligned run of up to 16 rows whose sources
+are consecutive rows of one array in one copy (`addend_chunks`), the rows it covers arriving
+plainly: up to 9x fewer copies, and slower on the H200 (0.80-0.96x of a copy per row,
+2026-12-03): the producer's per-row branching, not the copies, sets the pace. Each consumer
+warpgroup owns 64 rows (the wgmma M), shares the weight tile with the other, keeps one wgmma in
+flight and releases a slot when its product is done. Its epilogue drops the product of
+protected rows, adds the addend (zero on padding rows) in fp32 in place of the addend in shared
+memory (each thread writes the elements it read) and stores its rows with one TMA copy.
 * tiled: one CTA per (128 rows, group, block_n output columns); a slot holds both operands, so a
   row block's o_G is read o / block_n times (4 at block_n 256), from L2 at best;
 * resident: one CTA per (128 rows, group). The producer first loads the CTA's o_G rows
@@ -366,8 +365,9 @@ def _kernel_call(a, wo_a, zl, zp, idx, *, g, o, k, col0, cfg, interpret):
     return plgpu.kernel(
         entry, out_type=jax.ShapeDtypeStruct((t, g * o), dtype), grid=grid, grid_names=names, num_threads=3,
         thread_name="wg",
-        # No automatic warpgroup barriers (Pallas would put one before each addend copy). Safe: the producer reads only the ids, after their barrier; each consumer thread
-        # overwrites only the addend elements it read itself, and commit_smem (a fence and a
+        # No automatic warpgroup barriers (Pallas would put one before each addend copy). Safe: the
+        # producer reads only the ids, after their barrier; each consumer thread overwrites only
+        # the addend elements it read itself, and commit_smem (a fence and a
         # warpgroup barrier) precedes the output's TMA; the wait for the store to have read the
         # rows ends with a warpgroup barrier, before any thread releases them.
         compiler_params=plgpu.CompilerParams(unsafe_no_auto_barriers=True),
@@ -414,8 +414,8 @@ def restore(o_g, wo_a, zl, zl_row, z_p, prot_idx, *, global_heads, config: Resto
         a = jnp.pad(a, ((0, tp), (0, 0)))
         kind, row = jnp.pad(kind, (0, tp)), jnp.pad(row, (0, tp))
     z = _kernel_call(a, wo_a, zl.reshape(zl.shape[0], g * o), z_p.reshape(z_p.shape[0], g * o),
-                     jnp.stack([row, kind, addend_chunks(kind, row, cfg.chunk)]), g=g, o=o, k=k, col0=heads[0] * k, cfg=cfg,
-                     interpret=interpret)
+                     jnp.stack([row, kind, addend_chunks(kind, row, cfg.chunk)]), g=g, o=o, k=k, col0=heads[0] * k,
+                     cfg=cfg, interpret=interpret)
     return z[:t].reshape(t, g, o)
 
 
@@ -432,7 +432,7 @@ def make_problem(key, *, t: int, g: int = 8, hpg: int = 8, k: int = 512, o: int 
     o_g = (jax.random.normal(ks[0], (t, g, 1, k), jnp.float32)).astype(dtype)
     wo_a = (jax.random.normal(ks[1], (g * o, hpg * k), jnp.float32) * k ** -0.5).astype(dtype)
     zl = jax.random.normal(ks[2], (pool, g, o), jnp.float32).astype(dtype)
-    if runs:  # alternating runs, geometric lengths: protected mean `runs`, restored to the share
+    if runs and protected > 0:  # alternating runs of geometric lengths: protected ones of mean `runs`
         rng = np.random.default_rng(np.asarray(jax.random.key_data(ks[3])).ravel())
         lens = rng.geometric([1 / runs if i % 2 else min(1.0, protected / (runs * (1 - protected) + 1e-9))
                               for i in range(2 * t)])
@@ -477,7 +477,7 @@ def main(argv=None):
     ap.add_argument("--protected", type=float, default=0.25, help="protected share of the rows")
     ap.add_argument("--runs", default="0,32",
                     help="protected-row layouts (make_problem's runs): 0 scattered, n runs of about n rows")
-    ap.add_argument("--chunk", default="16", help="RestoreConfig.chunk variants: the longest addend copy (1: per row)")
+    ap.add_argument("--chunk", default="1,16", help="RestoreConfig.chunk variants: the longest addend copy (1: per row)")
     a = ap.parse_args(argv)
     forms = a.form.split(",")
     if not forms or any(f not in ("tiled", "resident") for f in forms):
