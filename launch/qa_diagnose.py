@@ -35,6 +35,14 @@ def bucket(d: int, window: int) -> str:
     return f">={edges[-1]}"
 
 
+def _order(group: str, name: str):
+    """Sort key of a result row: distance buckets by their lower edge, the rest by name."""
+    if group == "distance":
+        qtype, span = name.split(" ", 1)
+        return group, qtype, int(span.strip("[>=").split(",")[0])
+    return group, name, 0
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--checkpoint", required=True)
@@ -66,7 +74,7 @@ def main(argv=None):
             groups[("type", r["qtype"])].append(hit)
         res = {f"{k[0]}: {k[1]}": {"n": len(v), "em": round(float(np.mean([h[0] for h in v])), 3),
                                    "chance": round(float(np.mean([h[1] for h in v])), 3)}
-               for k, v in sorted(groups.items())}
+               for k, v in sorted(groups.items(), key=lambda kv: _order(*kv[0]))}
         out["sizes"][f"{n_docs}x{per_doc}"] = {"people": n_docs * per_doc, "em": res}
         print(f"{n_docs}x{per_doc} ({n_docs * per_doc} people)")
         for k, v in res.items():

@@ -523,6 +523,8 @@ def test_qa_diagnose_script_splits_em_by_relation_and_distance(tmp_path):
     window = qa_test_config().sliding_window  # the buckets follow the model's window
     assert {k.split(" ", 2)[2] for k in em if k.startswith("distance: ")} <= {
         qd.bucket(w * window, window) for w in (0, 1, 2, 4, 8)}
+    edges = [int(k.split(" ", 2)[2].strip("[>=").split(",")[0]) for k in em if k.startswith("distance: lookup")]
+    assert edges == sorted(edges)  # nearest first
     with pytest.raises(SystemExit):
         qd.main(["--checkpoint", str(tmp_path / "ckpt"), "--sizes", "two"])
     with pytest.raises(SystemExit):
