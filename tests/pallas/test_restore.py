@@ -119,7 +119,7 @@ def test_kernel_matches_reference_interpret(seed, t, k, bn, steps, resident, run
 def test_kernel_lowers_for_cuda(bn, steps, resident):
     """Flash shapes (8 groups, k 512, o 1024): the Mosaic GPU lowering (layout inference, TMA
     shapes, and Mosaic's own shared-memory check against 227 KB) runs on CPU. The resident
-    default (block_n 128, 4 slots) is the tightest budget: 230,568 bytes by Mosaic's count; with
+    default (block_n 128, 4 slots) is the tightest budget (231,936 bytes by `smem_bytes`); with
     3 slots, which do not divide the 8 steps, the slot indices are computed in the loop."""
     args, kw = rs.make_problem(jax.random.key(0), t=256)
     cfg = rs.RestoreConfig(block_n=bn, steps=steps, resident=resident)
