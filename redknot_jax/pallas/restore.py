@@ -169,6 +169,16 @@ def protected_rows(prot_idx, t: int) -> jax.Array:
     return jnp.full((t,), -1, jnp.int32).at[prot_idx].set(jnp.arange(n, dtype=jnp.int32), mode="drop")
 
 
+def addend_sources(zl_row, prot_idx, t: int) -> tuple[jax.Array, jax.Array]:
+    """(kind, row), int32 [t padded to a multiple of BLOCK_T]: each row's addend source (0 none:
+    padding, 1 z_L, 2 z_p: protected rows win) and its row there (0 where none)."""
+    p_row = protected_rows(prot_idx, t)
+    kind = jnp.where(p_row >= 0, 2, jnp.where(zl_row >= 0, 1, 0)).astype(jnp.int32)
+    row = jnp.where(kind == 2, p_row, jnp.where(kind == 1, zl_row, 0)).astype(jnp.int32)
+    tp = -t % BLOCK_T
+    return jnp.pad(kind, (0, tp)), jnp.pad(row, (0, tp))
+
+
 def addend_chunks(kind, row, max_chunk: int = CHUNKS[0]) -> jax.Array:
     """size [t] (t a multiple of max_chunk): the rows one addend copy starting at each row
     covers. A chunk of s rows starts at a multiple of s, holds rows of one source (kind 1: z_L,
@@ -405,14 +415,8 @@ def restore(o_g, wo_a, zl, zl_row, z_p, prot_idx, *, global_heads, config: Resto
     why = restore_unsupported(k, o, ng, dts.pop() if len(dts) == 1 else "mixed dtypes", cfg)
     if why:
         raise ValueError(f"restore kernel: {why}")
-    p_row = protected_rows(prot_idx, t)  # the kernel reads each row's source, not a scatter list
-    kind = jnp.where(p_row >= 0, 2, jnp.where(zl_row >= 0, 1, 0)).astype(jnp.int32)
-    row = jnp.where(kind == 2, p_row, jnp.where(kind == 1, zl_row, 0)).astype(jnp.int32)
-    a = o_g.reshape(t, g * k)
-    tp = -t % BLOCK_T
-    if tp:
-        a = jnp.pad(a, ((0, tp), (0, 0)))
-        kind, row = jnp.pad(kind, (0, tp)), jnp.pad(row, (0, tp))
+    kind, row = addend_sources(zl_row, prot_idx, t)  # the kernel reads each row's source, not a scatter list
+    a = jnp.pad(o_g.reshape(t, g * k), ((0, kind.shape[0] - t), (0, 0)))
     z = _kernel_call(a, wo_a, zl.reshape(zl.shape[0], g * o), z_p.reshape(z_p.shape[0], g * o),
                      jnp.stack([row, kind, addend_chunks(kind, row, cfg.chunk)]), g=g, o=o, k=k, col0=heads[0] * k,
                      cfg=cfg, interpret=interpret)
@@ -498,10 +502,7 @@ def main(argv=None):
     rows = []
     for t, runs in [(int(v), int(r)) for v in a.rows.split(",") for r in a.runs.split(",")]:
         args, kw = make_problem(jax.random.key(t), t=t, protected=a.protected, runs=runs)
-        row, p_row = np.asarray(args[3]), np.asarray(protected_rows(args[5], t))
-        kind = np.where(p_row >= 0, 2, np.where(row >= 0, 1, 0)).astype(np.int32)
-        src = np.where(kind == 2, p_row, np.maximum(row, 0)).astype(np.int32)
-        kind, src = (jnp.asarray(np.pad(v, (0, -t % BLOCK_T))) for v in (kind, src))
+        kind, src = addend_sources(args[3], args[5], t)
         ref = jax.jit(functools.partial(restore_reference, **kw))
         zr = ref(*args)
         nbytes = moved_bytes(args)

@@ -71,10 +71,9 @@ def test_addend_chunks():
     assert (got[48:] == 0).all()
     for runs in (0, 8):
         args, _ = rs.make_problem(jax.random.key(runs), t=1024, g=1, hpg=2, k=64, o=64, runs=runs)
-        p = np.asarray(rs.protected_rows(args[5], 1024))
-        kind = np.where(p >= 0, 2, np.where(np.asarray(args[3]) >= 0, 1, 0)).astype(np.int32)
-        src = np.where(kind == 2, p, np.maximum(np.asarray(args[3]), 0)).astype(np.int32)
-        size = np.asarray(rs.addend_chunks(jnp.asarray(kind), jnp.asarray(src)))
+        kind, src = rs.addend_sources(args[3], args[5], 1024)
+        size = np.asarray(rs.addend_chunks(kind, src))
+        kind, src = np.asarray(kind), np.asarray(src)
         hits = np.zeros(1024, int)
         for r in np.flatnonzero(size):
             s = size[r]
