@@ -11,7 +11,8 @@ warm-up + cosine; curriculum (`curriculum`): short packed episodes inside the sl
 first, then half-size documents, then 2-6, then half the rows full-size episodes (as many
 documents as the evaluation requests). With --recall-until, the episodes before that stage
 are associative-recall warm-ups in the same words (session 19: a textbook transformer learnt
-the QA wording only after one). With --dense-csa-until, CSA attention is dense (every
+the QA wording only after one); --recall-rows keeps that many rows of every batch on recall
+after it. With --dense-csa-until, CSA attention is dense (every
 visible compressed entry, `Trainer.step_fn`) until that curriculum stage, then the model's
 top-k; the top-k step compiles on a side thread meanwhile. The end of the
 budget is reserved for rounding to the shipped bf16 weights, saving, and the teacher-forced
@@ -64,7 +65,9 @@ def curriculum(frac: float, row: int, args) -> D.Curriculum:
     else:
         cur = D.Curriculum(max(2, full - 1), full, args.per_doc, 24, two_hop=0.5)
     cur = dataclasses.replace(cur, templates=args.templates)
-    if frac < args.recall_until:  # associative recall first (--recall-until, sizes --recall-shape)
+    # associative recall first (--recall-until, sizes --recall-shape), and in the last --recall-rows rows
+    # of every batch after it (recall kept alive beside the QA wording)
+    if frac < args.recall_until or row >= args.batch - args.recall_rows:
         if args.recall_shape:
             cur = D.Curriculum(*args.recall_shape, templates=args.templates)
         cur = dataclasses.replace(cur, recall=True)
@@ -127,6 +130,9 @@ def main(argv=None):
                     help="curriculum stage (a budget fraction, as --curriculum-from) until which episodes are "
                          "associative-recall warm-ups (quality.data.recall_episode: 'ka lo oslo .' facts, then "
                          "'me ru rome' queries, no question words) instead of QA (0: never)")
+    ap.add_argument("--recall-rows", type=int, default=0,
+                    help="after --recall-until, this many rows of every batch (the last ones) stay associative-recall "
+                         "episodes (sizes --recall-shape), the rest QA: recall mixed with QA, not only before it")
     ap.add_argument("--simple-until", type=float, default=0.0,
                     help="curriculum stage (a budget fraction, as --curriculum-from) until which episodes hold only "
                          "the --simple-facts and ask only the --simple-asks (0: never)")
@@ -184,6 +190,8 @@ def main(argv=None):
         if len(shape) != 4 or not (1 <= shape[0] <= shape[1] and shape[2] >= 2 and shape[3] >= 1):
             ap.error(f"{name}: expected 1 <= MIN_DOCS <= MAX_DOCS, PER_DOC >= 2, QUESTIONS >= 1, got {shape}")
         setattr(args, flag, shape)
+    if not 0 <= args.recall_rows < args.batch:
+        ap.error(f"--recall-rows: expected 0 <= rows < --batch ({args.batch}), got {args.recall_rows}")
     if args.op_profile < 0:
         ap.error(f"--op-profile: expected a step count >= 0, got {args.op_profile}")
     if not 0.0 <= args.other_weight <= 1.0:
@@ -266,10 +274,10 @@ def main(argv=None):
     curve_rel = dict(facts=args.simple_facts, asks=args.simple_asks) if simple else {}
     probe_eps = D.eval_episodes("val", 16, seed=2000 + args.seed, n_docs=args.eval_docs, per_doc=args.per_doc,
                                 questions_per_type=4, templates=args.templates, **curve_rel) if args.eval_every else []
-    # with --recall-until, the curve also follows recall at the --inwindow sizes by distance
-    recall_rows = (D.recall_probe("val", 32, 3000 + args.seed, D.Curriculum(*(args.recall_shape or args.inwindow)),
+    # with --recall-until or --recall-rows, the curve also follows recall at the --recall-shape sizes by distance
+    recall_probe = (D.recall_probe("val", 32, 3000 + args.seed, D.Curriculum(*(args.recall_shape or args.inwindow)),
                                   args.seq_len)
-                   if args.eval_every and args.recall_until > args.curriculum_from else None)
+                   if args.eval_every and (args.recall_until > args.curriculum_from or args.recall_rows) else None)
     if args.eval_every:
         log["val_curve_worlds"] = {"facts": list(curve_rel.get("facts", D.RELATIONS)),
                                    "asks": list(curve_rel.get("asks", D.RELATIONS))}
@@ -352,8 +360,8 @@ def main(argv=None):
                 {"step": step, **{k: {m: round(v[m], 3) for m in ("em", "chance")} for k, v in tf.items()}})
             print(f"step {step} validation " + ", ".join(f"{k} EM {v['em']:.3f} (chance {v['chance']:.3f})"
                                                          for k, v in tf.items()), flush=True)
-            if recall_rows is not None:
-                rs = recall_scores(trainer, *recall_rows, args.batch, cfg.sliding_window)
+            if recall_probe is not None:
+                rs = recall_scores(trainer, *recall_probe, args.batch, cfg.sliding_window)
                 log.setdefault("recall_curve", []).append(
                     {"step": step, **{k: {m: round(v[m], 3) for m in ("n", "acc", "chance")} for k, v in rs.items()}})
                 print(f"step {step} validation recall " + ", ".join(

@@ -458,21 +458,22 @@ def test_train_script_writes_a_servable_checkpoint_and_continues_from_it(tmp_pat
         tq.main(["--init-from", str(a), "--max-steps", "4", "--curriculum-until", "0.34", "--simple-until", "0.15",
                  "--recall-until", "0.1", "--recall-shape", "1,1,6,2", "--simple-facts", "city",
                  "--simple-two-hop", "0", "--eval-every", "2", "--templates", "echo", "--inwindow", "1,1,4,1",
-                 "--out", str(tmp_path / "s")] + common)
+                 "--recall-rows", "1", "--out", str(tmp_path / "s")] + common)
     finally:
         tq.D.training_sequence = real_sequence
     per_step = [stages[i:i + 2] for i in range(0, len(stages), 2)]
-    assert [{(c.facts, c.asks, c.two_hop) for c in st} for st in per_step] == [
-        {(("city",), ("city",), 0.0)}] * 2 + [{(D.RELATIONS, D.RELATIONS, 0.3)}] * 2
-    # --recall-until 0.1: associative-recall episodes at stages 0 and 0.085, then question/answer ones
-    assert [{c.recall for c in st} for st in per_step] == [{True}] * 2 + [{False}] * 2
+    assert [[(c.facts, c.asks, c.two_hop) for c in st] for st in per_step] == [
+        [(("city",), ("city",), 0.0)] * 2] * 2 + [[(D.RELATIONS, D.RELATIONS, 0.3), (D.RELATIONS, D.RELATIONS, 0.5)]] * 2
+    # --recall-until 0.1: associative-recall episodes at stages 0 and 0.085, then question/answer ones,
+    # except the last row of each batch (--recall-rows 1), which stays on recall
+    assert [[c.recall for c in st] for st in per_step] == [[True, True]] * 2 + [[False, True]] * 2
     log = json.loads((tmp_path / "s" / "train_log.json").read_text())
     assert log["val_curve_worlds"] == {"facts": ["city"], "asks": ["city"]}
     assert {c.templates for c in stages} == {"echo"} and D.templates_of(tmp_path / "s") == "echo"
     # --inwindow: the in-window stage's episode shape (one document of four people, one question);
     # --recall-shape: the recall episodes' (one document of six people, two queries)
-    assert [{(c.min_docs, c.max_docs, c.per_doc, c.questions) for c in st} for st in per_step] == [
-        {(1, 1, 6, 2)}] * 2 + [{(1, 1, 4, 1)}] * 2
+    assert [[(c.min_docs, c.max_docs, c.per_doc, c.questions) for c in st] for st in per_step] == [
+        [(1, 1, 6, 2)] * 2] * 2 + [[(1, 1, 4, 1), (1, 1, 6, 2)]] * 2
     assert all(0 <= r["span_acc"] <= 1 for r in log["history"])  # the answer span's accuracy, without <eos>
     assert {k for c in log["val_curve"] for k in c if k != "step"} == {"lookup", "lookup:city"}
     # with --recall-until the curve also follows recall by distance from the stated value: 32 episodes of
@@ -493,6 +494,7 @@ def test_train_script_writes_a_servable_checkpoint_and_continues_from_it(tmp_pat
                 ["--set", "no_such_field=1"], ["--other-weight", "2"], ["--min-lr-frac", "-0.1"], ["--op-profile", "-1"],
                 ["--init-from", str(a), "--set", "sliding_window=64"], ["--simple-facts", "town"],
                 ["--simple-facts", "city", "--simple-asks", "boss"], ["--simple-until", "2"], ["--recall-until", "-1"],
+                ["--recall-rows", "2", "--batch", "2"], ["--recall-rows", "-1"],
                 ["--simple-two-hop", "1.5"], ["--templates", "fancy"], ["--inwindow", "1,2,2"],
                 ["--inwindow", "2,1,2,6"], ["--inwindow", "1,2,1,6"], ["--inwindow", "one,2,2,6"], ["--recall-shape", "1,2,2"]):
         with pytest.raises(SystemExit):
