@@ -7,7 +7,9 @@ Scaled to the synthetic task: Flash's 128-row sliding window, so that in a reque
 tokens every fact further back than about five people's sentences is reachable only through
 compressed entries (CSA rate 4 with a 64-entry Lightning Indexer top-k; HCA rate 32); the
 first curriculum stage (short episodes) fits inside the window, where retrieval is learnt
-first (2048-token training rows). A 32-row window learnt no retrieval in 535 H200 steps.
+first (2048-token training rows). A 32-row window learnt no retrieval in 535 H200 steps
+then; the shipped model has one all the same (`--set sliding_window=32`, sessions 22-23: after
+an associative-recall warm-up it retrieves through compressed entries; its model card).
 No YaRN (contexts stay far below the table's length).
 
 `qa_profile()`: 3F-6R-3F (fences as Flash / Pro: 3 + 3), 1 Global + 7 Local heads per group,

@@ -1,15 +1,18 @@
 """`python launch/serve.py` with no model flags serves the shipped QA model (issue #10 item 5)
-and answers a held-out question over registered documents, over a real socket.
+and answers held-out questions over registered documents, over a real socket.
 
 The world, its documents and its questions come from the test split (names never seen in
-training). The documents are registered as text, cited in a shuffled order, and the question
+training). The documents are registered as text, cited in a shuffled order, and every question
 is asked through the completions endpoint (RedKnot arm and `arm: recompute`), and the first
-question also through chat (the checkpoint's chat template appends `answer :`). Expected: the server's Recomputed answer
-equals the in-process greedy answer of the same weights (serving changes nothing), and the
-model answers at least half of them right (6 of 8 on CPU, 2026-12-02; a guess among the world's
-values of the asked kind gets about 2). The world is the size the shipped model was last trained
-on (2 documents of 4 people): it answers facts inside its 128-row sliding window and not yet
-beyond it (its model card has the scores by world size and distance).
+question also through chat (the checkpoint's chat template appends `answer :`). Expected: the
+server's Recomputed answer equals the in-process greedy answer of the same weights (serving
+changes nothing), and the model answers at least 3 of the 4 lookup questions right (in process,
+CPU, 2026-12-03: 4 of 4 at this seed, 3 and 4 of 4 at seeds 3 and 5; a guess among the world's
+values of the asked kind gets about half of one).
+The world is the size the shipped model was trained and chosen on (3 documents of 6 people,
+about 450 tokens): most of its facts lie beyond the model's 32-row sliding window, so the
+answers come through compressed (CSA / HCA) entries. Two-hop questions are asked (served the
+same as in process) but not counted: the model answers them at chance (its model card).
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from redknot_jax.reuse.planner import Request, Segment
 from redknot_jax.reuse.runtime import ReuseRuntime
 from tests.server.test_server import start_server, stop_server
 
-SEED = 3  # the test world (test split)
+SEED = 4  # the test world (test split)
 # a request's wait: the first request of each arm compiles the 12-layer model's programs in the
 # server (one CPU device), which took over 120 s on the 2-core CI machine under load
 COMPILE_WAIT_S = 600
@@ -52,7 +55,7 @@ def test_default_server_answers_held_out_questions(default_server):
     srv = default_server
     status, models = srv.request("GET", "/v1/models", key=None)
     assert status == 200 and models["data"][0]["id"] == SHIPPED_MODEL.name
-    (ep,) = D.eval_episodes("test", 1, seed=SEED, n_docs=2, per_doc=4, questions_per_type=4)
+    (ep,) = D.eval_episodes("test", 1, seed=SEED, n_docs=3, per_doc=6, questions_per_type=4)
     order = np.random.default_rng(SEED).permutation(len(ep.docs))
     ids = []
     for j in order:
@@ -75,8 +78,8 @@ def test_default_server_answers_held_out_questions(default_server):
         status, red = srv.request("POST", "/v1/completions", body, key=None, timeout=COMPILE_WAIT_S)
         assert status == 200, red
         assert red["redknot"]["arm"] == "redknot" and red["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+        right += qa.qtype == "lookup" and expected == gold
         if qa is not ep.qas[0]:  # the chat template's path is the same for every question: checked once
-            right += expected == gold
             continue
         chat_q = D.decode(qa.question[:-2])  # without "answer :": the chat template adds it
         status, chat = srv.request("POST", "/v1/chat/completions",
@@ -85,8 +88,8 @@ def test_default_server_answers_held_out_questions(default_server):
                                     "messages": [{"role": "user", "content": chat_q}]}, key=None)
         assert status == 200, chat
         assert chat["choices"][0]["message"]["content"].strip() == expected
-        right += expected == gold
-    assert right >= len(ep.qas) // 2, f"the shipped model answered {right} of {len(ep.qas)} held-out questions"
+    lookups = sum(qa.qtype == "lookup" for qa in ep.qas)
+    assert lookups == 4 and right >= 3, f"the shipped model answered {right} of {lookups} held-out lookup questions"
 
 
 def test_ignore_eos_and_tokenize(default_server):
