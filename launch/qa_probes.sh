@@ -4,7 +4,8 @@
 # probe arguments plus its own, all started together (memory is allocated on demand, not
 # preallocated). This buys a side-by-side comparison, not throughput: four qa runs at once
 # made 5.4 steps/s together, one alone 7.4 (H200, 2026-12-01).
-# Written to OUT (few files: a GPU call returns at most 8): probes.log (every run's output),
+# Written to OUT (few files: a GPU call returns at most 8): probes.log (every run's output, then
+# the summary below),
 # probes.json (every run's train_log.json) and the checkpoint of the variant with the best
 # validation EM above its in-context chance in OUT/best (safetensors, config.json,
 # train_log.json; `train.write_serving_files` restores the rest). The held-out test split
@@ -55,9 +56,13 @@ for n in names:
     if best is None or margin > best[1]:
         best = (n, margin)
 (out / "probes.json").write_text(json.dumps(logs, indent=1))
-print("\n".join(rows))
 if best:
-    print(f"best: {best[0]} (margin {best[1]:+.3f}) -> {out}/best")
+    rows.append(f"best: {best[0]} (margin {best[1]:+.3f}) -> {out}/best")
+summary = "\n".join(rows)
+print(summary)
+with open(out / "probes.log", "a") as f:  # the summary travels with the logs, not only on stdout
+    f.write("===== summary\n" + summary + "\n")
+if best:
     (out / "best").mkdir(exist_ok=True)
     for f in (tmp / best[0]).iterdir():
         if f.suffix == ".safetensors" or f.name in ("config.json", "train_log.json"):
