@@ -30,6 +30,7 @@ import dataclasses
 import datetime
 import json
 import pathlib
+import re
 import time
 
 import numpy as np
@@ -48,7 +49,8 @@ DEFAULT_CKPT = pathlib.Path(__file__).resolve().parents[1] / "redknot_jax" / "as
 def variants(names: list[str], reusable: range, n_layers: int, window: int = 128) -> list[tuple[str, dict]]:
     """(label, profile overrides). 'default' = the profile as shipped (controller + tau);
     `reusable`: the shipped profile's reusable layers, cut into bands of two for `reuse-a-b`
-    (only that band reused, every other layer fenced, i.e. native)."""
+    (only that band reused, every other layer fenced, i.e. native); a name `reuse-a-b` outside
+    the grid asks for any other contiguous range a..b of them (e.g. reuse-5-8: fence 0-4)."""
     grid = [("default", {})]
     for b in (0.10, 0.20, 0.25, 1.00):
         for mode, lab in (("native", "fan-out off"), ("tau", "fan-out on"), ("k3", "K3")):
@@ -68,6 +70,12 @@ def variants(names: list[str], reusable: range, n_layers: int, window: int = 128
     if names == ["all"]:
         return grid
     known = {g[0]: g for g in grid}
+    for n in names:  # any other contiguous range of the reusable layers: reuse-A-B
+        m = re.fullmatch(r"reuse-(\d+)-(\d+)", n)
+        if n not in known and m and reusable[0] <= int(m[1]) <= int(m[2]) <= reusable[-1]:
+            lo, hi = int(m[1]), int(m[2])
+            known[n] = (n, {"fence_first": lo, "fence_last": n_layers - 1 - hi,
+                            "_label": f"controller, fan-out on, only layers {lo}-{hi} reused"})
     bad = [n for n in names if n not in known]
     if bad:
         raise SystemExit(f"--variants: unknown {bad}; known: all, {', '.join(known)}")

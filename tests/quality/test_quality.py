@@ -376,14 +376,17 @@ def test_eval_quality_smoke(tmp_path):
     model = random_model(cfg, seed=0, dtype=jnp.float32)
     save_checkpoint(model, tmp_path / "ckpt")
     res = ev.main(["--checkpoint", str(tmp_path / "ckpt"), "--n", "1", "--docs", "3", "--per-doc", "2",
-                   "--variants", "reuse-3-4,thin", "--max-new", "1", "--bootstrap", "50",
+                   "--variants", "reuse-3-4,reuse-2-4,thin", "--max-new", "1", "--bootstrap", "50",
                    "--out", str(tmp_path / "q")])
-    assert set(res["summary"]) == {"reuse-3-4", "thin"}
+    assert set(res["summary"]) == {"reuse-3-4", "reuse-2-4", "thin"}
     for cert in res["certification"].values():
         assert cert["validated"] == 2 and not any(cert["fallback"].values())  # no silent recomputation
-    # the band variant ran on artifacts built for its own fences (layers 3-4 only; the shipped
-    # profile of this model reuses layers 1-4)
-    assert res["artifact_layers"] == {"reuse-3-4": [3, 4], "thin": [1, 2, 3, 4]}
+    # the band variants ran on artifacts built for their own fences (layers 3-4 only, a band of the
+    # grid; 2-4, any other range of the reusable layers; the shipped profile of this model reuses 1-4)
+    assert res["artifact_layers"] == {"reuse-3-4": [3, 4], "reuse-2-4": [2, 3, 4], "thin": [1, 2, 3, 4]}
+    for bad in ("reuse-0-4", "reuse-3-2", "reuse-2-5", "reuse-x"):  # outside the reusable layers 1-4, or not a range
+        with pytest.raises(SystemExit, match=bad):
+            ev.variants([bad], range(1, 5), 6)
     for r in res["records"]:
         assert 0 <= r["kl"] and r["protected"] > 0
     # thin: fixed protection cut to 1/16 and 1/8 of this model's 8-row window, below the shipped
