@@ -2,8 +2,8 @@
 and answers held-out questions over registered documents, over a real socket.
 
 The world, its documents and its questions come from the test split (names never seen in
-training). The documents are registered as text, cited in a shuffled order, and every question
-is asked through the completions endpoint (RedKnot arm and `arm: recompute`), and the first
+training). The documents are registered as text, cited in a shuffled order, and its questions
+are asked through the completions endpoint (RedKnot arm and `arm: recompute`), and the first
 question also through chat (the checkpoint's chat template appends `answer :`). Expected: the
 server's Recomputed answer equals the in-process greedy answer of the same weights (serving
 changes nothing), and the model answers at least 3 of the 4 lookup questions right (in process,
@@ -11,7 +11,7 @@ CPU, 2026-12-03: 4 of 4 at this seed, 3 and 4 of 4 at seeds 3 and 5; a guess amo
 values of the asked kind gets about half of one).
 The world is the size the shipped model was chosen on (3 documents of 6 people, about 450
 tokens): most of its facts lie beyond the model's 32-row sliding window, so the
-answers come through compressed (CSA / HCA) entries. Two-hop questions are asked (served the
+answers come through compressed (CSA / HCA) entries. One two-hop question is asked (served the
 same as in process) but not counted: the model answers them at chance (its model card).
 """
 
@@ -67,7 +67,9 @@ def test_default_server_answers_held_out_questions(default_server):
     model = load_model(SHIPPED_MODEL)
     rt = ReuseRuntime(model, qa_profile(model.cfg.num_layers, model.cfg.sliding_window), "in-process")
     right = 0
-    for qa in ep.qas:
+    # the 4 lookups and one two-hop question (served as in process; a second adds only CI time)
+    asked = [qa for qa in ep.qas if qa.qtype == "lookup"] + [next(qa for qa in ep.qas if qa.qtype == "two_hop")]
+    for qa in asked:
         gold = D.decode(qa.answer)
         expected = _greedy_recompute(rt, [ep.docs[j] for j in order], qa.question)
         body = {"model": SHIPPED_MODEL.name, "prompt": D.decode(qa.question), "max_tokens": 4,
@@ -79,7 +81,7 @@ def test_default_server_answers_held_out_questions(default_server):
         assert status == 200, red
         assert red["redknot"]["arm"] == "redknot" and red["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
         right += qa.qtype == "lookup" and expected == gold
-        if qa is not ep.qas[0]:  # the chat template's path is the same for every question: checked once
+        if qa is not asked[0]:  # the chat template's path is the same for every question: checked once
             continue
         chat_q = D.decode(qa.question[:-2])  # without "answer :": the chat template adds it
         status, chat = srv.request("POST", "/v1/chat/completions",
@@ -88,8 +90,7 @@ def test_default_server_answers_held_out_questions(default_server):
                                     "messages": [{"role": "user", "content": chat_q}]}, key=None)
         assert status == 200, chat
         assert chat["choices"][0]["message"]["content"].strip() == expected
-    lookups = sum(qa.qtype == "lookup" for qa in ep.qas)
-    assert lookups == 4 and right >= 3, f"the shipped model answered {right} of {lookups} held-out lookup questions"
+    assert len(asked) == 5 and right >= 3, f"the shipped model answered {right} of 4 held-out lookup questions"
 
 
 def test_ignore_eos_and_tokenize(default_server):
