@@ -63,19 +63,19 @@ def variants(names: list[str], reusable: range, n_layers: int, window: int = 128
     thin = dict(boundary_rows=max(1, window // 16), tail_rows=max(1, window // 8))
     grid.append(("thin", {**thin, "_label": f"controller, fan-out on, {thin['boundary_rows']} boundary rows, "
                                            f"{thin['tail_rows']}-row tail"}))
-    for lo in reusable[::2]:
-        hi = min(lo + 1, reusable[-1])
-        grid.append((f"reuse-{lo}-{hi}", {"fence_first": lo, "fence_last": n_layers - 1 - hi,
-                                          "_label": f"controller, fan-out on, only layers {lo}-{hi} reused"}))
+
+    def band(lo: int, hi: int):  # only layers lo..hi reused, every other layer native
+        return (f"reuse-{lo}-{hi}", {"fence_first": lo, "fence_last": n_layers - 1 - hi,
+                                     "_label": f"controller, fan-out on, only layers {lo}-{hi} reused"})
+
+    grid += [band(lo, min(lo + 1, reusable[-1])) for lo in reusable[::2]]
     if names == ["all"]:
         return grid
     known = {g[0]: g for g in grid}
     for n in names:  # any other contiguous range of the reusable layers: reuse-A-B
         m = re.fullmatch(r"reuse-(\d+)-(\d+)", n)
         if n not in known and m and reusable[0] <= int(m[1]) <= int(m[2]) <= reusable[-1]:
-            lo, hi = int(m[1]), int(m[2])
-            known[n] = (n, {"fence_first": lo, "fence_last": n_layers - 1 - hi,
-                            "_label": f"controller, fan-out on, only layers {lo}-{hi} reused"})
+            known[n] = band(int(m[1]), int(m[2]))
     bad = [n for n in names if n not in known]
     if bad:
         raise SystemExit(f"--variants: unknown {bad}; known: all, {', '.join(known)}")

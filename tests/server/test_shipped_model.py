@@ -7,8 +7,9 @@ are asked through the completions endpoint (RedKnot arm and `arm: recompute`), a
 question also through chat (the checkpoint's chat template appends `answer :`). Expected: the
 server's Recomputed answer equals the in-process greedy answer of the same weights (serving
 changes nothing), and the model answers at least 3 of the 4 lookup questions right (in process,
-CPU, 2026-12-03: 4 of 4 at this seed, 3 and 4 of 4 at seeds 3 and 5; a guess among the world's
-values of the asked kind gets about half of one).
+CPU, 2026-12-03: 4 of 4 at this seed, 3 and 4 of 4 at seeds 3 and 5,
+docs/results/qa_s23/server_world_seeds.py; a guess among the world's values of the asked kind
+gets about half of one).
 The world is the size the shipped model was chosen on (3 documents of 6 people, about 450
 tokens): most of its facts lie beyond the model's 32-row sliding window, so the
 answers come through compressed (CSA / HCA) entries. One two-hop question is asked (served the
