@@ -32,7 +32,8 @@ def load_ttft(paths) -> tuple[list[dict], list[str]]:
     records, profile and kernel set are pooled (every repeat kept, medians over all of them).
     Otherwise a run of the preset's own profile wins over a variant (`bench_ttft.py
     --tail-rows/--fanout/--budget` rename it "name-field=value"), then the run with more of
-    today's default kernels (`redknot_jax.pallas.FASTER`), and among equals the last file."""
+    today's default kernels (`redknot_jax.pallas.FASTER`), and among equals the last file; a
+    winner without a per-layer profile keeps the loser's (its plot names the file it came from)."""
     rows, prov = {}, []
     for p in paths:
         d = json.loads(pathlib.Path(p).read_text())
@@ -52,6 +53,8 @@ def load_ttft(paths) -> tuple[list[dict], list[str]]:
                 r = _pool(was, r)
             elif was and _rank(r) < _rank(was):
                 continue
+            elif was and not r.get("layer_times"):  # a per-layer profile stays, naming its own file
+                r["layer_times"], r["layer_times_src"] = was.get("layer_times"), was.get("layer_times_src")
             rows[int(r["length"])] = r
     if not rows:
         raise SystemExit(f"--ttft: no complete length rows in {list(paths)}")
@@ -105,7 +108,8 @@ def _prov(prov: list[str]) -> str:
 def _tick(r: dict) -> str:
     """A length's axis label: the length, and what differs between rows of one figure (host-
     resident artifacts, the Mosaic GPU kernels run)."""
-    notes = (["host"] if r.get("pool") == "HostPool" else []) + ([r["kernel_set"]] if r.get("kernel_set") else [])
+    notes = (["host"] if r.get("pool") == "HostPool" else []) + (
+        [r["kernel_set"].replace(",", ",\n")] if r.get("kernel_set") else [])  # one kernel per line
     return _kfmt(r["length"]) + "".join(f"\n{n}" for n in notes)
 
 

@@ -27,13 +27,14 @@ def test_plots_from_committed_results(tmp_path):
         assert f.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and f.stat().st_size > 5000
 
 
-@pytest.mark.parametrize("length, runs, layers_file", [(65536, 4, "ttft_64k_ops_moe_kernel_h200.json"),
+@pytest.mark.parametrize("length, runs, layers_file", [(65536, 2, "ttft_64k_ops_moe_kernel_h200.json"),
                                                        (131072, 2, "ttft_128k_host_layers_h200.json")])
 def test_runs_of_the_same_requests_are_pooled(length, runs, layers_file):
-    """The committed runs of one length on the same records, profile and main kernel set (64K:
-    four with indexer + ragged_dot, the last two of which also timed sparse_attention as a
-    second set; 128K: two) become one row with every repeat, not the earlier runs with fewer kernels;
-    its per-layer profile names the one file it came from."""
+    """The committed runs of one length on the same records, profile and main kernel set become
+    one row with every repeat, not the earlier runs with fewer kernels (128K: two runs of one
+    repeat). 64K: the session-24 run (main set indexer + ragged_dot + sparse_attention, 2
+    repeats) replaces the four pooled runs with indexer + ragged_dot, and keeps their per-layer
+    profile, which names the one file it came from."""
     rows, _ = pb.load_ttft(sorted((ROOT / "docs" / "results").glob("ttft_*_h200.json")))
     row = {r["length"]: r for r in rows}[length]
     assert len(row["recompute_s"]) == len(row["redknot_s"]) == len(row["ratio_per_repeat"]) == runs
@@ -60,11 +61,11 @@ def test_wrong_inputs_are_named(tmp_path):
 
 
 def test_axis_labels_name_host_residency_and_kernels():
-    """128K ran with host-resident artifacts and the indexer kernel, 64K with the indexer and
-    MoE kernels: their labels say so; a
+    """128K ran with host-resident artifacts and the indexer kernel, 64K with the indexer, MoE
+    and gathered-key attention kernels: their labels say so (one kernel per line); a
     --build-only result (no timed rows) is not named as a source."""
     paths = sorted((ROOT / "docs" / "results").glob("ttft_*_h200.json"))
     rows, prov = pb.load_ttft(paths)
     labels = {r["length"]: pb._tick(r) for r in rows}
-    assert labels[131072] == "128K\nhost\nindexer" and labels[65536] == "64K\nindexer,ragged_dot"
+    assert labels[131072] == "128K\nhost\nindexer" and labels[65536] == "64K\nindexer,\nragged_dot,\nsparse_attention"
     assert any("build" in p.name for p in paths) and not any("build" in line for line in prov)
