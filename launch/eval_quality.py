@@ -49,11 +49,15 @@ DEFAULT_CKPT = pathlib.Path(__file__).resolve().parents[1] / "redknot_jax" / "as
 def variants(names: list[str], reusable: range, n_layers: int, window: int = 128) -> list[tuple[str, dict]]:
     """(label, profile overrides). 'default' = the profile as shipped (controller + tau);
     `reusable`: the shipped profile's reusable layers, cut into bands of two for `reuse-a-b`
-    (only that band reused, every other layer fenced, i.e. native); a name `reuse-a-b` outside
-    the grid asks for any other contiguous range a..b of them (e.g. reuse-5-8: fence 0-4)."""
+    (only that band reused, every other layer fenced, i.e. native). Names outside the grid:
+    `reuse-a-b`, any other contiguous range a..b of them (e.g. reuse-5-8: fence 0-4);
+    `bNN-MODE`, any budget of NN % (1-100) with fan-out MODE (native, tau, k3); and any variant
+    followed by `-refresh`: the same with the protected rows' latents recomputed
+    (`latent_refresh="protected"`; b100-native-refresh must give the Recomputed answers)."""
     grid = [("default", {})]
+    modes = {"native": "fan-out off", "tau": "fan-out on", "k3": "K3"}
     for b in (0.10, 0.20, 0.25, 1.00):
-        for mode, lab in (("native", "fan-out off"), ("tau", "fan-out on"), ("k3", "K3")):
+        for mode, lab in modes.items():
             grid.append((f"b{int(round(b * 100))}-{mode}", {"budget_override": b, "fanout_mode": mode, "_label": lab}))
     grid.append(("default-refresh", {"latent_refresh": "protected", "_label": "controller, fan-out on, protected "
                                                                            "rows' latents recomputed"}))
@@ -72,14 +76,25 @@ def variants(names: list[str], reusable: range, n_layers: int, window: int = 128
     if names == ["all"]:
         return grid
     known = {g[0]: g for g in grid}
-    for n in names:  # any other contiguous range of the reusable layers: reuse-A-B
-        m = re.fullmatch(r"reuse-(\d+)-(\d+)", n)
-        if n not in known and m and reusable[0] <= int(m[1]) <= int(m[2]) <= reusable[-1]:
-            known[n] = band(int(m[1]), int(m[2]))
-    bad = [n for n in names if n not in known]
+
+    def parse(n: str):  # a name outside the grid, or None
+        if n in known:
+            return known[n]
+        if n.endswith("-refresh") and (base := parse(n[:-len("-refresh")])):
+            return (n, {**base[1], "latent_refresh": "protected",
+                        "_label": base[1].get("_label", "controller, fan-out on") + ", protected rows' latents recomputed"})
+        if (m := re.fullmatch(r"reuse-(\d+)-(\d+)", n)) and reusable[0] <= int(m[1]) <= int(m[2]) <= reusable[-1]:
+            return band(int(m[1]), int(m[2]))
+        if (m := re.fullmatch(r"b(\d+)-(native|tau|k3)", n)) and 1 <= int(m[1]) <= 100:
+            return (n, {"budget_override": int(m[1]) / 100, "fanout_mode": m[2], "_label": modes[m[2]]})
+        return None
+
+    found = {n: parse(n) for n in names}
+    bad = [n for n, v in found.items() if v is None]
     if bad:
-        raise SystemExit(f"--variants: unknown {bad}; known: all, {', '.join(known)}")
-    return [known[n] for n in names]
+        raise SystemExit(f"--variants: unknown {bad}; known: all, {', '.join(known)}, and the forms reuse-A-B "
+                         f"(layers {reusable[0]}-{reusable[-1]}), bNN-MODE (NN 1-100, MODE native / tau / k3), NAME-refresh")
+    return [found[n] for n in names]
 
 
 def recertify(art: Artifact, profile) -> Artifact:

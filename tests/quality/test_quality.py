@@ -363,8 +363,7 @@ def test_mixed_precision_steps_run_the_served_bf16_model():
         TrainConfig(compute_dtype="float16")
 
 
-@pytest.mark.slow
-def test_eval_quality_smoke(tmp_path):
+def _eval_quality():
     import importlib.util
     import pathlib
 
@@ -372,6 +371,28 @@ def test_eval_quality_smoke(tmp_path):
         "eval_quality", pathlib.Path(__file__).resolve().parents[2] / "launch" / "eval_quality.py")
     ev = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(ev)
+    return ev
+
+
+def test_eval_quality_variant_names():
+    """Beyond the grid: any budget with a fan-out mode, and any variant with the protected rows'
+    latents recomputed; anything else is refused, naming it."""
+    ev = _eval_quality()
+    got = dict(ev.variants(["b50-native", "b100-native-refresh", "reuse-5-8-refresh", "b25-k3"], range(3, 9), 12))
+    assert got["b50-native"] == {"budget_override": 0.5, "fanout_mode": "native", "_label": "fan-out off"}
+    assert {k: got["b100-native-refresh"][k] for k in ("budget_override", "fanout_mode", "latent_refresh")} == \
+        {"budget_override": 1.0, "fanout_mode": "native", "latent_refresh": "protected"}
+    assert {k: got["reuse-5-8-refresh"][k] for k in ("fence_first", "fence_last", "latent_refresh")} == \
+        {"fence_first": 5, "fence_last": 3, "latent_refresh": "protected"}
+    assert got["b25-k3"] == dict(ev.variants(["all"], range(3, 9), 12))["b25-k3"]  # a grid name: the grid's entry
+    for bad in ("b0-tau", "b101-native", "b50-x", "x-refresh", "reuse-2-8-refresh", "refresh"):
+        with pytest.raises(SystemExit, match=f"unknown \\['{bad}'\\]"):
+            ev.variants([bad], range(3, 9), 12)
+
+
+@pytest.mark.slow
+def test_eval_quality_smoke(tmp_path):
+    ev = _eval_quality()
     cfg = qa_test_config()
     model = random_model(cfg, seed=0, dtype=jnp.float32)
     save_checkpoint(model, tmp_path / "ckpt")
