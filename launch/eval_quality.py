@@ -54,13 +54,17 @@ def variants(names: list[str], reusable: range, n_layers: int, window: int = 128
     `bNN-MODE`, any budget of NN % (1-100) with fan-out MODE (native, tau, k3); and any variant
     followed by `-refresh`: the same with the protected rows' latents recomputed
     (`latent_refresh="protected"`; b100-native-refresh must give the Recomputed answers)."""
-    grid = [("default", {})]
     modes = {"native": "fan-out off", "tau": "fan-out on", "k3": "K3"}
-    for b in (0.10, 0.20, 0.25, 1.00):
-        for mode, lab in modes.items():
-            grid.append((f"b{int(round(b * 100))}-{mode}", {"budget_override": b, "fanout_mode": mode, "_label": lab}))
-    grid.append(("default-refresh", {"latent_refresh": "protected", "_label": "controller, fan-out on, protected "
-                                                                           "rows' latents recomputed"}))
+
+    def budget(pct: int, mode: str):  # a fixed budget of pct % with fan-out `mode`
+        return (f"b{pct}-{mode}", {"budget_override": pct / 100, "fanout_mode": mode, "_label": modes[mode]})
+
+    def refreshed(v):  # the same variant with the protected rows' latents recomputed
+        return (f"{v[0]}-refresh", {**v[1], "latent_refresh": "protected", "_label": v[1].get(
+            "_label", "controller, fan-out on") + ", protected rows' latents recomputed"})
+
+    grid = [("default", {})] + [budget(pct, mode) for pct in (10, 20, 25, 100) for mode in modes]
+    grid.append(refreshed(grid[0]))
     # the shipped profile protects the last `window` rows and half a window at each end of a
     # relocated document: a model that answers from inside its window reads only protected rows
     # there. `thin` (1/16 and 1/8 of the window: 8 and 16 rows at 128) restores those rows too.
@@ -81,12 +85,11 @@ def variants(names: list[str], reusable: range, n_layers: int, window: int = 128
         if n in known:
             return known[n]
         if n.endswith("-refresh") and (base := parse(n[:-len("-refresh")])):
-            return (n, {**base[1], "latent_refresh": "protected",
-                        "_label": base[1].get("_label", "controller, fan-out on") + ", protected rows' latents recomputed"})
+            return refreshed(base)
         if (m := re.fullmatch(r"reuse-(\d+)-(\d+)", n)) and reusable[0] <= int(m[1]) <= int(m[2]) <= reusable[-1]:
             return band(int(m[1]), int(m[2]))
         if (m := re.fullmatch(r"b(\d+)-(native|tau|k3)", n)) and 1 <= int(m[1]) <= 100:
-            return (n, {"budget_override": int(m[1]) / 100, "fanout_mode": m[2], "_label": modes[m[2]]})
+            return budget(int(m[1]), m[2])
         return None
 
     found = {n: parse(n) for n in names}
