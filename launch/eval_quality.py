@@ -51,9 +51,11 @@ def variants(names: list[str], reusable: range, n_layers: int, window: int = 128
     `reusable`: the shipped profile's reusable layers, cut into bands of two for `reuse-a-b`
     (only that band reused, every other layer fenced, i.e. native). Names outside the grid:
     `reuse-a-b`, any other contiguous range a..b of them (e.g. reuse-5-8: fence 0-4);
-    `bNN-MODE`, any budget of NN % (1-100) with fan-out MODE (native, tau, k3); and any variant
-    followed by `-refresh`: the same with the protected rows' latents recomputed
-    (`latent_refresh="protected"`; b100-native-refresh must give the Recomputed answers)."""
+    `bNN-MODE`, any budget of NN % (1-100) with fan-out MODE (native, tau, k3); any variant
+    followed by `-dev`: the same with the budget's rows ranked by latent deviation
+    (`itop_rank="deviation"`); and any of these followed by `-refresh`: the same with the
+    protected rows' latents recomputed (`latent_refresh="protected"`; b100-native-refresh must
+    give the Recomputed answers)."""
     modes = {"native": "fan-out off", "tau": "fan-out on", "k3": "K3"}
 
     def budget(pct: int, mode: str):  # a fixed budget of pct % with fan-out `mode`
@@ -62,6 +64,10 @@ def variants(names: list[str], reusable: range, n_layers: int, window: int = 128
     def refreshed(v):  # the same variant with the protected rows' latents recomputed
         return (f"{v[0]}-refresh", {**v[1], "latent_refresh": "protected", "_label": v[1].get(
             "_label", "controller, fan-out on") + ", protected rows' latents recomputed"})
+
+    def deviated(v):  # the same variant with the budget's rows ranked by latent deviation
+        return (f"{v[0]}-dev", {**v[1], "itop_rank": "deviation", "_label": v[1].get(
+            "_label", "controller, fan-out on") + ", rows ranked by latent deviation"})
 
     grid = [("default", {})] + [budget(pct, mode) for pct in (10, 20, 25, 100) for mode in modes]
     grid.append(refreshed(grid[0]))
@@ -86,6 +92,8 @@ def variants(names: list[str], reusable: range, n_layers: int, window: int = 128
             return known[n]
         if n.endswith("-refresh") and (base := parse(n[:-len("-refresh")])):
             return refreshed(base)
+        if n.endswith("-dev") and (base := parse(n[:-len("-dev")])):
+            return deviated(base)
         if (m := re.fullmatch(r"reuse-(\d+)-(\d+)", n)) and reusable[0] <= int(m[1]) <= int(m[2]) <= reusable[-1]:
             return band(int(m[1]), int(m[2]))
         if (m := re.fullmatch(r"b(\d+)-(native|tau|k3)", n)) and 1 <= int(m[1]) <= 100:
@@ -96,7 +104,7 @@ def variants(names: list[str], reusable: range, n_layers: int, window: int = 128
     bad = [n for n, v in found.items() if v is None]
     if bad:
         raise SystemExit(f"--variants: unknown {bad}; known: all, {', '.join(known)}, and the forms reuse-A-B "
-                         f"(layers {reusable[0]}-{reusable[-1]}), bNN-MODE (NN 1-100, MODE native / tau / k3), NAME-refresh")
+                         f"(layers {reusable[0]}-{reusable[-1]}), bNN-MODE (NN 1-100, MODE native / tau / k3), NAME-dev, NAME-refresh")
     return [found[n] for n in names]
 
 

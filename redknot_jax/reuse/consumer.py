@@ -62,7 +62,7 @@ from redknot_jax.pallas.restore import restore as restore_kernel
 from redknot_jax.pallas.sparse_attention import row_lists, sparse_attention
 from redknot_jax.reuse.artifact import Artifact, local_head_mask
 from redknot_jax.reuse.fanout import fanout_keep
-from redknot_jax.reuse.planner import Plan, concentration, fill_itop, row_risk
+from redknot_jax.reuse.planner import Plan, concentration, fill_itop, latent_deviation, row_risk
 from redknot_jax.rope import apply_rope
 from redknot_jax.store.tiers import host_memory_kind
 
@@ -274,6 +274,17 @@ def common_sizes(layouts) -> dict:
             "rates": {k: tuple(max(lay.sizes()["rates"][k][j] for lay in layouts) for j in (0, 1)) for k in rates}}
 
 
+def _frame_rows(frames, pool: DocPool, t: int) -> tuple[np.ndarray, np.ndarray]:
+    """Per request row [t]: its frame's offset D, and its pool row (-1: no artifact row)."""
+    d_row = np.zeros(t, np.int32)
+    pool_row = np.full(t, -1, np.int64)
+    for f in frames:
+        d_row[f.start:f.end] = f.offset
+        if f.artifact is not None and f.doc_len:
+            pool_row[f.start:f.start + f.doc_len] = pool.row_base[pool.doc(f.artifact)] + np.arange(f.doc_len)
+    return d_row, pool_row
+
+
 def build_layout(plan: Plan, pool: DocPool, profile, cfg, block: int, pad_to: dict | None = None) -> Layout:
     """Index tables of a planned request. `pad_to` (`common_sizes` of a batch): pad rows,
     protected rows and entry tables at least that far, so a batch shares one program; padding
@@ -291,14 +302,10 @@ def build_layout(plan: Plan, pool: DocPool, profile, cfg, block: int, pad_to: di
         doc_row = np.r_[plan.doc_row, np.zeros(t - t_real, bool)]
     prot_t = np.r_[prot, np.zeros(t - t_real, bool)]
     refresh = prot_t if profile.latent_refresh == "protected" else np.zeros(t, bool)
-    d_row = np.zeros(t, np.int32)
+    d_row, pool_row = _frame_rows(frames, pool, t)
     frame = np.zeros(t, np.int32)
-    pool_row = np.full(t, -1, np.int64)
     for fi, f in enumerate(frames):
-        d_row[f.start:f.end] = f.offset
         frame[f.start:f.end] = fi
-        if f.artifact is not None and f.doc_len:
-            pool_row[f.start:f.start + f.doc_len] = pool.row_base[pool.doc(f.artifact)] + np.arange(f.doc_len)
     art_row = np.where(refresh, -1, pool_row)  # canonical latent read from the pool
     zl_row = np.where(doc_row & ~prot_t, pool_row, -1)  # z_L restored (and top-k read) from the pool
     prot_idx = np.flatnonzero(prot_t)
@@ -708,6 +715,16 @@ def _controller_jit(pre_state, csa_state, xq, qr, ikeys, d_e, end_e, *, pre_def,
     return jnp.max(s, axis=0)
 
 
+@functools.partial(jax.jit, static_argnames=("graphdef", "freqs"))
+def _deviation_jit(state, x, pool_kv, pool_row, cpos, *, graphdef, freqs):
+    """`latent_deviation` of every row with a pool row at the layer's input x [1, t, n, d]; 0 elsewhere."""
+    blk = nnx.merge(graphdef, state)
+    u, _, _ = blk.hc_attn.pre(x)
+    kv = blk.attn.latent(blk.attn_norm(u), cpos[None], freqs)[0]
+    dev = latent_deviation(kv, pool_kv[jnp.maximum(pool_row, 0)])
+    return jnp.where(pool_row >= 0, dev, 0.0)
+
+
 @dataclasses.dataclass
 class DecodeState:
     """What decoding after a RedKnot prefill reads: per fence layer its native cache (capacity
@@ -792,8 +809,10 @@ class Consumer:
             clock.lap(x)
         return self._logits(x, query_rows)
 
-    def controller(self, plan: Plan, x, pool: DocPool) -> None:
-        """Fill Itop and the budget (profile rule) from the native indexer for the query rows."""
+    def controller(self, plan: Plan, x, pool: DocPool, pool_layer: dict) -> None:
+        """Fill Itop and the budget (profile rule) from the native indexer for the query rows;
+        with `itop_rank="deviation"` the budget's rows are those of largest `latent_deviation` at
+        x, the first reusable layer's input (`pool_layer`: that layer of `pool`)."""
         cfg, prof = self.cfg, self.profile
         csa = [i for i in self.reusable if cfg.layer_types[i] == CSA]
         scores = np.full(plan.n_rows, -np.inf)
@@ -819,7 +838,16 @@ class Consumer:
             conc = concentration(s, cfg.index_topk)
         plan.concentration = conc
         budget = prof.budget_override if prof.budget_override is not None else prof.choose_budget(conc)
-        fill_itop(plan, scores, budget, row_risk(plan, self.reusable))
+        dev = None
+        if prof.itop_rank == "deviation":
+            t = x.shape[1]
+            d_row, pool_row = _frame_rows(plan.frames, pool, t)
+            gd, st = self.defs[self.reusable[0]]
+            kv = jax.device_put(pool_layer["kv"], x.sharding)  # TP: the controller runs on one device
+            dev = np.asarray(_deviation_jit(st, x, kv, jnp.asarray(pool_row, jnp.int32),
+                                            jnp.asarray(np.arange(t) - d_row, jnp.int32), graphdef=gd,
+                                            freqs=self.model.freqs(self.reusable[0])))[:plan.n_rows]
+        fill_itop(plan, scores, budget, row_risk(plan, self.reusable), dev)
 
     def redknot(self, plan: Plan, tokens, pool: DocPool, timings: dict | None = None, frozen: bool = False,
                 decode_rows: int = 0, layer_times: list | None = None,
@@ -849,10 +877,11 @@ class Consumer:
                         kernels=self.kernels)
                 clock.lap(x)
                 continue
+            pool_layer = pool.layers[i]  # read once: a HostPool streams each layer once
             if layout is None:  # the controller reads the first reusable layer's input
                 t0 = time.perf_counter()
                 if not frozen:
-                    self.controller(plan, x, pool)
+                    self.controller(plan, x, pool, pool_layer)
                 layout = build_layout(plan, pool, prof, cfg, self.block)
                 if timings is not None:
                     timings["plan_s"] = time.perf_counter() - t0
@@ -860,9 +889,9 @@ class Consumer:
             kw = dict(graphdef=gd, freqs=self.model.freqs(i), glob=self.glob, block=self.block, fan=self.fan,
                       kernels=self.kernels)
             if state is None:
-                x, h = _reusable_jit(st, x, ids, layout.tables, pool.layers[i], **kw)
+                x, h = _reusable_jit(st, x, ids, layout.tables, pool_layer, **kw)
             else:
-                x, h, state.layers[i] = _reusable_keys_jit(st, x, ids, layout.tables, pool.layers[i], **kw)
+                x, h, state.layers[i] = _reusable_keys_jit(st, x, ids, layout.tables, pool_layer, **kw)
             hist = h if hist is None else hist + h
             clock.lap(x)
         logits = self._logits(x, plan.query_rows)
@@ -936,16 +965,17 @@ class Consumer:
             if prof.is_fence(i, cfg.num_layers):
                 x = self._native(i, x, ids, t_real, t)
                 continue
+            pool_layer = pool.layers[i]
             if tabs is None:
                 for b, plan in enumerate(plans):
-                    self.controller(plan, x[b:b + 1], pool)
+                    self.controller(plan, x[b:b + 1], pool, pool_layer)
                 first = [build_layout(plan, pool, prof, cfg, self.block, {"t": t, "P": 0, "rates": {}})
                          for plan in plans]
                 sizes = common_sizes(first)
                 tabs = jax.tree.map(lambda *a: jnp.stack(a), *[
                     build_layout(plan, pool, prof, cfg, self.block, sizes).tables for plan in plans])
             gd, st = self.defs[i]
-            x, hb = _reusable_batch_jit(st, x, ids, tabs, pool.layers[i], graphdef=gd, freqs=self.model.freqs(i),
+            x, hb = _reusable_batch_jit(st, x, ids, tabs, pool_layer, graphdef=gd, freqs=self.model.freqs(i),
                                         glob=self.glob, block=self.block, fan=self.fan, kernels=self.batch_kernels)
             hist = hb if hist is None else hist + hb
         logits = self._logits_batch(x, [p.query_rows for p in plans])

@@ -8,9 +8,10 @@ frame, continuing the artifact's open-window state), so a prefix document at off
 rows is exactly the native computation. Queries reach a frame's keys rotated by -D.
 
 Row classes (bool [T] each): Q query rows, N new rows, D dirty rows, B boundary rows (first /
-last `boundary_rows` of every relocated document), T tail rows, I indexer-top rows (set later
-by `fill_itop`, ranked by the native indexer's scores for the query rows, ties within a compressed
-window by the artifacts' per-row statistic `far` (`row_risk`), filling the budget).
+last `boundary_rows` of every relocated document), T tail rows, I budget rows (set later
+by `fill_itop`, filling the budget: ranked by the native indexer's scores for the query rows, ties
+within a compressed window by the artifacts' per-row statistic `far` (`row_risk`); or, with the
+profile's `itop_rank="deviation"`, by `latent_deviation`).
 Candidate rows are the document rows; protected = union of the classes.
 """
 
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax.numpy as jnp
 import numpy as np
 
 from redknot_jax.reuse.artifact import Artifact
@@ -71,6 +73,7 @@ class Plan:
     query_rows: np.ndarray
     budget: float = 0.0
     concentration: float = float("nan")
+    deviation: np.ndarray | None = None  # [T] `latent_deviation` when the profile ranks by it
 
     @property
     def protected(self) -> np.ndarray:
@@ -163,18 +166,35 @@ def row_risk(plan: Plan, layers) -> np.ndarray:
     return risk
 
 
-def fill_itop(plan: Plan, row_scores: np.ndarray, budget: float, risk: np.ndarray | None = None) -> None:
-    """Protect the best-scored candidate rows until the protected candidates reach the budget.
+DEVIATION_FLOOR = 0.02  # relative; a bf16 latent recomputed from equal inputs differs by ~0.3 %
+
+
+def latent_deviation(online, canonical):
+    """[t] per row: ||online - canonical|| / ||canonical|| (fp32), how far a row's canonical
+    latent (its document built alone) is from the latent this request's hidden states give at
+    the same canonical position: CacheBlend's KV deviation."""
+    a, b = jnp.asarray(online, jnp.float32), jnp.asarray(canonical, jnp.float32)
+    return jnp.linalg.norm(a - b, axis=-1) / jnp.maximum(jnp.linalg.norm(b, axis=-1), 1e-30)
+
+
+def fill_itop(plan: Plan, row_scores: np.ndarray, budget: float, risk: np.ndarray | None = None,
+              deviation: np.ndarray | None = None) -> None:
+    """Protect the best-ranked candidate rows until the protected candidates reach the budget.
 
     row_scores [T]: the native indexer's score of each row's entry for the query rows (higher
     first). Rows of one compressed window share their entry's score; among them the rows with
     the larger `risk` ([T], `row_risk`: reliance on context beyond the window, which relocation
-    changes) go first, then the earlier row."""
+    changes) go first, then the earlier row. `deviation` ([T], `latent_deviation`; the profile's
+    `itop_rank="deviation"`) ranks before all of these: rows whose latent moved by more than
+    DEVIATION_FLOOR first, largest first; rows below it (unmoved up to rounding: most rows of a
+    relocated document once its first window is past) in the indexer's order."""
     plan.budget = budget
+    plan.deviation = None if deviation is None else np.asarray(deviation, np.float64)
     want = int(np.ceil(budget * plan.candidates))
     have = plan.protected & plan.doc_row
     free = np.flatnonzero(plan.doc_row & ~have)
     extra = max(0, want - int(have.sum()))
     r = np.zeros(plan.n_rows) if risk is None else np.asarray(risk, np.float64)
-    order = free[np.lexsort((free, -r[free], -row_scores[free]))][:extra]
+    moved = np.zeros(plan.n_rows) if deviation is None else np.where(deviation > DEVIATION_FLOOR, deviation, 0.0)
+    order = free[np.lexsort((free, -r[free], -row_scores[free], -moved[free]))][:extra]
     plan.classes["I"][order] = True

@@ -7,6 +7,8 @@ A profile fixes the execution roles and the online policy of the RedKnot arm:
 * roles: in every output group, head `global_head` is Global (online for every row) and the
   others are Local (restored from the artifact for unprotected rows);
 * protection sizes: `boundary_rows` at both ends of each relocated segment, `tail_rows`;
+* how the budget's rows are ranked (`itop_rank`): by the native indexer's score for the query
+  rows (the DESIGN's Itop), or by latent deviation (CacheBlend's rule, see the class doc);
 * the budget controller (`choose_budget`) and the MoE fan-out rule (`fanout_*`, `tau`).
 
 Profiles are frozen, serialise to plain JSON (`to_dict` / `from_dict`), and their `digest()`
@@ -23,6 +25,7 @@ from redknot_jax.config import ModelConfig
 from redknot_jax.reuse.certificate import json_digest
 
 LATENT_REFRESH = ("none", "protected")
+ITOP_RANKS = ("indexer", "deviation")
 FANOUT_MODES = ("tau", "k3", "native")
 
 
@@ -62,6 +65,13 @@ class RedKnotProfile:
 
     `budget_override` (tests and benchmarks) replaces the controller: 1.0 protects every
     candidate row.
+
+    `itop_rank` says which candidate rows fill the budget. "indexer" (the DESIGN's Itop): the
+    rows whose compressed entry the native indexer scores highest for the query rows. "deviation"
+    (what CacheBlend selects): the rows whose canonical latent differs most from the latent
+    this request's hidden states give at the first reusable layer, where the fences have made
+    every row's input exact (`planner.latent_deviation`). Those are the rows whose meaning the
+    earlier documents change, so the rule pays off with `latent_refresh="protected"`.
     """
 
     name: str
@@ -69,6 +79,7 @@ class RedKnotProfile:
     fence_last: int = 3
     global_head: int = 0
     latent_refresh: str = "none"
+    itop_rank: str = "indexer"
     boundary_rows: int = 128
     tail_rows: int = 32768
     budgets: tuple[float, ...] = (0.10, 0.20, 0.25)
@@ -86,6 +97,8 @@ class RedKnotProfile:
         _count("fanout_min", self.fanout_min, lo=1)
         if self.latent_refresh not in LATENT_REFRESH:
             raise ProfileError(f"latent_refresh: expected one of {LATENT_REFRESH}, got {self.latent_refresh!r}")
+        if self.itop_rank not in ITOP_RANKS:
+            raise ProfileError(f"itop_rank: expected one of {ITOP_RANKS}, got {self.itop_rank!r}")
         if self.fanout_mode not in FANOUT_MODES:
             raise ProfileError(f"fanout_mode: expected one of {FANOUT_MODES}, got {self.fanout_mode!r}")
 

@@ -35,7 +35,8 @@ from redknot_jax.reuse.consumer import Consumer, DecodeState, DocPool
 from redknot_jax.reuse.certificate import (CertCounters, FallbackReason, TPGeometry, explain, payload_digest,
                                            token_digest)
 from redknot_jax.reuse.fanout import fanout_histogram, fanout_keep, mean_kept
-from redknot_jax.reuse.planner import Plan, Request, concentration, fill_itop, plan_request, row_risk
+from redknot_jax.reuse.planner import (Plan, Request, concentration, fill_itop, latent_deviation, plan_request,
+                                       row_risk)
 from redknot_jax.reuse.profile import RedKnotProfile
 from redknot_jax.reuse.relocation import merge_partials, partial_attention, rotate
 from redknot_jax.rope import apply_rope
@@ -301,7 +302,18 @@ class ReuseRuntime:
                 conc = concentration(np.concatenate(all_scores), model.cfg.index_topk)
         plan.concentration = conc
         budget = prof.budget_override if prof.budget_override is not None else prof.choose_budget(conc)
-        fill_itop(plan, scores, budget, row_risk(plan, self.reusable))
+        dev = None
+        if prof.itop_rank == "deviation":  # the canonical latents against this request's, first reusable layer
+            li = self.reusable[0]
+            first, freqs = model.layers[li], model.freqs(li)
+            xa = first.attn_norm(first.hc_attn.pre(x)[0])
+            dev = np.zeros(plan.n_rows)
+            for f in plan.frames:
+                if f.artifact is not None and f.doc_len:
+                    rows = slice(f.start, f.start + f.doc_len)
+                    kv = first.attn.latent(xa[:, rows], jnp.arange(f.doc_len)[None], freqs)[0]
+                    dev[rows] = np.asarray(latent_deviation(kv, f.artifact.layers[li]["kv"]))
+        fill_itop(plan, scores, budget, row_risk(plan, self.reusable), dev)
 
     def _reusable_layer(self, i: int, blk, x, plan: Plan):
         model, cfg = self.model, self.cfg

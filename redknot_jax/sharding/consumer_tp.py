@@ -192,7 +192,7 @@ class TPConsumer:
                 continue
             if tab is None:
                 if not frozen:
-                    self.base.controller(plan, jax.device_put(x, jax.devices()[0]), pool)
+                    self.base.controller(plan, jax.device_put(x, jax.devices()[0]), pool, pool.layers[i])
                 tab = jax.device_put(build_layout(plan, pool, prof, cfg, self.block).tables, self.rep)
             f = self._program(i, "reusable", t, pool.layers[i], tab)
             x, h = f(self.layers[i][1], x, ids, tab, pool.layers[i])

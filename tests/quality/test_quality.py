@@ -375,17 +375,21 @@ def _eval_quality():
 
 
 def test_eval_quality_variant_names():
-    """Beyond the grid: any budget with a fan-out mode, and any variant with the protected rows'
-    latents recomputed; anything else is refused, naming it."""
+    """Beyond the grid: any budget with a fan-out mode, any variant with its budget ranked by
+    latent deviation and any with the protected rows' latents recomputed; anything else is
+    refused, naming it."""
     ev = _eval_quality()
-    got = dict(ev.variants(["b50-native", "b100-native-refresh", "reuse-5-8-refresh", "b25-k3"], range(3, 9), 12))
+    got = dict(ev.variants(["b50-native", "b100-native-refresh", "reuse-5-8-refresh", "b25-k3",
+                            "b25-native-dev-refresh"], range(3, 9), 12))
     assert got["b50-native"] == {"budget_override": 0.5, "fanout_mode": "native", "_label": "fan-out off"}
     assert {k: got["b100-native-refresh"][k] for k in ("budget_override", "fanout_mode", "latent_refresh")} == \
         {"budget_override": 1.0, "fanout_mode": "native", "latent_refresh": "protected"}
     assert {k: got["reuse-5-8-refresh"][k] for k in ("fence_first", "fence_last", "latent_refresh")} == \
         {"fence_first": 5, "fence_last": 3, "latent_refresh": "protected"}
+    assert {k: got["b25-native-dev-refresh"][k] for k in ("budget_override", "itop_rank", "latent_refresh")} == \
+        {"budget_override": 0.25, "itop_rank": "deviation", "latent_refresh": "protected"}
     assert got["b25-k3"] == dict(ev.variants(["all"], range(3, 9), 12))["b25-k3"]  # a grid name: the grid's entry
-    for bad in ("b0-tau", "b101-native", "b50-x", "x-refresh", "reuse-2-8-refresh", "refresh"):
+    for bad in ("b0-tau", "b101-native", "b50-x", "x-refresh", "reuse-2-8-refresh", "refresh", "x-dev", "dev"):
         with pytest.raises(SystemExit, match=f"unknown \\['{bad}'\\]"):
             ev.variants([bad], range(3, 9), 12)
 

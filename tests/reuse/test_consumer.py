@@ -20,7 +20,7 @@ from redknot_jax import config
 from redknot_jax.init import random_model
 from redknot_jax.reuse.artifact import build_artifact
 from redknot_jax.reuse.consumer import DocPool, build_layout
-from redknot_jax.reuse.planner import Request, Segment, plan_request
+from redknot_jax.reuse.planner import DEVIATION_FLOOR, Request, Segment, plan_request
 from redknot_jax.reuse.profile import tiny_profile
 from redknot_jax.reuse.runtime import ReuseRuntime
 from tests.tolerances import TOL, rel_err
@@ -85,6 +85,43 @@ def test_consumer_equals_reference(kind, refresh, fan):
     rec_ref = rt.prefill(req, "recompute", path="reference")
     assert rel_err(rec.logits, rec_ref.logits) < TOL["chunked_vs_oneshot"][0]
     assert rel_err(fast.logits, rec.logits) > 1e-4  # negative control: relocation is an approximation
+
+
+def test_deviation_rule_protects_the_rows_whose_latents_moved():
+    """`itop_rank="deviation"`: the budget's rows are first the candidate rows whose canonical
+    latent is farther than DEVIATION_FLOOR from this request's at the first reusable layer, then
+    the indexer's. The consumer (host-resident pool, each layer still streamed once) and the
+    reference agree on the deviations, the rows and the logits. In this model the fence is a
+    sliding-window layer (8 rows), so exactly the rows of a relocated document whose window
+    reaches across its start have moved; the prefix and every later row are exact (~0)."""
+    cfg = config.tiny("mixed")
+    assert cfg.layer_types[0] == "sliding_attention" and cfg.sliding_window == 8
+    model = random_model(cfg, seed=7, dtype=jnp.float32)
+    base = dataclasses.replace(tiny_profile(cfg.num_layers), budget_override=0.4, tail_rows=8, boundary_rows=2,
+                               latent_refresh="protected")
+    prof = dataclasses.replace(base, itop_rank="deviation")
+    req, arts = _request(cfg, prof, model, 3)
+    rt = ReuseRuntime(model, prof, "fp")
+    ref = rt.prefill(req, "redknot", require_reuse=True, path="reference")
+    host = rt.consumer.pool(arts, resident="host")
+    packed, pack = [], host.layers.pack
+    host.layers.pack = lambda i: packed.append(i) or pack(i)
+    fast = rt.prefill(req, "redknot", require_reuse=True, pool=host)
+    assert packed == rt.consumer.reusable  # the controller's read of the first layer is the layer's read
+    plan, dev = fast.plan, fast.plan.deviation
+    np.testing.assert_allclose(dev, ref.plan.deviation, rtol=1e-4, atol=1e-5)
+    assert (plan.protected == ref.plan.protected).all()
+    assert rel_err(fast.logits, ref.logits) < TOL["consumer_vs_reference"][0]
+    first_window = np.zeros(plan.n_rows, bool)
+    for f in plan.frames[1:]:  # relocated documents
+        first_window[f.start:f.start + cfg.sliding_window - 1] = True
+    assert (dev[first_window] > DEVIATION_FLOOR).all() and (dev[~first_window] < 1e-4).all()
+    req_b, _ = _request(cfg, base, model, 3)  # the same request, certified for the indexer's profile
+    chosen = plan.classes["I"]
+    by_index = ReuseRuntime(model, base, "fp").prefill(req_b, "redknot", require_reuse=True).plan.classes["I"]
+    moved_free = first_window & ~(plan.protected & ~chosen)
+    assert moved_free.sum() >= 5 and (chosen >= moved_free).all() and chosen.sum() > moved_free.sum()
+    assert (chosen != by_index).any() and not (by_index >= moved_free).all()
 
 
 def test_streamed_layers_pack_ahead_on_a_worker_and_raise_where_read():

@@ -65,6 +65,7 @@ def test_tiny_profile():
     ("fence_last", 1.5, "fence_last.*1.5"),
     ("global_head", True, "global_head.*True"),
     ("latent_refresh", "all", "latent_refresh.*'all'"),
+    ("itop_rank", "random", "itop_rank.*'random'"),
     ("boundary_rows", -3, "boundary_rows.*-3"),
     ("tail_rows", "big", "tail_rows.*'big'"),
     ("budgets", (), r"budgets.*\(\)"),
@@ -97,7 +98,7 @@ def test_profile_layer_errors():
 
 # every field -> another valid value (the digest-sensitivity test fails if a new field is missing)
 PROFILE_ALTERNATIVES = dict(
-    name="other", fence_first=2, fence_last=4, global_head=3, latent_refresh="protected",
+    name="other", fence_first=2, fence_last=4, global_head=3, latent_refresh="protected", itop_rank="deviation",
     boundary_rows=64, tail_rows=4096, budgets=(0.05, 0.20, 0.25), concentration_thresholds=(0.9, 0.5),
     fanout_mode="k3", tau=0.8, fanout_min=4, budget_override=1.0)
 

@@ -54,6 +54,25 @@ def test_tp_consumer_equals_single_device(setup, tp):
     assert rel_err(np.asarray(con.recompute(req.tokens, plan.query_rows)), rec1) < TOL["resharded_fp32"][0]
 
 
+def test_tp_controller_ranks_by_deviation(setup):
+    """itop_rank="deviation" under TP: the controller reads the first reusable layer of the
+    mesh-replicated pool from one device and picks the single-device consumer's rows."""
+    import jax
+
+    model, prof, arts, req = setup[:4]
+    dev = dataclasses.replace(prof, itop_rank="deviation")
+    con, single = TPConsumer(model, dev, make_mesh(2)), Consumer(model, dev)
+    pool_tp, pool_1 = con.pool(arts), single.pool(arts)
+    first = single.reusable[0]
+    assert len(pool_tp.layers[first]["kv"].sharding.device_set) == 2
+    x = single._embed(single._pad(req.tokens)[0])  # a first-layer input of the right shape
+    plans = plan_request(req, dev), plan_request(req, dev)
+    con.base.controller(plans[0], jax.device_put(x, jax.devices()[0]), pool_tp, pool_tp.layers[first])
+    single.controller(plans[1], x, pool_1, pool_1.layers[first])
+    np.testing.assert_allclose(plans[0].deviation, plans[1].deviation, rtol=1e-6)
+    assert plans[0].deviation.max() > 0 and (plans[0].protected == plans[1].protected).all()
+
+
 @pytest.mark.parametrize("tp", [1, pytest.param(2, marks=pytest.mark.gpu)])
 def test_tp_consumer_runs_the_kernels(monkeypatch, tp):
     """kernels="indexer,restore" (indexer-score and restoration kernels inside shard_map) gives the logits
