@@ -37,7 +37,7 @@ import numpy as np
 import jax
 
 from redknot_jax.quality import data as D
-from redknot_jax.quality.model_config import qa_profile
+from redknot_jax.quality.model_config import profile_of
 from redknot_jax.quality.train import load_model
 from redknot_jax.reuse.artifact import Artifact, build_artifact
 from redknot_jax.reuse.planner import Request, Segment
@@ -47,10 +47,12 @@ DEFAULT_CKPT = pathlib.Path(__file__).resolve().parents[1] / "redknot_jax" / "as
 
 
 def variants(names: list[str], reusable: range, n_layers: int, window: int = 128) -> list[tuple[str, dict]]:
-    """(label, profile overrides). 'default' = the profile as shipped (controller + tau);
+    """(label, profile overrides). 'default' = the profile the checkpoint ships (its
+    redknot_profile.json, `profile_of`; controller + tau);
     `reusable`: the shipped profile's reusable layers, cut into bands of two for `reuse-a-b`
     (only that band reused, every other layer fenced, i.e. native). Names outside the grid:
-    `reuse-a-b`, any other contiguous range a..b of them (e.g. reuse-5-8: fence 0-4);
+    `reuse-a-b`, any other contiguous range a..b of the model's layers (e.g. reuse-5-8: fence
+    0-4; reuse-3-8: the reference profile's 3F-6R-3F);
     `bNN-MODE`, any budget of NN % (1-100) with fan-out MODE (native, tau, k3); any variant
     followed by `-dev`: the same with the budget's rows ranked by latent deviation
     (`itop_rank="deviation"`); and any of these followed by `-refresh`: the same with the
@@ -94,7 +96,7 @@ def variants(names: list[str], reusable: range, n_layers: int, window: int = 128
             return refreshed(base)
         if n.endswith("-dev") and (base := parse(n[:-len("-dev")])):
             return deviated(base)
-        if (m := re.fullmatch(r"reuse-(\d+)-(\d+)", n)) and reusable[0] <= int(m[1]) <= int(m[2]) <= reusable[-1]:
+        if (m := re.fullmatch(r"reuse-(\d+)-(\d+)", n)) and int(m[1]) <= int(m[2]) < n_layers:
             return band(int(m[1]), int(m[2]))
         if (m := re.fullmatch(r"b(\d+)-(native|tau|k3)", n)) and 1 <= int(m[1]) <= 100:
             return budget(int(m[1]), m[2])
@@ -104,7 +106,7 @@ def variants(names: list[str], reusable: range, n_layers: int, window: int = 128
     bad = [n for n, v in found.items() if v is None]
     if bad:
         raise SystemExit(f"--variants: unknown {bad}; known: all, {', '.join(known)}, and the forms reuse-A-B "
-                         f"(layers {reusable[0]}-{reusable[-1]}), bNN-MODE (NN 1-100, MODE native / tau / k3), NAME-dev, NAME-refresh")
+                         f"(layers 0-{n_layers - 1}), bNN-MODE (NN 1-100, MODE native / tau / k3), NAME-dev, NAME-refresh")
     return [found[n] for n in names]
 
 
@@ -242,7 +244,7 @@ def main(argv=None):
     model = load_model(args.checkpoint)
     cfg = model.cfg
     fingerprint = f"qa_model:{pathlib.Path(args.checkpoint).name}"
-    base = qa_profile(cfg.num_layers, cfg.sliding_window)
+    base = profile_of(args.checkpoint)
     vs = variants(args.variants.split(","), base.reusable_layers(cfg.num_layers), cfg.num_layers, cfg.sliding_window)
     runtimes = {}
     for name, ov in vs:

@@ -6,7 +6,8 @@ loop (optax over the project's own modules). `docs/quality.md` reports the resul
   and one relation (boss); documents of short fact sentences; lookup and two-hop questions;
   train / validation / test splits with disjoint names.
 * `model_config`: `qa_config()` (12 layers, sliding / CSA / HCA, hash + learned MoE, 8 heads
-  per output group) and `qa_profile()` (3F-6R-3F).
+  per output group), `qa_profile()` (the reference 3F-6R-3F) and `profile_of(checkpoint)` (the
+  profile a checkpoint ships: 5F-4R-3F for the shipped model).
 * `train`: loss (answer-span cross-entropy + Lightning Indexer KL), optax AdamW step, MoE
   bias balancing, checkpoint writer (hub-layout safetensors + config.json + tokenizer.json).
 """

@@ -12,15 +12,22 @@ then; the shipped model has one all the same (`--set sliding_window=32`, session
 an associative-recall warm-up it retrieves through compressed entries; its model card).
 No YaRN (contexts stay far below the table's length).
 
-`qa_profile()`: 3F-6R-3F (fences as Flash / Pro: 3 + 3), 1 Global + 7 Local heads per group,
-protection scaled to the task: boundary rows = half the sliding window, tail = one window.
+`qa_profile()`: the reference profile, 3F-6R-3F (fences as Flash / Pro: 3 + 3), 1 Global + 7
+Local heads per group, protection scaled to the task: boundary rows = half the sliding window,
+tail = one window. A checkpoint ships its own (`redknot_profile.json`, read by `profile_of`):
+the shipped model's is 5F-4R-3F, chosen on the validation split (docs/quality.md, session 25).
 """
 
 from __future__ import annotations
 
+import json
+import pathlib
+
 from redknot_jax.config import CSA, HASH_MOE, HCA, MOE, SLIDING, ModelConfig
 from redknot_jax.quality.data import BOS, EOS, VOCAB_SIZE
 from redknot_jax.reuse.profile import RedKnotProfile
+
+PROFILE_FILE = "redknot_profile.json"  # a checkpoint's own RedKnot profile (RedKnotProfile.to_dict)
 
 
 def qa_config(**overrides) -> ModelConfig:
@@ -63,10 +70,24 @@ def qa_cpu_config(**overrides) -> ModelConfig:
 
 
 def qa_profile(n_layers: int = 12, sliding_window: int = 128, **overrides) -> RedKnotProfile:
-    """The default RedKnot profile of the QA model: fences 3 / 3 (1 / 1 below 8 layers),
-    boundary rows = half the sliding window, tail = one window."""
+    """The QA model's reference RedKnot profile: fences 3 / 3 (1 / 1 below 8 layers), boundary
+    rows = half the sliding window, tail = one window; `overrides` replace fields, and the name
+    follows the fences (`qa_profile(12, 32, fence_first=5).name == "qa-5F-4R-3F"`)."""
     fence = 3 if n_layers >= 8 else 1
-    base = dict(name=f"qa-{fence}F-{n_layers - 2 * fence}R-{fence}F", fence_first=fence, fence_last=fence,
-                boundary_rows=max(1, sliding_window // 2), tail_rows=sliding_window)
+    base = dict(fence_first=fence, fence_last=fence, boundary_rows=max(1, sliding_window // 2),
+                tail_rows=sliding_window)
     base.update(overrides)
+    ff, fl = base["fence_first"], base["fence_last"]
+    base.setdefault("name", f"qa-{ff}F-{n_layers - ff - fl}R-{fl}F")
     return RedKnotProfile(**base)
+
+
+def profile_of(checkpoint) -> RedKnotProfile:
+    """The RedKnot profile a QA checkpoint ships (its `redknot_profile.json`: what `serve.py
+    --profile auto` serves and `eval_quality.py` calls "default"), else `qa_profile` for its
+    shape."""
+    d = pathlib.Path(checkpoint)
+    if (d / PROFILE_FILE).is_file():
+        return RedKnotProfile.from_dict(json.loads((d / PROFILE_FILE).read_text()))
+    cfg = ModelConfig.from_json(d / "config.json")
+    return qa_profile(cfg.num_layers, cfg.sliding_window)

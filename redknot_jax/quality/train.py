@@ -370,15 +370,14 @@ def write_serving_files(directory) -> list[str]:
     where does ka lo live ?` becomes the task's question row) and redknot_profile.json (the QA
     model's default RedKnot profile, read by the server's `--profile auto`)."""
     from redknot_jax.quality.data import tokenizer_json
-    from redknot_jax.quality.model_config import qa_profile
+    from redknot_jax.quality.model_config import PROFILE_FILE, qa_profile
 
     d = pathlib.Path(directory)
     cfg = ModelConfig.from_json(d / "config.json")
     (d / "tokenizer.json").write_text(tokenizer_json())
     (d / "chat_template.jinja").write_text(CHAT_TEMPLATE)
-    (d / "redknot_profile.json").write_text(
-        json.dumps(qa_profile(cfg.num_layers, cfg.sliding_window).to_dict(), indent=1))
-    return ["tokenizer.json", "chat_template.jinja", "redknot_profile.json"]
+    (d / PROFILE_FILE).write_text(json.dumps(qa_profile(cfg.num_layers, cfg.sliding_window).to_dict(), indent=1))
+    return ["tokenizer.json", "chat_template.jinja", PROFILE_FILE]
 
 
 def _key_order(key: str):

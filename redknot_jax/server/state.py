@@ -15,6 +15,7 @@ import jax.numpy as jnp
 from redknot_jax import config
 from redknot_jax.generate import Engine
 from redknot_jax.quality import SHIPPED_MODEL
+from redknot_jax.quality.model_config import PROFILE_FILE
 from redknot_jax.reuse import profile as profiles
 from redknot_jax.reuse.runtime import ReuseRuntime
 from redknot_jax.server.documents import DocumentRegistry
@@ -23,7 +24,6 @@ from redknot_jax.server.scheduler import Scheduler
 from redknot_jax.server.tokenizer import load_chat_template, load_tokenizer
 
 log = logging.getLogger("redknot.server")
-PROFILE_FILE = "redknot_profile.json"  # a checkpoint's own RedKnot profile (RedKnotProfile.to_dict)
 
 
 @dataclasses.dataclass(frozen=True)

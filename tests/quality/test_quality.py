@@ -233,6 +233,9 @@ def test_qa_config_shape():
     assert {"compressed_sparse_attention", "heavily_compressed_attention"} <= kinds
     assert cfg.is_hash(0) and not cfg.is_hash(cfg.num_layers - 1)
     assert 0 < head_row_ceiling(cfg, prof) < 1
+    five = qa_profile(12, 32, fence_first=5)  # the name follows the fences
+    assert five.name == "qa-5F-4R-3F" and list(five.reusable_layers(12)) == list(range(5, 9))
+    assert five.boundary_rows == 16 and qa_profile(12, 32, name="x").name == "x"
 
 
 def test_training_forward_equals_model_forward():
@@ -389,7 +392,10 @@ def test_eval_quality_variant_names():
     assert {k: got["b25-native-dev-refresh"][k] for k in ("budget_override", "itop_rank", "latent_refresh")} == \
         {"budget_override": 0.25, "itop_rank": "deviation", "latent_refresh": "protected"}
     assert got["b25-k3"] == dict(ev.variants(["all"], range(3, 9), 12))["b25-k3"]  # a grid name: the grid's entry
-    for bad in ("b0-tau", "b101-native", "b50-x", "x-refresh", "reuse-2-8-refresh", "refresh", "x-dev", "dev"):
+    # bands anywhere in the model, e.g. the reference 3F-6R-3F beside a shipped 5F-4R-3F
+    (_, band), = ev.variants(["reuse-3-8"], range(5, 9), 12)
+    assert (band["fence_first"], band["fence_last"]) == (3, 3)
+    for bad in ("b0-tau", "b101-native", "b50-x", "x-refresh", "reuse-2-12-refresh", "reuse-5-4", "refresh", "x-dev", "dev"):
         with pytest.raises(SystemExit, match=f"unknown \\['{bad}'\\]"):
             ev.variants([bad], range(3, 9), 12)
 

@@ -54,7 +54,7 @@ def test_checkpoint_profile_and_template(tmp_path):
     """A checkpoint directory written by the QA trainer: `--profile auto` takes its
     redknot_profile.json, chat requests its chat template."""
     from redknot_jax.init import random_model
-    from redknot_jax.quality.model_config import qa_profile, qa_test_config
+    from redknot_jax.quality.model_config import profile_of, qa_profile, qa_test_config
     from redknot_jax.quality.train import save_checkpoint, write_serving_files
     from redknot_jax.server.state import make_profile
 
@@ -63,6 +63,13 @@ def test_checkpoint_profile_and_template(tmp_path):
     write_serving_files(tmp_path)
     assert (tmp_path / PROFILE_FILE).is_file()
     assert make_profile("auto", cfg, str(tmp_path)) == qa_profile(cfg.num_layers, cfg.sliding_window)
+    # a checkpoint's own profile is what the server and eval_quality.py use (profile_of); without
+    # the file, qa_profile for its shape
+    own = qa_profile(cfg.num_layers, cfg.sliding_window, fence_first=2, fence_last=1)
+    (tmp_path / PROFILE_FILE).write_text(json.dumps(own.to_dict()))
+    assert profile_of(tmp_path) == make_profile("auto", cfg, str(tmp_path)) == own
+    (tmp_path / PROFILE_FILE).unlink()
+    assert profile_of(tmp_path) == qa_profile(cfg.num_layers, cfg.sliding_window)
     assert make_profile("tiny", cfg, str(tmp_path)).name.startswith("tiny")
     prompt = chat_prompt([{"role": "user", "content": "question : where does ka lo live ?"}],
                          load_chat_template(str(tmp_path)))

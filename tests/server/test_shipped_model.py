@@ -21,9 +21,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from redknot_jax.config import ModelConfig
 from redknot_jax.quality import SHIPPED_MODEL
 from redknot_jax.quality import data as D
-from redknot_jax.quality.model_config import qa_profile
+from redknot_jax.quality.model_config import profile_of, qa_profile
 from redknot_jax.quality.train import load_model
 from redknot_jax.reuse.planner import Request, Segment
 from redknot_jax.reuse.runtime import ReuseRuntime
@@ -41,6 +42,15 @@ def default_server(tmp_path_factory):
                        wait_s=400)
     yield srv
     stop_server(srv)
+
+
+def test_the_shipped_profile_is_the_validated_choice():
+    """The shipped model ships (and `serve.py --profile auto` serves) 5F-4R-3F: chosen on the
+    validation split by issue 10's target (docs/quality.md, "Session 25"); the reference
+    3F-6R-3F stays `qa_profile`'s default."""
+    cfg = ModelConfig.from_json(SHIPPED_MODEL / "config.json")
+    assert profile_of(SHIPPED_MODEL) == qa_profile(cfg.num_layers, cfg.sliding_window, fence_first=5)
+    assert profile_of(SHIPPED_MODEL).name == "qa-5F-4R-3F" and qa_profile().name == "qa-3F-6R-3F"
 
 
 def _greedy_recompute(rt, docs, question, max_new=4):
@@ -66,7 +76,7 @@ def test_default_server_answers_held_out_questions(default_server):
         ids.append(doc["id"])
 
     model = load_model(SHIPPED_MODEL)
-    rt = ReuseRuntime(model, qa_profile(model.cfg.num_layers, model.cfg.sliding_window), "in-process")
+    rt = ReuseRuntime(model, profile_of(SHIPPED_MODEL), "in-process")
     right = 0
     # the 4 lookups and one two-hop question (served as in process; a second adds only CI time)
     asked = [qa for qa in ep.qas if qa.qtype == "lookup"] + [next(qa for qa in ep.qas if qa.qtype == "two_hop")]
