@@ -186,8 +186,8 @@ def fill_itop(plan: Plan, row_scores: np.ndarray, budget: float, risk: np.ndarra
     the larger `risk` ([T], `row_risk`: reliance on context beyond the window, which relocation
     changes) go first, then the earlier row. `deviation` ([T], `latent_deviation`; the profile's
     `itop_rank="deviation"`) ranks before all of these: rows whose latent moved by more than
-    DEVIATION_FLOOR first, largest first; rows below it (unmoved up to rounding: most rows of a
-    relocated document once its first window is past) in the indexer's order."""
+    DEVIATION_FLOOR first, largest first; rows below it (unmoved up to rounding, e.g. rows whose
+    fence layers saw only their own document) in the indexer's order."""
     plan.budget = budget
     plan.deviation = None if deviation is None else np.asarray(deviation, np.float64)
     want = int(np.ceil(budget * plan.candidates))
