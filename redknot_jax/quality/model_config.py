@@ -20,7 +20,6 @@ the shipped model's is 5F-4R-3F, chosen on the validation split (docs/quality.md
 
 from __future__ import annotations
 
-import json
 import pathlib
 
 from redknot_jax.config import CSA, HASH_MOE, HCA, MOE, SLIDING, ModelConfig
@@ -88,6 +87,6 @@ def profile_of(checkpoint) -> RedKnotProfile:
     shape."""
     d = pathlib.Path(checkpoint)
     if (d / PROFILE_FILE).is_file():
-        return RedKnotProfile.from_dict(json.loads((d / PROFILE_FILE).read_text()))
+        return RedKnotProfile.read(d / PROFILE_FILE)
     cfg = ModelConfig.from_json(d / "config.json")
     return qa_profile(cfg.num_layers, cfg.sliding_window)

@@ -18,6 +18,7 @@ is hashed into artifact certificates.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from typing import Any, Mapping
 
@@ -188,6 +189,12 @@ class RedKnotProfile:
         if "name" not in d:
             raise ProfileError("profile: missing required field 'name'")
         return cls(**d)
+
+    @classmethod
+    def read(cls, path) -> "RedKnotProfile":
+        """A profile from a JSON file in `to_dict`'s form (e.g. a checkpoint's redknot_profile.json)."""
+        with open(path) as f:
+            return cls.from_dict(json.load(f))
 
     def digest(self) -> str:
         """SHA-256 of the canonical JSON of every field (hashed into certificates)."""

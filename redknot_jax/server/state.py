@@ -89,8 +89,7 @@ def make_profile(name: str, cfg: config.ModelConfig, checkpoint: str | None = No
     if name == "pro":
         return profiles.pro_profile()
     if os.path.isfile(name):
-        with open(name) as f:
-            return profiles.RedKnotProfile.from_dict(json.load(f))
+        return profiles.RedKnotProfile.read(name)
     raise ValueError(f"profile: expected auto, tiny, tiny-exact, flash, pro or a JSON file, got {name!r}")
 
 
