@@ -20,6 +20,13 @@ is rejected (require_reuse).
     python launch/bench_ttft.py --lengths 32768 --cold --out ttft_32k_cold.json
     python launch/bench_ttft.py --lengths 65536 --repeats 1 --layer-times --out ttft_64k_layers.json  # profile
     python launch/bench_ttft.py --lengths 65536 --repeats 1 --op-profile 3,4 --out ttft_64k_ops.json  # op level
+    python launch/bench_ttft.py --lengths 65536 --repeats 1 --decode-steps 16 --out ttft_64k_decode.json
+
+--decode-steps N adds, after the timed runs, one RedKnot prefill that keeps a decode state
+(`prefill(decode_rows=)`) and N greedy tokens after it (`next_logits`, one row per step): the
+state's device bytes (fence layers' native caches; reusable layers' compact rows, the documents'
+rows read from the pool) against what per-row copies of every request row would hold, and the
+seconds per token (the first step, which compiles, apart).
 
 --store DIR keeps the built artifacts in an artifact store (raw codec) and reads them back on a
 later run with the same records, profile and model (content ids): a run too long for one call
@@ -100,6 +107,27 @@ def profile_variant(prof, **over):
     return dataclasses.replace(prof, name=prof.name + "".join(f"-{k}={v}" for k, v in over.items()), **over)
 
 
+def decode_row(rt, req, pool, steps: int) -> dict:
+    """One RedKnot prefill keeping a decode state, then `steps` greedy tokens, one row each."""
+    res = rt.prefill(req, "redknot", require_reuse=True, pool=pool, decode_rows=steps)
+    st, gen, secs = res.decode, [int(np.argmax(res.logits[-1]))], []
+    gb = lambda layers: sum(x.nbytes for i in layers for x in jax.tree.leaves(st.layers[i])) / 1e9
+    reusable = [i for i in st.layers if i in rt.reusable]
+    fences = [i for i in st.layers if i not in rt.reusable]
+    out = {"steps": steps, "state_gb": st.nbytes() / 1e9, "fence_cache_gb": gb(fences),
+           "reusable_gb": gb(reusable), "compact_rows": st.own, "compact_capacity": st.own_cap,
+           "request_rows": int(req.tokens.size),
+           # per-row copies of every request row (prompt + generated) in the reusable layers
+           "reusable_per_row_copy_gb": gb(reusable) / st.own_cap * (req.tokens.size + steps)}
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        gen.append(int(np.argmax(rt.next_logits(req, res, gen))))
+        secs.append(time.perf_counter() - t0)
+    out.update(first_step_s=secs[0], step_s=secs[1:], step_median_s=statistics.median(secs[1:]) if steps > 1 else None,
+               rows_after=st.rows)
+    return out
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", default="flash-shaped")
@@ -133,7 +161,12 @@ def main(argv=None):
                          "of these layers runs inside a jax.profiler trace of its own (OUT.traces/); the JSON gets "
                          "each traced layer's device time by op category and its top ops (redknot_jax.op_profile)")
     ap.add_argument("--build-only", action="store_true", help="with --store: build and publish, time nothing")
+    ap.add_argument("--decode-steps", type=int, default=0,
+                    help="after the timed runs: one RedKnot prefill keeping a decode state, then this many greedy "
+                         "tokens (the state's bytes, seconds per token)")
     args = ap.parse_args(argv)
+    if args.decode_steps < 0:
+        ap.error(f"--decode-steps: expected >= 0, got {args.decode_steps}")
     if args.tail_rows is not None and args.tail_rows < 0:
         ap.error(f"--tail-rows: expected >= 0, got {args.tail_rows}")
     if args.build_only and not args.store:
@@ -293,6 +326,9 @@ def main(argv=None):
                                     "role": "fence" if prof.is_fence(i, n) else "reusable"} for i in traced},
                 **{arm: {str(i): op_profile.summarize(base / arm / f"layer_{i:02d}") for i in traced}
                    for arm in ("recompute", "redknot")}}
+            save()
+        if args.decode_steps:
+            row["decode"] = decode_row(rt, req, pool, args.decode_steps)
             save()
         if args.cold:  # after the hot runs, with their pool gone: construction + admission + prefill
             del pool

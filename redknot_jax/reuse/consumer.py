@@ -1,20 +1,11 @@
 """The RedKnot consumer (DESIGN §4, §7): both arms jitted per layer, query-blocked, at serving
 scale. `runtime.py` is the eager reference it is tested against (tests/reuse/test_consumer.py).
-
-Three parts:
-
-* `DocPool`: hot artifacts packed once per reusable layer into device arrays (K=V rows, z_L,
-  document-local top-k, compressed entries, indexer keys, boundary compressor rings). A request
-  never copies or rewrites them: it reads them through index tables, so many requests share
-  one pool with different offsets.
-* `Layout`: a planned request turned into index tables (numpy on the host, then device
-  arrays): per row its frame offset D, canonical position, pool row; per compressed rate the
-  request's entry table (pool entry, or the slots an online entry pools, its offset and last
-  position); the protected rows. Shapes are padded (rows and protected rows to the query block,
-  entries to 64) so a handful of programs compile.
-* `Consumer`: per-layer jitted functions. Layers with equal structure share one compiled
-  program (the nnx graph definition is a static argument), so the 43-layer flash stack
-  compiles a few layer programs instead of one unrolled program.
+It reads the documents through a `DocPool` (`pool.py`: hot artifacts packed once per reusable
+layer, never copied or rewritten by a request) and a request's `Layout` (`layout.py`: index
+tables saying where each row's keys, entries and z_L come from). `Consumer` holds per-layer
+jitted functions: layers with equal structure share one compiled program (the nnx graph
+definition is a static argument), so the 43-layer flash stack compiles a few layer programs
+instead of one unrolled program.
 
 A reusable layer: mHC, norm, `wq_a` for every row; **pass A** runs the Global heads of every
 row (own frame's window, the artifact's document-local CSA top-k, every visible HCA entry);
@@ -31,10 +22,9 @@ here, docs/kernels.md says why. Both are tested against the reference's rotated-
 Pass B's CSA blocks run `pallas/sparse_attention.py` when the kernel set names it: per row
 a list of key ids into one table of the request's absolute-frame latents and entries.)
 
-Sections below: pool (`DocPool`, `HostPool`: host-resident, packed a layer ahead on a worker
-thread), layout (`build_layout`, `common_sizes`), layer math (pass A / pass B, restoration,
-decode attention), jitted layers, and `Consumer`: pieces, the arms (`recompute`, `redknot`,
-`redknot_step`; `layer_times` / `layer_traces` profile runs through `_LayerClock`), batches.
+Sections below: layer math (pass A / pass B, restoration, decode attention), jitted layers,
+and `Consumer`: pieces, the arms (`recompute`, `redknot`, `redknot_step`; `layer_times` /
+`layer_traces` profile runs through `_LayerClock`), batches.
 """
 
 from __future__ import annotations
@@ -44,7 +34,6 @@ import functools
 import os
 import time
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import jax
@@ -60,278 +49,29 @@ from redknot_jax.pallas import kernel_mode, resolve_kernels
 from redknot_jax.pallas.restore import restore_reference
 from redknot_jax.pallas.restore import restore as restore_kernel
 from redknot_jax.pallas.sparse_attention import row_lists, sparse_attention
-from redknot_jax.reuse.artifact import Artifact, local_head_mask
+from redknot_jax.reuse.artifact import local_head_mask
 from redknot_jax.reuse.fanout import fanout_keep
+from redknot_jax.reuse.layout import build_layout, common_sizes, frame_rows
 from redknot_jax.reuse.planner import Plan, concentration, fill_itop, latent_deviation, row_risk
+from redknot_jax.reuse.pool import DocPool, HostPool, ceil_to
 from redknot_jax.rope import apply_rope
-from redknot_jax.store.tiers import host_memory_kind
 
 HIGHEST = jax.lax.Precision.HIGHEST
-NEVER = np.int32(2 ** 30)  # last position of a padding entry: never visible
-ENTRY_PAD = 64
-POOL_ROW_PAD = 256
-
-
-def _ceil(n: int, m: int) -> int:
-    return max(m, -(-n // m) * m)
-
-
-# ---------------------------------------------------------------------------------- pool
-def _pad_rows(a: jax.Array, m: int) -> jax.Array:
-    return jnp.pad(a, [(0, _ceil(a.shape[0], m) - a.shape[0])] + [(0, 0)] * (a.ndim - 1))
-
-
-def _fields(p: dict, dtype, conv) -> dict:
-    """The fields of one document's layer payload a pool keeps, each through conv(array, its
-    pool dtype): rows and entries in `dtype`, compressor states fp32, top-k ids int32."""
-    d = {"kv": conv(p["kv"], dtype), "zl": conv(p["zl"], dtype)}
-    for name, state in (("entries", "cmp"), ("idx_entries", "idx")):
-        if name in p:
-            d[name] = conv(p[name], dtype)
-            d[state] = {s: conv(p[state][s], jnp.float32) for s in ("kv", "gate")}
-    if "topk" in p:
-        d["topk"] = conv(p["topk"], jnp.int32)
-    return d
-
-
-def _pack(per: list[dict], dtype, put=lambda x, dt: jnp.asarray(x, dt)) -> dict:
-    """One reusable layer of several documents' artifacts, packed into device arrays; put(x, dt)
-    brings one document's array onto the device as dt."""
-    fs = [_fields(p, dtype, put) for p in per]
-    cat = lambda name: jnp.concatenate([f[name] for f in fs])
-    d = {"kv": _pad_rows(cat("kv"), POOL_ROW_PAD), "zl": _pad_rows(cat("zl"), POOL_ROW_PAD)}
-    for name, state in (("entries", "cmp"), ("idx_entries", "idx")):
-        if name in fs[0]:
-            d[name] = _pad_rows(cat(name), ENTRY_PAD)
-            d[state] = {s: jnp.concatenate([f[state][s] for f in fs]) for s in ("kv", "gate")}
-    if "topk" in fs[0]:
-        d["topk"] = _pad_rows(cat("topk"), POOL_ROW_PAD)
-    return d
-
-
-class DocPool:
-    """Device-resident artifacts of a set of documents, packed per reusable layer. Row arrays
-    are padded to a multiple of POOL_ROW_PAD rows (entries to ENTRY_PAD), so pools of similar
-    size share compiled layer programs; the padding is never indexed."""
-
-    def __init__(self, artifacts: list[Artifact], layers, dtype):
-        self.index = {id(a): k for k, a in enumerate(artifacts)}
-        self.artifacts = list(artifacts)
-        lens = [a.length for a in artifacts]
-        self.row_base = np.r_[0, np.cumsum(lens)][:-1].astype(np.int64)
-        self.rows = int(sum(lens))
-        self.layers = self._place(list(layers), dtype)
-
-    def _place(self, layers: list[int], dtype):
-        return {i: _pack([a.layers[i] for a in self.artifacts], dtype) for i in layers}
-
-    def doc(self, art: Artifact) -> int:
-        if id(art) not in self.index:
-            raise KeyError("DocPool: this artifact is not in the pool (pack it with the request's documents)")
-        return self.index[id(art)]
-
-    def entry_base(self, art: Artifact, m: int) -> int:
-        k = self.doc(art)
-        return int(sum(a.length // m for a in self.artifacts[:k]))
-
-    def nbytes(self) -> int:
-        return int(sum(x.nbytes for x in jax.tree.leaves(self.layers)))
-
-
-class HostPool(DocPool):
-    """Host-resident (prefetched) artifacts: the documents' payloads stay in host memory and
-    each reusable layer is packed onto the device, on a worker thread, as soon as the consumer
-    has asked for the layer before it. So its host-to-device copy overlaps that layer's compute,
-    and the dispatch of layer i never waits for the copy of layer i + 1 (a copy from pageable
-    memory holds the thread that issues it). At most two layers of the pool are on the device at
-    a time; what a request pays is the copy the compute did not hide.
-
-    host_kind (`store.tiers.host_memory_kind`): "numpy" reads the artifacts' own (pageable)
-    arrays; "pinned" stages the kept fields once, here, in the pool's dtypes, into pinned host
-    memory, so each layer's copy is one DMA per array at link speed (52.7 vs 6.7 GB/s measured
-    on the H200, docs/store.md) at the price of a host copy of the payload; "auto": pinned on a
-    GPU."""
-
-    def __init__(self, artifacts: list[Artifact], layers, dtype, host_kind: str = "auto"):
-        self.device = jax.devices()[0]
-        self.host_kind = host_memory_kind(self.device, host_kind)
-        self.staged = None  # pinned: layer -> the documents' kept fields in pinned host memory
-        super().__init__(artifacts, layers, dtype)
-
-    def _place(self, layers: list[int], dtype):
-        if self.host_kind == "numpy":
-            return _Streamed(lambda i: _pack([a.layers[i] for a in self.artifacts], dtype), layers)
-        pinned = jax.sharding.SingleDeviceSharding(self.device, memory_kind="pinned_host")
-        to_device = jax.sharding.SingleDeviceSharding(self.device, memory_kind=self.device.default_memory().kind)
-        host = lambda x, dt: np.asarray(x).astype(dt, copy=False)
-        self.staged = jax.block_until_ready({i: [jax.device_put(_fields(a.layers[i], dtype, host), pinned)
-                                                 for a in self.artifacts] for i in layers})  # admission pays it
-        put = lambda x, dt: jax.device_put(x, to_device)
-        return _Streamed(lambda i: _pack(self.staged[i], dtype, put=put), layers)
-
-    def nbytes(self) -> int:  # host bytes of the layers it streams (unpadded)
-        return int(sum(np.asarray(x).nbytes for a in self.artifacts for i in self.layers
-                       for x in jax.tree.leaves(a.layers[i])))
-
-
-class _Streamed:
-    """layer -> packed device arrays, packed one layer ahead of the reader (`order`) on one
-    worker thread; a pack that failed raises when its layer is read."""
-
-    def __init__(self, pack, order: list[int]):
-        self.pack, self.order, self.ahead = pack, order, {}
-        self._worker = ThreadPoolExecutor(1, thread_name_prefix="hostpool-pack")
-
-    def __getitem__(self, i: int) -> dict:
-        if i not in self.order:
-            raise KeyError(f"HostPool: layer {i} is not a reusable layer of this pool ({self.order})")
-        ahead = self.ahead.pop(i, None)
-        d = ahead.result() if ahead is not None else self.pack(i)  # the first layer read: packed here
-        k = self.order.index(i) + 1
-        if k < len(self.order) and self.order[k] not in self.ahead:  # started now, read by the next layer
-            self.ahead[self.order[k]] = self._worker.submit(self.pack, self.order[k])
-        return d
-
-    def __iter__(self):
-        return iter(self.order)
-
-    def __len__(self) -> int:
-        return len(self.order)
-
-
-# ---------------------------------------------------------------------------------- layout
-def _entry_table(plan: Plan, pool: DocPool, m: int, overlap: bool, refresh: np.ndarray, t: int,
-                 frames, min_sizes: tuple[int, int] = (0, 0)) -> dict:
-    """The request's entries at rate m: pool entry or online slots, offset, last position.
-    `min_sizes` (entries, online entries): pad at least this far (a batch's common shapes)."""
-    r = (2 if overlap else 1) * m
-    src, on_slots, d_off, wcan, endpos = [], [], [], [], []
-    ebase = np.zeros(t, np.int32)
-    count = 0
-    for f in frames:
-        n = f.end - f.start
-        nw = n // m
-        ebase[f.start:f.end] = count
-        count += nw
-        w = np.arange(nw)
-        L = f.doc_len if f.artifact is not None else 0
-        ref_rows = refresh[f.start:f.start + nw * m].reshape(nw, m).any(1) if nw else np.zeros(0, bool)
-        if overlap and nw:
-            ref_rows = ref_rows | np.r_[False, ref_rows[:-1]]
-        from_pool = ((w + 1) * m <= L) & ~ref_rows
-        pbase = pool.entry_base(f.artifact, m) if L else 0
-        ring0 = pool.doc(f.artifact) * r if L else 0
-        src.append(np.where(from_pool, pbase + w, -1))
-        lo = (w - 1) * m if overlap else w * m
-        c = lo[:, None] + np.arange(r)[None, :]  # canonical slot positions [nw, r]
-        art_slot = (c < L) & ~ref_rows[:, None]
-        if np.any(art_slot & ~from_pool[:, None] & (c >= 0) & (c < L - r)):
-            raise AssertionError("entry table: a continuation slot lies before the artifact's boundary ring")
-        slots = np.where(c < 0, -1, np.where(art_slot, t + ring0 + np.mod(c, r), f.start + c))
-        on_slots.append(slots)
-        d_off.append(np.full(nw, f.offset))
-        wcan.append(w)
-        endpos.append(f.offset + (w + 1) * m - 1)
-    cat = lambda xs, dt: np.concatenate(xs).astype(dt) if xs else np.zeros(0, dt)
-    src, slots = cat(src, np.int32), (np.concatenate(on_slots) if on_slots else np.zeros((0, r))).astype(np.int32)
-    d_off, wcan, endpos = cat(d_off, np.int32), cat(wcan, np.int32), cat(endpos, np.int32)
-    e = src.shape[0]
-    E = max(_ceil(e, ENTRY_PAD), min_sizes[0])
-    online = np.flatnonzero(src < 0)
-    E_on = max(_ceil(online.size, ENTRY_PAD), min_sizes[1])
-    pad = E - e
-    return {
-        "src": np.r_[src, np.full(pad, -1)].astype(np.int32),
-        "d": np.r_[d_off, np.zeros(pad)].astype(np.int32),
-        "w": np.r_[wcan, np.zeros(pad)].astype(np.int32),
-        "end": np.r_[endpos, np.full(pad, NEVER)].astype(np.int32),
-        "on_idx": np.r_[online, np.full(E_on - online.size, E)].astype(np.int32),
-        "on_slots": np.r_[slots[online], np.full((E_on - online.size, r), -1)].astype(np.int32),
-        "ebase": ebase,
-    }
-
-
-@dataclasses.dataclass
-class Layout:
-    """Index tables of one planned request (device arrays) and its static sizes."""
-
-    tables: dict
-    t: int  # padded rows
-    n_real: int
-    n_prot: int  # real protected rows
-
-    def sizes(self) -> dict:
-        """The padded shapes that decide the compiled program (equal across a batch)."""
-        return {"t": self.t, "P": int(self.tables["prot_idx"].shape[0]),
-                "rates": {k: (int(v["src"].shape[0]), int(v["on_idx"].shape[0]))
-                          for k, v in self.tables["rates"].items()}}
-
-
-def common_sizes(layouts) -> dict:
-    """The smallest sizes every layout of a batch pads to."""
-    rates = {k for lay in layouts for k in lay.sizes()["rates"]}
-    return {"t": max(lay.t for lay in layouts), "P": max(lay.sizes()["P"] for lay in layouts),
-            "rates": {k: tuple(max(lay.sizes()["rates"][k][j] for lay in layouts) for j in (0, 1)) for k in rates}}
-
-
-def _frame_rows(frames, pool: DocPool, t: int) -> tuple[np.ndarray, np.ndarray]:
-    """Per request row [t]: its frame's offset D, and its pool row (-1: no artifact row)."""
-    d_row = np.zeros(t, np.int32)
-    pool_row = np.full(t, -1, np.int64)
-    for f in frames:
-        d_row[f.start:f.end] = f.offset
-        if f.artifact is not None and f.doc_len:
-            pool_row[f.start:f.start + f.doc_len] = pool.row_base[pool.doc(f.artifact)] + np.arange(f.doc_len)
-    return d_row, pool_row
-
-
-def build_layout(plan: Plan, pool: DocPool, profile, cfg, block: int, pad_to: dict | None = None) -> Layout:
-    """Index tables of a planned request. `pad_to` (`common_sizes` of a batch): pad rows,
-    protected rows and entry tables at least that far, so a batch shares one program; padding
-    rows extend the last frame, padding entries are never visible, padding indices drop."""
-    t_real = plan.n_rows
-    t = max(_ceil(t_real, block), pad_to["t"] if pad_to else 0)
-    prot = plan.protected
-    collapse = profile.latent_refresh == "protected" and bool((prot | ~plan.doc_row).all())
-    if collapse:  # every latent refreshed: one online frame at 0, the native computation
-        frames = [dataclasses.replace(plan.frames[0], offset=0, start=0, end=t, doc_len=0, artifact=None)]
-        doc_row = np.zeros(t, bool)
-    else:
-        frames = list(plan.frames)
-        frames[-1] = dataclasses.replace(frames[-1], end=t)  # padding rows extend the last frame
-        doc_row = np.r_[plan.doc_row, np.zeros(t - t_real, bool)]
-    prot_t = np.r_[prot, np.zeros(t - t_real, bool)]
-    refresh = prot_t if profile.latent_refresh == "protected" else np.zeros(t, bool)
-    d_row, pool_row = _frame_rows(frames, pool, t)
-    frame = np.zeros(t, np.int32)
-    for fi, f in enumerate(frames):
-        frame[f.start:f.end] = fi
-    art_row = np.where(refresh, -1, pool_row)  # canonical latent read from the pool
-    zl_row = np.where(doc_row & ~prot_t, pool_row, -1)  # z_L restored (and top-k read) from the pool
-    prot_idx = np.flatnonzero(prot_t)
-    P = max(_ceil(prot_idx.size, block), pad_to["P"] if pad_to else 0)
-    tab = {"pos": np.arange(t, dtype=np.int32), "d": d_row, "frame": frame,
-           "art_row": art_row.astype(np.int32), "zl_row": zl_row.astype(np.int32),
-           "prot_idx": np.r_[prot_idx, np.full(P - prot_idx.size, t)].astype(np.int32),
-           "n_real": np.int32(t_real)}
-    rates = {}
-    mins = (pad_to or {}).get("rates", {})
-    if CSA in cfg.layer_types:
-        rates["csa"] = _entry_table(plan, pool, cfg.csa_rate, True, refresh, t, frames, mins.get("csa", (0, 0)))
-    if HCA in cfg.layer_types:
-        rates["hca"] = _entry_table(plan, pool, cfg.hca_rate, False, refresh, t, frames, mins.get("hca", (0, 0)))
-    tab["rates"] = rates
-    return Layout(tables=jax.tree.map(jnp.asarray, tab), t=t, n_real=t_real, n_prot=int(prot_idx.size))
 
 
 # ---------------------------------------------------------------------------------- layer math
-def _online_entries(comp, proj_kv, proj_gate, ring, tab, freqs, pool_entries, E):
+def _online_entries(comp, proj_kv, proj_gate, ring, tab, freqs, pool_entries, E, own_slot=None):
     """Request entries [E, dk] in absolute coordinates: pool entries, or pooled from slots
-    (request rows' projections, or the artifact's boundary ring), turned by R(D)."""
+    (request rows' projections, or the artifact's boundary ring), turned by R(D). `own_slot`
+    (a layout's [t] table): the projections are a decode state's compact rows, not the
+    request's, so a request-row slot reads row own_slot[slot] of them."""
     srcs_kv = jnp.concatenate([proj_kv, ring["kv"]]) if ring is not None else proj_kv
     srcs_gate = jnp.concatenate([proj_gate, ring["gate"]]) if ring is not None else proj_gate
     slots = tab["on_slots"]  # [E_on, r]
     ok = slots >= 0
+    if own_slot is not None:  # request rows (< t) -> compact rows; ring slots follow those
+        t = own_slot.shape[0]
+        slots = jnp.where(slots >= t, slots - t + proj_kv.shape[0], own_slot[jnp.clip(slots, 0, t - 1)])
     sk = srcs_kv[jnp.maximum(slots, 0)]  # [E_on, r, c*dk]
     sg = jnp.where(ok[..., None], srcs_gate[jnp.maximum(slots, 0)], -jnp.inf)
     m, dk = comp.m, comp.dk
@@ -383,20 +123,23 @@ def _pass_a(q, tab, kv_abs, ents, sink, scale, kind, block, window, csa_ids):
     return o
 
 
-def _pass_b(q, pos, kv_abs, ents, idx, sink, scale, kind, block, window, topk, scores=index_scores,
-            sparse: bool = False):
+def _pass_b(q, pos, window_keys, ents, idx, sink, scale, kind, block, window, topk, scores=index_scores,
+            kv_abs=None):
     """Every head of the protected rows over the native key sets (indexer across frames;
-    `scores`: `index_scores` or its kernel, `indexer.score_function`; `sparse`: a CSA layer's
-    attention by `pallas.sparse_attention` over one table of the request's latents and entries)."""
+    `scores`: `index_scores` or its kernel, `indexer.score_function`). `window_keys(kp)`: the
+    absolute-frame K=V of request rows kp (>= 0; others are masked). `kv_abs` (every row's,
+    given only when the kernel set names it): a CSA layer's attention by
+    `pallas.sparse_attention` over one table of the request's latents and entries."""
     P = q.shape[0]
-    if sparse and kind == CSA:
+    sparse = kv_abs is not None and kind == CSA
+    if sparse:
         table = jnp.concatenate([kv_abs, ents[0].astype(kv_abs.dtype)])
 
     def run(start):
         qb = jax.lax.dynamic_slice_in_dim(q, start, block)
         pb = jax.lax.dynamic_slice_in_dim(pos, start, block)
         kp = pb[:, None] - window + 1 + jnp.arange(window)  # window keys: positions = rows
-        wk = kv_abs[jnp.clip(kp, 0, kv_abs.shape[0] - 1)]
+        wk = window_keys(kp)
         sets = [(wk[None], (kp >= 0)[None, :, None, :], "bthk,btsk->bths")]
         if kind == HCA:
             e, end = ents
@@ -454,19 +197,21 @@ def _queries(attn, cq, heads, pos, freqs):
     return apply_rope(rms_norm(qq, None, attn.eps), pos, freqs)
 
 
-def _request_entries(attn, proj, tab, pool_layer, freqs):
+def _request_entries(attn, proj, tab, pool_layer, freqs, compact: bool = False):
     """The request's compressed entries (and for CSA its indexer keys) from the rows'
-    compressor projections `proj` {"pk", "pg"[, "ik", "ig"]} ([t, .] each), the pool and the
-    entry table: ((entries [E, k], last positions [E]), indexer keys [E, .] or None)."""
+    compressor projections `proj` {"pk", "pg"[, "ik", "ig"]} ([t, .] each, or with `compact` a
+    decode state's rows, `tab["own_slot"]`), the pool and the entry table: ((entries [E, k],
+    last positions [E]), indexer keys [E, .] or None)."""
     kind = attn.kind
     rt = tab["rates"]["csa" if kind == CSA else "hca"]
     E = rt["src"].shape[0]
+    own = tab["own_slot"] if compact else None
     ents = (_online_entries(attn.compressor, proj["pk"], proj["pg"], pool_layer.get("cmp"), rt, freqs,
-                            pool_layer.get("entries"), E), rt["end"])
+                            pool_layer.get("entries"), E, own), rt["end"])
     idx_keys = None
     if kind == CSA:
         idx_keys = _online_entries(attn.indexer.compressor, proj["ik"], proj["ig"], pool_layer.get("idx"), rt,
-                                   freqs, pool_layer.get("idx_entries"), E)
+                                   freqs, pool_layer.get("idx_entries"), E, own)
     return ents, idx_keys
 
 
@@ -480,11 +225,12 @@ def _projections(attn, xa, cpos) -> dict:
     return out
 
 
-def reusable_attention(blk, x, tab, pool_layer, *, freqs, glob, block, reduce=None, keep_keys=False,
+def reusable_attention(blk, x, tab, pool_layer, *, freqs, glob, block, reduce=None, keep_rows=None,
                        kernels: str = ""):
     """The attention half of a reusable layer (passes A and B, z_L restore, `wo_b` once, mHC
-    post) over one request's rows x [1, t, n, d]. With `keep_keys` also what decoding reads
-    later: every row's K=V in absolute coordinates and compressor projections. `kernels`: which
+    post) over one request's rows x [1, t, n, d]. With `keep_rows` ([C] request rows, padded
+    with t) also what decoding reads later of those rows (`DecodeState`): their canonical K=V
+    and compressor projections, C rows (a row past the request reads its last). `kernels`: which
     Mosaic GPU kernels run instead of their references ("restore", "indexer" for pass B's scores;
     `Consumer`'s resolved set)."""
     attn = blk.attn
@@ -530,9 +276,9 @@ def reusable_attention(blk, x, tab, pool_layer, *, freqs, glob, block, reduce=No
     if kind == CSA:
         iq, iw = attn.indexer.queries(xa[pic][None], cq[pic][None], pp[None], freqs)
         idx = (iq[0], iw[0], idx_keys)
-    o_p = _pass_b(q_p, pp, kv_abs, ents, idx, sink, scale, kind, block, w,
+    o_p = _pass_b(q_p, pp, lambda kp: kv_abs[jnp.clip(kp, 0, t - 1)], ents, idx, sink, scale, kind, block, w,
                   attn.indexer.topk if kind == CSA else 0, score_function(kernel_mode(kernels, "indexer")),
-                  sparse=kernel_mode(kernels, "sparse_attention") == "mosaic")
+                  kv_abs=kv_abs if kernel_mode(kernels, "sparse_attention") == "mosaic" else None)
     o_p = apply_rope(o_p, pp, freqs, inverse=True)
     z_p = attn.wo_a_apply(o_p[None])[0].astype(o_g.dtype)
 
@@ -547,8 +293,9 @@ def reusable_attention(blk, x, tab, pool_layer, *, freqs, glob, block, reduce=No
     if reduce is not None:
         y = reduce(y)
     out = HyperConnection.post(x, y.astype(x.dtype), post, comb)
-    if keep_keys:
-        return out, {"kv_abs": kv_abs, **(proj or {})}
+    if keep_rows is not None:
+        kr = jnp.minimum(keep_rows, t - 1)
+        return out, {"kv": kv_on[kr], **{n: v[kr] for n, v in (proj or {}).items()}}
     return out
 
 
@@ -583,37 +330,44 @@ class _LayerClock:
             self._start()
 
 
-def _put_rows(a, rows, t0, n: int):
-    """`a` [>= ?, ...] padded or cut to n rows, with `rows` written at row t0 (t0 traced)."""
-    a = a[:n] if a.shape[0] >= n else jnp.pad(a, [(0, n - a.shape[0])] + [(0, 0)] * (a.ndim - 1))
-    return jax.lax.dynamic_update_slice_in_dim(a, rows.astype(a.dtype), t0, axis=0)
-
-
 def decode_attention(blk, x, tab, pool_layer, keys, t0, *, freqs):
     """The attention half of a reusable layer for g new rows x [1, g, n, d] at request rows
     t0 .. t0+g-1 of a frozen plan (protected new rows of the last frame: every head, native
-    key sets), reading the earlier rows' cached `keys` instead of recomputing them. `tab`: the
-    layout of the extended plan. Returns (x, keys with the new rows written in)."""
+    key sets), reading the earlier rows' keys instead of recomputing them: a document row's
+    K=V from the pool (canonical, turned by R(D) as it is read), any other row's from `keys`,
+    the decode state's compact rows (`tab["own_slot"]`: the request's own rows, refreshed
+    rows and the rows online entries pool). `tab`: the layout of the extended plan. Returns
+    (x, keys with the new rows written in)."""
     attn = blk.attn
-    g, T = x.shape[1], tab["pos"].shape[0]
+    g = x.shape[1]
     u, post, comb = blk.hc_attn.pre(x)
     xa = blk.attn_norm(u)[0]  # [g, d]
     rows = t0 + jnp.arange(g)
     pos, d_row = tab["pos"][rows], tab["d"][rows]
     cpos = pos - d_row
+    own = tab["own_slot"]
+    slots = own[rows]  # the new rows' compact rows (>= 0: new rows are the request's own)
     cq = attn.q_norm(jnp.einsum("td,qd->tq", xa, attn.wq_a[...], precision=HIGHEST))
-    kv_new = apply_rope(attn.latent(xa[None], cpos[None], freqs)[0], d_row, freqs)
-    new = {"kv_abs": _put_rows(keys["kv_abs"], kv_new, t0, T)}
+    put = lambda a, v: a.at[slots].set(v.astype(a.dtype), mode="drop")
+    new = {"kv": put(keys["kv"], attn.latent(xa[None], cpos[None], freqs)[0])}
     ents = idx = None
     if attn.kind in (CSA, HCA):
         proj = _projections(attn, xa, cpos)
-        new.update({n: _put_rows(keys[n], v, t0, T) for n, v in proj.items()})
-        ents, idx_keys = _request_entries(attn, new, tab, pool_layer, freqs)
+        new.update({n: put(keys[n], v) for n, v in proj.items()})
+        ents, idx_keys = _request_entries(attn, new, tab, pool_layer, freqs, compact=True)
         if attn.kind == CSA:
             iq, iw = attn.indexer.queries(xa[None], cq[None], pos[None], freqs)
             idx = (iq[0], iw[0], idx_keys)
+
+    def window_keys(kp):  # pool rows of the documents, compact rows of the rest
+        r = jnp.clip(kp, 0, own.shape[0] - 1)
+        ar = tab["art_row"][r]
+        kv = jnp.where((ar >= 0)[..., None], pool_layer["kv"][jnp.maximum(ar, 0)].astype(new["kv"].dtype),
+                       new["kv"][jnp.maximum(own[r], 0)])
+        return apply_rope(kv, tab["d"][r], freqs)
+
     q = _queries(attn, cq, np.arange(attn.h), pos, freqs)
-    o = _pass_b(q, pos, new["kv_abs"], ents, idx, attn.attn_sink[...], attn.k ** -0.5, attn.kind, g, attn.window,
+    o = _pass_b(q, pos, window_keys, ents, idx, attn.attn_sink[...], attn.k ** -0.5, attn.kind, g, attn.window,
                 attn.indexer.topk if attn.kind == CSA else 0)
     o = apply_rope(o, pos, freqs, inverse=True)
     y = attn.wo_b_apply(attn.wo_a_apply(o[None]))
@@ -648,11 +402,12 @@ def _native_step_jit(state, x, ids, pos0, cache, *, graphdef, freqs):
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "freqs", "glob", "block", "fan", "kernels"))
-def _reusable_keys_jit(state, x, ids, tab, pool_layer, *, graphdef, freqs, glob, block, fan, kernels):
-    """`_reusable_jit` that also returns the keys decoding reads (see `reusable_attention`)."""
+def _reusable_keys_jit(state, x, ids, tab, pool_layer, keep_rows, *, graphdef, freqs, glob, block, fan, kernels):
+    """`_reusable_jit` that also returns what decoding reads of rows `keep_rows` (see
+    `reusable_attention`)."""
     blk = nnx.merge(graphdef, state)
     x, keys = reusable_attention(blk, x, tab, pool_layer, freqs=freqs, glob=np.asarray(glob), block=block,
-                                 keep_keys=True, kernels=kernels)
+                                 keep_rows=keep_rows, kernels=kernels)
     x, hist = reusable_ffn(blk, x, ids, tab["pos"] < tab["n_real"], fan, kernels=kernels)
     return x, hist, keys
 
@@ -728,13 +483,21 @@ def _deviation_jit(state, x, pool_kv, pool_row, cpos, *, graphdef, freqs):
 @dataclasses.dataclass
 class DecodeState:
     """What decoding after a RedKnot prefill reads: per fence layer its native cache (capacity
-    `cap` rows), per reusable layer every row's K=V in absolute coordinates and compressor
-    projections; `rows` request rows so far; `pool` the documents' pool the prefill read."""
+    `cap` rows); per reusable layer the canonical K=V and compressor projections of the rows
+    the pool does not hold (the request's own rows, refreshed rows, rows an online entry
+    pools), `own` of them so far in `own_cap` compact rows: a document's rows are read from
+    `pool`, the documents' pool the prefill read, never copied. `rows` request rows so far."""
 
     rows: int
     cap: int
     pool: "DocPool"
+    own: int = 0
+    own_cap: int = 0
     layers: dict = dataclasses.field(default_factory=dict)
+
+    def nbytes(self) -> int:
+        """Device bytes the request holds for decoding (caches and compact rows; not the pool)."""
+        return int(sum(x.nbytes for x in jax.tree.leaves(self.layers)))
 
 
 class Consumer:
@@ -777,14 +540,14 @@ class Consumer:
     # -------------------------------------------------------------- pieces
     def _pad(self, tokens):
         t_real = len(tokens)
-        t = _ceil(t_real, self.block)
+        t = ceil_to(t_real, self.block)
         ids = jnp.asarray(np.pad(np.asarray(tokens, np.int32), (0, t - t_real)))[None]
         return ids, t, t_real
 
     def _native(self, i, x, ids, t_real, t):
         """t_real: an int, or one per request of the batch."""
         gd, st = self.defs[i]
-        cap = _ceil(t, self.cfg.hca_rate)
+        cap = ceil_to(t, self.cfg.hca_rate)
         return _native_jit(st, x, ids, jnp.asarray(np.reshape(t_real, -1), jnp.int32), graphdef=gd,
                            freqs=self.model.freqs(i), block=min(self.block, t), cap=cap,
                            kernels=self.kernels if x.shape[0] == 1 else self.batch_kernels)
@@ -841,7 +604,7 @@ class Consumer:
         dev = None
         if prof.itop_rank == "deviation":
             t = x.shape[1]
-            d_row, pool_row = _frame_rows(plan.frames, pool, t)
+            d_row, pool_row = frame_rows(plan.frames, pool, t)
             gd, st = self.defs[self.reusable[0]]
             kv = jax.device_put(pool_layer["kv"], x.sharding)  # TP: the controller runs on one device
             dev = np.asarray(_deviation_jit(st, x, kv, jnp.asarray(pool_row, jnp.int32),
@@ -864,7 +627,7 @@ class Consumer:
         x = self._embed(ids)
         clock = _LayerClock(layer_times, x, layer_traces)
         hist, layout = None, None
-        state = DecodeState(t_real, _ceil(t_real + decode_rows, cfg.hca_rate), pool) if decode_rows else None
+        state = DecodeState(t_real, ceil_to(t_real + decode_rows, cfg.hca_rate), pool) if decode_rows else None
         for i in range(cfg.num_layers):
             if prof.is_fence(i, cfg.num_layers):
                 if state is None:
@@ -873,7 +636,7 @@ class Consumer:
                     gd, st = self.defs[i]
                     x, state.layers[i] = _native_cache_jit(
                         st, x, ids, jnp.full((1,), t_real, jnp.int32), graphdef=gd, freqs=self.model.freqs(i),
-                        block=min(self.block, t), cap=max(state.cap, _ceil(t, cfg.hca_rate)),
+                        block=min(self.block, t), cap=max(state.cap, ceil_to(t, cfg.hca_rate)),
                         kernels=self.kernels)
                 clock.lap(x)
                 continue
@@ -883,6 +646,10 @@ class Consumer:
                 if not frozen:
                     self.controller(plan, x, pool, pool_layer)
                 layout = build_layout(plan, pool, prof, cfg, self.block)
+                if state is not None:  # the compact rows decoding keeps, then room for the new rows
+                    kept = layout.own_rows(t_real)
+                    state.own, state.own_cap = kept.size, ceil_to(kept.size + decode_rows, self.block)
+                    keep_rows = jnp.asarray(np.r_[kept, np.full(state.own_cap - kept.size, t)], jnp.int32)
                 if timings is not None:
                     timings["plan_s"] = time.perf_counter() - t0
             gd, st = self.defs[i]
@@ -891,7 +658,7 @@ class Consumer:
             if state is None:
                 x, h = _reusable_jit(st, x, ids, layout.tables, pool_layer, **kw)
             else:
-                x, h, state.layers[i] = _reusable_keys_jit(st, x, ids, layout.tables, pool_layer, **kw)
+                x, h, state.layers[i] = _reusable_keys_jit(st, x, ids, layout.tables, pool_layer, keep_rows, **kw)
             hist = h if hist is None else hist + h
             clock.lap(x)
         logits = self._logits(x, plan.query_rows)
@@ -921,18 +688,23 @@ class Consumer:
                                                       freqs=self.model.freqs(i))
                 continue
             if tab is None:
-                tab = build_layout(plan, pool, prof, cfg, self.block).tables
+                layout = build_layout(plan, pool, prof, cfg, self.block)
+                if int(layout.own_slot[t0]) != state.own or state.own >= state.own_cap:
+                    raise RuntimeError(f"redknot_step: row {t0} would be compact row {int(layout.own_slot[t0])}, "
+                                       f"expected {state.own} of {state.own_cap}: the plan is not the prompt's")
+                tab = layout.tables
             x, state.layers[i] = _reusable_step_jit(st, x, ids, tab, pool.layers[i], state.layers[i],
                                                     jnp.int32(t0), graphdef=gd, freqs=self.model.freqs(i),
                                                     fan=self.fan)
         state.rows += 1
+        state.own += tab is not None
         return self._logits(x, [0])[0]
 
     # -------------------------------------------------------------- batches
     def _pad_batch(self, token_lists, t_min: int = 0):
         """ids [b, t] (each request padded to the batch's common row count), t, real lengths."""
         t_real = [len(x) for x in token_lists]
-        t = max(_ceil(max(t_real), self.block), t_min)
+        t = max(ceil_to(max(t_real), self.block), t_min)
         ids = np.stack([np.pad(np.asarray(x, np.int32), (0, t - n)) for x, n in zip(token_lists, t_real)])
         return jnp.asarray(ids), t, t_real
 

@@ -31,7 +31,8 @@ from redknot_jax.mhc import HyperConnection
 from redknot_jax.model import Model
 from redknot_jax.reuse import ledger as ledgers
 from redknot_jax.reuse.artifact import local_head_mask, project_heads, single_rank
-from redknot_jax.reuse.consumer import Consumer, DecodeState, DocPool
+from redknot_jax.reuse.consumer import Consumer, DecodeState
+from redknot_jax.reuse.pool import DocPool
 from redknot_jax.reuse.certificate import (CertCounters, FallbackReason, TPGeometry, explain, payload_digest,
                                            token_digest)
 from redknot_jax.reuse.fanout import fanout_histogram, fanout_keep, mean_kept

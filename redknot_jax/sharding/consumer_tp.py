@@ -44,7 +44,9 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from redknot_jax.mhc import HyperConnection
 from redknot_jax.pallas import kernel_mode
-from redknot_jax.reuse.consumer import Consumer, DocPool, build_layout, reusable_layer
+from redknot_jax.reuse.consumer import Consumer, reusable_layer
+from redknot_jax.reuse.layout import build_layout
+from redknot_jax.reuse.pool import DocPool
 from redknot_jax.reuse.planner import Plan
 from redknot_jax.sharding import tp as tpmod
 from redknot_jax.sharding.table import AXIS, check_tp, param_spec

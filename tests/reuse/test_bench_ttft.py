@@ -24,7 +24,7 @@ def test_bench_ttft_store_host_resident_cold_layers(monkeypatch, tmp_path):
     out = tmp_path / "ttft.json"
     res = bench_ttft.main(common + ["--resident", "host", "--host-kind", "pinned", "--cold", "--layer-times",
                                     "--kernels", "xla,auto",
-                                    "--op-profile", "0,2", "--out", str(out)])
+                                    "--op-profile", "0,2", "--decode-steps", "3", "--out", str(out)])
     assert json.loads(out.read_text()) == json.loads(json.dumps(res)) and res["resident"] == "host"
     row = res["lengths"][0]
     # the same records, their artifacts read back from the store (content ids), not rebuilt
@@ -33,8 +33,9 @@ def test_bench_ttft_store_host_resident_cold_layers(monkeypatch, tmp_path):
     assert 0 < row["protected_fraction"] < 1 and row["pool_gb"] > 0 and row["pool"] == "HostPool"
     assert row["host_kind"] == "pinned"
     assert len(row["cold_redknot_s"]) == 1 and row["cold_redknot_median_s"] > 0
-    # warm-up + 1 hot repeat + 1 cold run, each certified (the cold one on freshly built artifacts)
-    assert row["cert"]["validated"] == 3 and not any(row["cert"]["fallback"].values())
+    # warm-up + 1 hot repeat + the decode prefill + 1 cold run, each certified (the cold one on
+    # freshly built artifacts)
+    assert row["cert"]["validated"] == 4 and not any(row["cert"]["fallback"].values())
     # both kernel sets (off a GPU "auto" resolves to none), each timed per repeat, each certified
     assert res["kernels_resolved"] == {"xla": "", "auto": ""}
     by = row["by_kernels"]
@@ -55,6 +56,11 @@ def test_bench_ttft_store_host_resident_cold_layers(monkeypatch, tmp_path):
             assert "matmul" in s["by_category"]
     assert sorted(p.name for p in (tmp_path / "ttft.json.traces" / "96" / "redknot").iterdir()) == ["layer_00",
                                                                                                       "layer_02"]
+    dec = row["decode"]  # three tokens over a decode state whose reusable layers hold compact rows only
+    assert dec["rows_after"] == dec["request_rows"] + 3 and len(dec["step_s"]) == 2 and dec["step_median_s"] > 0
+    assert dec["compact_rows"] < dec["request_rows"] // 2 and dec["compact_capacity"] >= dec["compact_rows"] + 3
+    assert 0 < dec["reusable_gb"] < dec["reusable_per_row_copy_gb"] and dec["fence_cache_gb"] > 0
+    assert dec["state_gb"] == pytest.approx(dec["reusable_gb"] + dec["fence_cache_gb"])
 
 
 @pytest.mark.parametrize("flags,named", [
@@ -66,7 +72,8 @@ def test_bench_ttft_store_host_resident_cold_layers(monkeypatch, tmp_path):
     (["--lengths", "abc"], "--lengths: expected comma-separated integers"),
     (["--lengths", "1000", "--question", "2000"], r"--lengths \[1000\]: a request needs"),
     (["--op-profile", "99"], r"--op-profile: layer indices must lie in \[0, 6\)"),
-    (["--op-profile", "a"], "--op-profile: expected comma-separated layer indices")])
+    (["--op-profile", "a"], "--op-profile: expected comma-separated layer indices"),
+    (["--decode-steps", "-1"], "--decode-steps: expected >= 0, got -1")])
 def test_bench_ttft_rejects_bad_flags(tmp_path, capsys, flags, named):
     """Each bad flag is refused before any work, with a message naming it."""
     with pytest.raises(SystemExit):

@@ -19,7 +19,8 @@ import jax.numpy as jnp
 from redknot_jax import config
 from redknot_jax.init import random_model
 from redknot_jax.reuse.artifact import build_artifact
-from redknot_jax.reuse.consumer import DocPool, build_layout
+from redknot_jax.reuse.layout import build_layout
+from redknot_jax.reuse.pool import DocPool
 from redknot_jax.reuse.planner import DEVIATION_FLOOR, Request, Segment, plan_request
 from redknot_jax.reuse.profile import tiny_profile
 from redknot_jax.reuse.runtime import ReuseRuntime
@@ -129,7 +130,7 @@ def test_streamed_layers_pack_ahead_on_a_worker_and_raise_where_read():
     a pack that failed raises when (and only when) its layer is read; unknown layers are named."""
     import threading
 
-    from redknot_jax.reuse.consumer import _Streamed
+    from redknot_jax.reuse.pool import _Streamed
 
     threads = {}
 
@@ -244,6 +245,11 @@ def test_incremental_decode_equals_rerunning_the_request(kind, refresh, fan):
     inc = rt.prefill(req, "redknot", require_reuse=True, pool=pool, decode_rows=steps)
     full = rt.prefill(req, "redknot", require_reuse=True, pool=pool)
     assert inc.decode is not None and full.decode is None
+    st = inc.decode  # reusable layers keep compact rows only: the documents' rows stay in the pool
+    doc_rows = sum(int(a.length) for a in arts)  # (refreshed rows and the windows they pool are kept)
+    assert 0 < st.own < req.tokens.size - (doc_rows // 2 if refresh == "none" else 0)
+    assert st.own_cap >= st.own + steps
+    assert all(st.layers[i]["kv"].shape[0] == st.own_cap for i in rt.reusable)
     rng = np.random.default_rng(5)
     gen = []
     for s in range(steps):

@@ -1,0 +1,157 @@
+"""A planned request's layout (DESIGN §4, §7): index tables that say where each row's keys come
+from, built on the host (numpy), then put on the device. Per row its frame offset D, canonical
+position, pool row; per compressed rate the request's entry table (pool entry, or the slots an
+online entry pools, its offset and last position); the protected rows. Shapes are padded (rows
+and protected rows to the query block, entries to ENTRY_PAD) so a handful of programs compile.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import jax
+import jax.numpy as jnp
+
+from redknot_jax.config import CSA, HCA
+from redknot_jax.reuse.planner import Plan
+from redknot_jax.reuse.pool import ENTRY_PAD, DocPool, ceil_to
+
+NEVER = np.int32(2 ** 30)  # last position of a padding entry: never visible
+
+
+def _entry_table(plan: Plan, pool: DocPool, m: int, overlap: bool, refresh: np.ndarray, t: int,
+                 frames, min_sizes: tuple[int, int] = (0, 0)) -> dict:
+    """The request's entries at rate m: pool entry or online slots, offset, last position.
+    `min_sizes` (entries, online entries): pad at least this far (a batch's common shapes)."""
+    r = (2 if overlap else 1) * m
+    src, on_slots, d_off, wcan, endpos = [], [], [], [], []
+    ebase = np.zeros(t, np.int32)
+    count = 0
+    for f in frames:
+        n = f.end - f.start
+        nw = n // m
+        ebase[f.start:f.end] = count
+        count += nw
+        w = np.arange(nw)
+        L = f.doc_len if f.artifact is not None else 0
+        ref_rows = refresh[f.start:f.start + nw * m].reshape(nw, m).any(1) if nw else np.zeros(0, bool)
+        if overlap and nw:
+            ref_rows = ref_rows | np.r_[False, ref_rows[:-1]]
+        from_pool = ((w + 1) * m <= L) & ~ref_rows
+        pbase = pool.entry_base(f.artifact, m) if L else 0
+        ring0 = pool.doc(f.artifact) * r if L else 0
+        src.append(np.where(from_pool, pbase + w, -1))
+        lo = (w - 1) * m if overlap else w * m
+        c = lo[:, None] + np.arange(r)[None, :]  # canonical slot positions [nw, r]
+        art_slot = (c < L) & ~ref_rows[:, None]
+        if np.any(art_slot & ~from_pool[:, None] & (c >= 0) & (c < L - r)):
+            raise AssertionError("entry table: a continuation slot lies before the artifact's boundary ring")
+        slots = np.where(c < 0, -1, np.where(art_slot, t + ring0 + np.mod(c, r), f.start + c))
+        on_slots.append(slots)
+        d_off.append(np.full(nw, f.offset))
+        wcan.append(w)
+        endpos.append(f.offset + (w + 1) * m - 1)
+    cat = lambda xs, dt: np.concatenate(xs).astype(dt) if xs else np.zeros(0, dt)
+    src, slots = cat(src, np.int32), (np.concatenate(on_slots) if on_slots else np.zeros((0, r))).astype(np.int32)
+    d_off, wcan, endpos = cat(d_off, np.int32), cat(wcan, np.int32), cat(endpos, np.int32)
+    e = src.shape[0]
+    E = max(ceil_to(e, ENTRY_PAD), min_sizes[0])
+    online = np.flatnonzero(src < 0)
+    E_on = max(ceil_to(online.size, ENTRY_PAD), min_sizes[1])
+    pad = E - e
+    return {
+        "src": np.r_[src, np.full(pad, -1)].astype(np.int32),
+        "d": np.r_[d_off, np.zeros(pad)].astype(np.int32),
+        "w": np.r_[wcan, np.zeros(pad)].astype(np.int32),
+        "end": np.r_[endpos, np.full(pad, NEVER)].astype(np.int32),
+        "on_idx": np.r_[online, np.full(E_on - online.size, E)].astype(np.int32),
+        "on_slots": np.r_[slots[online], np.full((E_on - online.size, r), -1)].astype(np.int32),
+        "ebase": ebase,
+    }
+
+
+@dataclasses.dataclass
+class Layout:
+    """Index tables of one planned request (device arrays) and its static sizes."""
+
+    tables: dict
+    t: int  # padded rows
+    n_real: int
+    n_prot: int  # real protected rows
+    own_slot: np.ndarray  # tables["own_slot"] on the host
+
+    def own_rows(self, n: int) -> np.ndarray:
+        """The rows among the first n that a decode state keeps (own_slot >= 0), in slot order."""
+        return np.flatnonzero(self.own_slot[:n] >= 0)
+
+    def sizes(self) -> dict:
+        """The padded shapes that decide the compiled program (equal across a batch)."""
+        return {"t": self.t, "P": int(self.tables["prot_idx"].shape[0]),
+                "rates": {k: (int(v["src"].shape[0]), int(v["on_idx"].shape[0]))
+                          for k, v in self.tables["rates"].items()}}
+
+
+def common_sizes(layouts) -> dict:
+    """The smallest sizes every layout of a batch pads to."""
+    rates = {k for lay in layouts for k in lay.sizes()["rates"]}
+    return {"t": max(lay.t for lay in layouts), "P": max(lay.sizes()["P"] for lay in layouts),
+            "rates": {k: tuple(max(lay.sizes()["rates"][k][j] for lay in layouts) for j in (0, 1)) for k in rates}}
+
+
+def frame_rows(frames, pool: DocPool, t: int) -> tuple[np.ndarray, np.ndarray]:
+    """Per request row [t]: its frame's offset D, and its pool row (-1: no artifact row)."""
+    d_row = np.zeros(t, np.int32)
+    pool_row = np.full(t, -1, np.int64)
+    for f in frames:
+        d_row[f.start:f.end] = f.offset
+        if f.artifact is not None and f.doc_len:
+            pool_row[f.start:f.start + f.doc_len] = pool.row_base[pool.doc(f.artifact)] + np.arange(f.doc_len)
+    return d_row, pool_row
+
+
+def build_layout(plan: Plan, pool: DocPool, profile, cfg, block: int, pad_to: dict | None = None) -> Layout:
+    """Index tables of a planned request. `pad_to` (`common_sizes` of a batch): pad rows,
+    protected rows and entry tables at least that far, so a batch shares one program; padding
+    rows extend the last frame, padding entries are never visible, padding indices drop."""
+    t_real = plan.n_rows
+    t = max(ceil_to(t_real, block), pad_to["t"] if pad_to else 0)
+    prot = plan.protected
+    collapse = profile.latent_refresh == "protected" and bool((prot | ~plan.doc_row).all())
+    if collapse:  # every latent refreshed: one online frame at 0, the native computation
+        frames = [dataclasses.replace(plan.frames[0], offset=0, start=0, end=t, doc_len=0, artifact=None)]
+        doc_row = np.zeros(t, bool)
+    else:
+        frames = list(plan.frames)
+        frames[-1] = dataclasses.replace(frames[-1], end=t)  # padding rows extend the last frame
+        doc_row = np.r_[plan.doc_row, np.zeros(t - t_real, bool)]
+    prot_t = np.r_[prot, np.zeros(t - t_real, bool)]
+    refresh = prot_t if profile.latent_refresh == "protected" else np.zeros(t, bool)
+    d_row, pool_row = frame_rows(frames, pool, t)
+    frame = np.zeros(t, np.int32)
+    for fi, f in enumerate(frames):
+        frame[f.start:f.end] = fi
+    art_row = np.where(refresh, -1, pool_row)  # canonical latent read from the pool
+    zl_row = np.where(doc_row & ~prot_t, pool_row, -1)  # z_L restored (and top-k read) from the pool
+    prot_idx = np.flatnonzero(prot_t)
+    P = max(ceil_to(prot_idx.size, block), pad_to["P"] if pad_to else 0)
+    tab = {"pos": np.arange(t, dtype=np.int32), "d": d_row, "frame": frame,
+           "art_row": art_row.astype(np.int32), "zl_row": zl_row.astype(np.int32),
+           "prot_idx": np.r_[prot_idx, np.full(P - prot_idx.size, t)].astype(np.int32),
+           "n_real": np.int32(t_real)}
+    rates = {}
+    mins = (pad_to or {}).get("rates", {})
+    if CSA in cfg.layer_types:
+        rates["csa"] = _entry_table(plan, pool, cfg.csa_rate, True, refresh, t, frames, mins.get("csa", (0, 0)))
+    if HCA in cfg.layer_types:
+        rates["hca"] = _entry_table(plan, pool, cfg.hca_rate, False, refresh, t, frames, mins.get("hca", (0, 0)))
+    tab["rates"] = rates
+    # what a decode state keeps of a row (compact rows, in row order): the K=V and compressor
+    # projections of rows the pool does not hold (own, refreshed) and of rows an online entry pools
+    kept = art_row < 0
+    for rt in rates.values():
+        s = rt["on_slots"]
+        kept[s[(s >= 0) & (s < t)]] = True
+    tab["own_slot"] = np.where(kept, np.cumsum(kept) - 1, -1).astype(np.int32)
+    return Layout(tables=jax.tree.map(jnp.asarray, tab), t=t, n_real=t_real, n_prot=int(prot_idx.size),
+                  own_slot=tab["own_slot"])

@@ -1,0 +1,149 @@
+"""The documents' pool (DESIGN §7): hot artifacts packed once per reusable layer into device
+arrays (K=V rows, z_L, document-local top-k, compressed entries, indexer keys, boundary
+compressor rings). A request never copies or rewrites them: it reads them through its layout's
+index tables (`layout.py`), so many requests share one pool with different offsets.
+
+`DocPool` is device-resident (hot); `HostPool` keeps the payloads in host memory and packs each
+reusable layer onto the device on a worker thread, one layer ahead of the consumer.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import jax
+import jax.numpy as jnp
+
+from redknot_jax.reuse.artifact import Artifact
+from redknot_jax.store.tiers import host_memory_kind
+
+ENTRY_PAD = 64
+POOL_ROW_PAD = 256
+
+
+def ceil_to(n: int, m: int) -> int:
+    """n rounded up to a multiple of m, at least m."""
+    return max(m, -(-n // m) * m)
+
+
+def _pad_rows(a: jax.Array, m: int) -> jax.Array:
+    return jnp.pad(a, [(0, ceil_to(a.shape[0], m) - a.shape[0])] + [(0, 0)] * (a.ndim - 1))
+
+
+def _fields(p: dict, dtype, conv) -> dict:
+    """The fields of one document's layer payload a pool keeps, each through conv(array, its
+    pool dtype): rows and entries in `dtype`, compressor states fp32, top-k ids int32."""
+    d = {"kv": conv(p["kv"], dtype), "zl": conv(p["zl"], dtype)}
+    for name, state in (("entries", "cmp"), ("idx_entries", "idx")):
+        if name in p:
+            d[name] = conv(p[name], dtype)
+            d[state] = {s: conv(p[state][s], jnp.float32) for s in ("kv", "gate")}
+    if "topk" in p:
+        d["topk"] = conv(p["topk"], jnp.int32)
+    return d
+
+
+def _pack(per: list[dict], dtype, put=lambda x, dt: jnp.asarray(x, dt)) -> dict:
+    """One reusable layer of several documents' artifacts, packed into device arrays; put(x, dt)
+    brings one document's array onto the device as dt."""
+    fs = [_fields(p, dtype, put) for p in per]
+    cat = lambda name: jnp.concatenate([f[name] for f in fs])
+    d = {"kv": _pad_rows(cat("kv"), POOL_ROW_PAD), "zl": _pad_rows(cat("zl"), POOL_ROW_PAD)}
+    for name, state in (("entries", "cmp"), ("idx_entries", "idx")):
+        if name in fs[0]:
+            d[name] = _pad_rows(cat(name), ENTRY_PAD)
+            d[state] = {s: jnp.concatenate([f[state][s] for f in fs]) for s in ("kv", "gate")}
+    if "topk" in fs[0]:
+        d["topk"] = _pad_rows(cat("topk"), POOL_ROW_PAD)
+    return d
+
+
+class DocPool:
+    """Device-resident artifacts of a set of documents, packed per reusable layer. Row arrays
+    are padded to a multiple of POOL_ROW_PAD rows (entries to ENTRY_PAD), so pools of similar
+    size share compiled layer programs; the padding is never indexed."""
+
+    def __init__(self, artifacts: list[Artifact], layers, dtype):
+        self.index = {id(a): k for k, a in enumerate(artifacts)}
+        self.artifacts = list(artifacts)
+        lens = [a.length for a in artifacts]
+        self.row_base = np.r_[0, np.cumsum(lens)][:-1].astype(np.int64)
+        self.rows = int(sum(lens))
+        self.layers = self._place(list(layers), dtype)
+
+    def _place(self, layers: list[int], dtype):
+        return {i: _pack([a.layers[i] for a in self.artifacts], dtype) for i in layers}
+
+    def doc(self, art: Artifact) -> int:
+        if id(art) not in self.index:
+            raise KeyError("DocPool: this artifact is not in the pool (pack it with the request's documents)")
+        return self.index[id(art)]
+
+    def entry_base(self, art: Artifact, m: int) -> int:
+        k = self.doc(art)
+        return int(sum(a.length // m for a in self.artifacts[:k]))
+
+    def nbytes(self) -> int:
+        return int(sum(x.nbytes for x in jax.tree.leaves(self.layers)))
+
+
+class HostPool(DocPool):
+    """Host-resident (prefetched) artifacts: the documents' payloads stay in host memory and
+    each reusable layer is packed onto the device, on a worker thread, as soon as the consumer
+    has asked for the layer before it. So its host-to-device copy overlaps that layer's compute,
+    and the dispatch of layer i never waits for the copy of layer i + 1 (a copy from pageable
+    memory holds the thread that issues it). At most two layers of the pool are on the device at
+    a time; what a request pays is the copy the compute did not hide.
+
+    host_kind (`store.tiers.host_memory_kind`): "numpy" reads the artifacts' own (pageable)
+    arrays; "pinned" stages the kept fields once, here, in the pool's dtypes, into pinned host
+    memory, so each layer's copy is one DMA per array at link speed (52.7 vs 6.7 GB/s measured
+    on the H200, docs/store.md) at the price of a host copy of the payload; "auto": pinned on a
+    GPU."""
+
+    def __init__(self, artifacts: list[Artifact], layers, dtype, host_kind: str = "auto"):
+        self.device = jax.devices()[0]
+        self.host_kind = host_memory_kind(self.device, host_kind)
+        self.staged = None  # pinned: layer -> the documents' kept fields in pinned host memory
+        super().__init__(artifacts, layers, dtype)
+
+    def _place(self, layers: list[int], dtype):
+        if self.host_kind == "numpy":
+            return _Streamed(lambda i: _pack([a.layers[i] for a in self.artifacts], dtype), layers)
+        pinned = jax.sharding.SingleDeviceSharding(self.device, memory_kind="pinned_host")
+        to_device = jax.sharding.SingleDeviceSharding(self.device, memory_kind=self.device.default_memory().kind)
+        host = lambda x, dt: np.asarray(x).astype(dt, copy=False)
+        self.staged = jax.block_until_ready({i: [jax.device_put(_fields(a.layers[i], dtype, host), pinned)
+                                                 for a in self.artifacts] for i in layers})  # admission pays it
+        put = lambda x, dt: jax.device_put(x, to_device)
+        return _Streamed(lambda i: _pack(self.staged[i], dtype, put=put), layers)
+
+    def nbytes(self) -> int:  # host bytes of the layers it streams (unpadded)
+        return int(sum(np.asarray(x).nbytes for a in self.artifacts for i in self.layers
+                       for x in jax.tree.leaves(a.layers[i])))
+
+
+class _Streamed:
+    """layer -> packed device arrays, packed one layer ahead of the reader (`order`) on one
+    worker thread; a pack that failed raises when its layer is read."""
+
+    def __init__(self, pack, order: list[int]):
+        self.pack, self.order, self.ahead = pack, order, {}
+        self._worker = ThreadPoolExecutor(1, thread_name_prefix="hostpool-pack")
+
+    def __getitem__(self, i: int) -> dict:
+        if i not in self.order:
+            raise KeyError(f"HostPool: layer {i} is not a reusable layer of this pool ({self.order})")
+        ahead = self.ahead.pop(i, None)
+        d = ahead.result() if ahead is not None else self.pack(i)  # the first layer read: packed here
+        k = self.order.index(i) + 1
+        if k < len(self.order) and self.order[k] not in self.ahead:  # started now, read by the next layer
+            self.ahead[self.order[k]] = self._worker.submit(self.pack, self.order[k])
+        return d
+
+    def __iter__(self):
+        return iter(self.order)
+
+    def __len__(self) -> int:
+        return len(self.order)
