@@ -188,10 +188,10 @@ def plot_svg(summary, qtype: str = "all", width: int = 520, height: int = 300) -
     pts = {m: [] for m in modes}
     rec = []
     for var, per in summary.items():
-        if not var.startswith("b") or qtype not in per:
+        grid = re.fullmatch(r"b(\d+)-(native|tau|k3)", var)  # the budget x fan-out grid only
+        if grid is None or qtype not in per:
             continue
-        b, mode = var[1:].split("-")
-        pts[mode].append((int(b), per[qtype]["redknot_em"]))
+        pts[grid[2]].append((int(grid[1]), per[qtype]["redknot_em"]))
         rec.append(per[qtype]["recompute_em"])
     if not rec:
         return None

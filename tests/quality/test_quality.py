@@ -400,6 +400,17 @@ def test_eval_quality_variant_names():
             ev.variants([bad], range(3, 9), 12)
 
 
+def test_eval_quality_plot_takes_the_budget_grid_only():
+    """The quality-vs-budget plot draws the b<budget>-<fan-out> grid and passes over any other
+    variant (deviation-ranked, refreshed, bands), which once made it fail after the tables."""
+    ev = _eval_quality()
+    em = lambda red: {"all": {"redknot_em": red, "recompute_em": 60.0}}
+    svg = ev.plot_svg({"b10-tau": em(50.0), "b25-tau": em(55.0), "b50-tau-dev-refresh": em(99.0),
+                       "reuse-5-8": em(1.0), "default": em(2.0)})
+    assert svg.startswith("<svg") and svg.count("<circle") == 2
+    assert ev.plot_svg({"b50-tau-dev-refresh": em(1.0), "reuse-5-8": em(1.0)}) is None
+
+
 @pytest.mark.slow
 def test_eval_quality_smoke(tmp_path):
     ev = _eval_quality()
