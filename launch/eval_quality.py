@@ -48,7 +48,11 @@ DEFAULT_CKPT = pathlib.Path(__file__).resolve().parents[1] / "redknot_jax" / "as
 
 def variants(names: list[str], reusable: range, n_layers: int, window: int = 128) -> list[tuple[str, dict]]:
     """(label, profile overrides). 'default' = the profile the checkpoint ships (its
-    redknot_profile.json, `profile_of`; controller + tau);
+    redknot_profile.json, `profile_of`). Every other name says all of its protection rule, so
+    it means the same whatever the shipped profile is: the budget (the controller's, or bNN's),
+    the rows' order (the indexer's unless `-dev`) and the latents (canonical unless
+    `-refresh`); it takes the rest (fences unless `reuse-a-b`, window, boundary and tail rows,
+    Global head) from the shipped profile.
     `reusable`: the shipped profile's reusable layers, cut into bands of two for `reuse-a-b`
     (only that band reused, every other layer fenced, i.e. native). Names outside the grid:
     `reuse-a-b`, any other contiguous range a..b of the model's layers (e.g. reuse-5-8: fence
@@ -59,9 +63,11 @@ def variants(names: list[str], reusable: range, n_layers: int, window: int = 128
     protected rows' latents recomputed (`latent_refresh="protected"`; b100-native-refresh must
     give the Recomputed answers)."""
     modes = {"native": "fan-out off", "tau": "fan-out on", "k3": "K3"}
+    plain = {"itop_rank": "indexer", "latent_refresh": "none"}  # until -dev / -refresh say otherwise
+    controller = {"budget_override": None, "fanout_mode": "tau", **plain}
 
     def budget(pct: int, mode: str):  # a fixed budget of pct % with fan-out `mode`
-        return (f"b{pct}-{mode}", {"budget_override": pct / 100, "fanout_mode": mode, "_label": modes[mode]})
+        return (f"b{pct}-{mode}", {"budget_override": pct / 100, "fanout_mode": mode, **plain, "_label": modes[mode]})
 
     def refreshed(v):  # the same variant with the protected rows' latents recomputed
         return (f"{v[0]}-refresh", {**v[1], "latent_refresh": "protected", "_label": v[1].get(
@@ -77,11 +83,11 @@ def variants(names: list[str], reusable: range, n_layers: int, window: int = 128
     # relocated document: a model that answers from inside its window reads only protected rows
     # there. `thin` (1/16 and 1/8 of the window: 8 and 16 rows at 128) restores those rows too.
     thin = dict(boundary_rows=max(1, window // 16), tail_rows=max(1, window // 8))
-    grid.append(("thin", {**thin, "_label": f"controller, fan-out on, {thin['boundary_rows']} boundary rows, "
+    grid.append(("thin", {**controller, **thin, "_label": f"controller, fan-out on, {thin['boundary_rows']} boundary rows, "
                                            f"{thin['tail_rows']}-row tail"}))
 
     def band(lo: int, hi: int):  # only layers lo..hi reused, every other layer native
-        return (f"reuse-{lo}-{hi}", {"fence_first": lo, "fence_last": n_layers - 1 - hi,
+        return (f"reuse-{lo}-{hi}", {"fence_first": lo, "fence_last": n_layers - 1 - hi, **controller,
                                      "_label": f"controller, fan-out on, only layers {lo}-{hi} reused"})
 
     grid += [band(lo, min(lo + 1, reusable[-1])) for lo in reusable[::2]]
@@ -297,8 +303,8 @@ def main(argv=None):
                   f"redknot {[r['redknot'] for r in records[-len(vs):]]} ({time.perf_counter() - t0:.1f}s)",
                   flush=True)
     summary = summarize(records, args.bootstrap, args.seed)
-    labels = {name: (f"budget {ov['budget_override']:.0%}, {ov['_label']}" if "budget_override" in ov
-                     else ov.get("_label", "default (controller, fan-out on)")) for name, ov in vs}
+    labels = {name: (f"budget {ov['budget_override']:.0%}, {ov['_label']}" if ov.get("budget_override") is not None
+                     else ov.get("_label", f"default: the shipped profile ({base.name})")) for name, ov in vs}
     table = markdown(summary, labels)
     print(table)
     certs = {name: rt.counters.snapshot() for name, rt in runtimes.items()}

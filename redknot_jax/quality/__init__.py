@@ -7,7 +7,8 @@ loop (optax over the project's own modules). `docs/quality.md` reports the resul
   train / validation / test splits with disjoint names.
 * `model_config`: `qa_config()` (12 layers, sliding / CSA / HCA, hash + learned MoE, 8 heads
   per output group), `qa_profile()` (the reference 3F-6R-3F) and `profile_of(checkpoint)` (the
-  profile a checkpoint ships: 5F-4R-3F for the shipped model).
+  profile a checkpoint ships: for the shipped model 5F-4R-3F with half the candidate rows
+  protected by latent deviation and their latents recomputed).
 * `train`: loss (answer-span cross-entropy + Lightning Indexer KL), optax AdamW step, MoE
   bias balancing, checkpoint writer (hub-layout safetensors + config.json + tokenizer.json).
 """

@@ -15,7 +15,8 @@ No YaRN (contexts stay far below the table's length).
 `qa_profile()`: the reference profile, 3F-6R-3F (fences as Flash / Pro: 3 + 3), 1 Global + 7
 Local heads per group, protection scaled to the task: boundary rows = half the sliding window,
 tail = one window. A checkpoint ships its own (`redknot_profile.json`, read by `profile_of`):
-the shipped model's is 5F-4R-3F, chosen on the validation split (docs/quality.md, session 25).
+the shipped model's is 5F-4R-3F with half the candidate rows protected, ranked by latent
+deviation, their latents recomputed, chosen on the validation split (docs/quality.md, session 26).
 """
 
 from __future__ import annotations

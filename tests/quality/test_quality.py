@@ -2,6 +2,7 @@
 documents), the tokenizer.json round trip, the training forward (equals `Model.forward`),
 a few optimizer steps that lower the loss, the checkpoint round trip, and an eval smoke run."""
 
+import dataclasses
 import json
 
 import numpy as np
@@ -15,7 +16,7 @@ from redknot_jax.quality import data as D
 from redknot_jax.quality.model_config import qa_config, qa_profile, qa_test_config
 from redknot_jax.quality.train import (Trainer, TrainConfig, forward_train, load_model, lr_at, save_checkpoint,
                                        teacher_forced_scores)
-from redknot_jax.reuse.profile import head_row_ceiling
+from redknot_jax.reuse.profile import RedKnotProfile, head_row_ceiling
 
 
 def test_splits_disjoint_and_seeded():
@@ -384,7 +385,8 @@ def test_eval_quality_variant_names():
     ev = _eval_quality()
     got = dict(ev.variants(["b50-native", "b100-native-refresh", "reuse-5-8-refresh", "b25-k3",
                             "b25-native-dev-refresh"], range(3, 9), 12))
-    assert got["b50-native"] == {"budget_override": 0.5, "fanout_mode": "native", "_label": "fan-out off"}
+    assert got["b50-native"] == {"budget_override": 0.5, "fanout_mode": "native", "itop_rank": "indexer",
+                                 "latent_refresh": "none", "_label": "fan-out off"}
     assert {k: got["b100-native-refresh"][k] for k in ("budget_override", "fanout_mode", "latent_refresh")} == \
         {"budget_override": 1.0, "fanout_mode": "native", "latent_refresh": "protected"}
     assert {k: got["reuse-5-8-refresh"][k] for k in ("fence_first", "fence_last", "latent_refresh")} == \
@@ -395,6 +397,16 @@ def test_eval_quality_variant_names():
     # bands anywhere in the model, e.g. the reference 3F-6R-3F beside a shipped 5F-4R-3F
     (_, band), = ev.variants(["reuse-3-8"], range(5, 9), 12)
     assert (band["fence_first"], band["fence_last"]) == (3, 3)
+    # every name but `default` states its whole protection rule, so it means the same beside a
+    # shipped profile with a fixed budget, deviation-ranked rows and refreshed latents
+    shipped = RedKnotProfile("shipped", fence_first=5, fence_last=3, budget_override=0.5, itop_rank="deviation",
+                             latent_refresh="protected")
+    for name, want in (("reuse-5-8", (None, "indexer", "none")), ("b25-tau", (0.25, "indexer", "none")),
+                       ("thin", (None, "indexer", "none")), ("b25-tau-dev", (0.25, "deviation", "none")),
+                       ("reuse-3-8-refresh", (None, "indexer", "protected"))):
+        (_, ov), = ev.variants([name], range(5, 9), 12)
+        p = dataclasses.replace(shipped, **{k: v for k, v in ov.items() if not k.startswith("_")})
+        assert (p.budget_override, p.itop_rank, p.latent_refresh) == want, name
     for bad in ("b0-tau", "b101-native", "b50-x", "x-refresh", "reuse-2-12-refresh", "reuse-5-4", "refresh", "x-dev", "dev"):
         with pytest.raises(SystemExit, match=f"unknown \\['{bad}'\\]"):
             ev.variants([bad], range(3, 9), 12)
