@@ -111,7 +111,7 @@ def decode_row(rt, req, pool, steps: int) -> dict:
     """One RedKnot prefill keeping a decode state, then `steps` greedy tokens, one row each."""
     res = rt.prefill(req, "redknot", require_reuse=True, pool=pool, decode_rows=steps)
     st, gen, secs = res.decode, [int(np.argmax(res.logits[-1]))], []
-    gb = lambda layers: sum(x.nbytes for i in layers for x in jax.tree.leaves(st.layers[i])) / 1e9
+    gb = lambda layers: st.nbytes(layers) / 1e9
     reusable = [i for i in st.layers if i in rt.reusable]
     fences = [i for i in st.layers if i not in rt.reusable]
     out = {"steps": steps, "state_gb": st.nbytes() / 1e9, "fence_cache_gb": gb(fences),

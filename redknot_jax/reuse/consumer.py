@@ -495,9 +495,11 @@ class DecodeState:
     own_cap: int = 0
     layers: dict = dataclasses.field(default_factory=dict)
 
-    def nbytes(self) -> int:
-        """Device bytes the request holds for decoding (caches and compact rows; not the pool)."""
-        return int(sum(x.nbytes for x in jax.tree.leaves(self.layers)))
+    def nbytes(self, layers=None) -> int:
+        """Device bytes the request holds for decoding (caches and compact rows; not the pool),
+        over `layers` (default all)."""
+        keep = self.layers if layers is None else {i: self.layers[i] for i in layers}
+        return int(sum(x.nbytes for x in jax.tree.leaves(keep)))
 
 
 class Consumer:
