@@ -314,7 +314,9 @@ def training_sequence(rng: np.random.Generator, names: Sequence[tuple[str, str]]
     used = 0
     while True:
         left = total - len(toks)
-        doc_len = 2 + 23 * cur.per_doc // 4  # ~ tokens per document (4 facts of 5-7 words)
+        # ~ tokens per document: "document :" and 5-7 words per fact sentence (a recall episode
+        # states one relation per person, as 4-5 words)
+        doc_len = 2 + cur.per_doc * (5 if cur.recall else 6 * len(cur.facts))
         max_fit = (left - 4 * 14) // doc_len  # leave room for a few questions
         if max_fit < max(1, cur.min_docs) or used + 2 * cur.per_doc > len(pool):
             break

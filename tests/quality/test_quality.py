@@ -83,6 +83,27 @@ def test_training_rows_weights_and_packing():
     assert (targets[w == 1.0] == D.EOS).sum() >= 2  # several question/answer pairs, each ending in <eos>
 
 
+def test_long_rows_hold_large_worlds_and_little_padding():
+    """Worlds of up to 20 documents of 8 people in 4096-token rows (long-context training):
+    the episode size is drawn among those that fit, so a row is mostly real tokens and holds
+    worlds of thousands of tokens, not one small world and padding."""
+    names = D.split_names()["train"]
+    rng = np.random.default_rng(0)
+    fills, longest = [], 0
+    for _ in range(12):
+        toks, _ = D.training_sequence(rng, names, 4096, D.Curriculum(2, 20, 8, 16))
+        real = toks != D.PAD
+        fills.append(real.mean())
+        starts = np.flatnonzero(toks == D.ID["document"])
+        # the longest run of documents without a question between them: one world's documents
+        q = np.flatnonzero(toks == D.ID["question"])
+        for a, b in zip(np.r_[0, q], np.r_[q, len(toks)]):
+            inside = starts[(starts >= a) & (starts < b)]
+            if len(inside):
+                longest = max(longest, b - inside[0])
+    assert np.mean(fills) > 0.85, fills
+    assert longest > 2000
+
 def test_recall_episodes_bind_each_name_to_its_stated_value():
     """`Curriculum(recall=True)`: each episode states one relation as "name value ." and then
     queries names, each followed directly by that value; only the values are weighted 1, every
