@@ -9,8 +9,9 @@ server's Recomputed answer equals the in-process greedy answer of the same weigh
 changes nothing), and the model answers at least 3 of the 4 lookup questions right (in process,
 CPU, 2026-12-03, session 24's model: 4 of 4 at this seed and at seeds 3 and 5,
 docs/results/qa_s23/server_world_seeds.py, output in docs/results/qa_s24/; session 26's model
-answers every lookup of 128 held-out worlds of this size; a guess among the world's values of
-the asked kind gets about two thirds of one).
+answered every lookup of 128 held-out worlds of this size, and so does session 27's, trained
+in 4096-token rows; a guess among the world's values of the asked kind gets about two thirds
+of one).
 The world is the size the evaluation of both arms uses (3 documents of 4 people, about 300
 tokens): most of its facts lie beyond the model's 32-row sliding window, so the answers come
 through compressed (CSA / HCA) entries. One two-hop question is asked (served the same as in
