@@ -318,8 +318,12 @@ def training_sequence(rng: np.random.Generator, names: Sequence[tuple[str, str]]
         # states one relation per person, as 4-5 words)
         doc_len = 2 + cur.per_doc * (5 if cur.recall else 6 * len(cur.facts))
         max_fit = (left - 4 * 14) // doc_len  # leave room for a few questions
-        if max_fit < max(1, cur.min_docs) or used + 2 * cur.per_doc > len(pool):
+        if used + 2 * cur.per_doc > len(pool):
             break
+        if max_fit < max(1, cur.min_docs):
+            if toks:  # the row holds episodes already: pad the rest
+                break
+            max_fit = max(1, cur.min_docs)  # a short row: its smallest episode, if it fits
         hi = min(cur.max_docs, max_fit, (len(pool) - used) // cur.per_doc)
         n_docs = int(rng.integers(min(cur.min_docs, hi), hi + 1))
         sub = [pool[i] for i in order[used:used + n_docs * cur.per_doc]]
