@@ -103,6 +103,10 @@ def test_long_rows_hold_large_worlds_and_little_padding():
                 longest = max(longest, b - inside[0])
     assert np.mean(fills) > 0.85, fills
     assert longest > 2000
+    # a row shorter than the estimate of its smallest episode still gets that episode if it fits
+    toks, w = D.training_sequence(rng, names, 96, D.Curriculum(1, 2, 2, 4))
+    assert (w == 1.0).any(), D.decode(toks)
+
 
 def test_recall_episodes_bind_each_name_to_its_stated_value():
     """`Curriculum(recall=True)`: each episode states one relation as "name value ." and then
