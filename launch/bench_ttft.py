@@ -22,11 +22,12 @@ is rejected (require_reuse).
     python launch/bench_ttft.py --lengths 65536 --repeats 1 --op-profile 3,4 --out ttft_64k_ops.json  # op level
     python launch/bench_ttft.py --lengths 65536 --repeats 1 --decode-steps 16 --out ttft_64k_decode.json
 
---decode-steps N adds, after the timed runs, one RedKnot prefill that keeps a decode state
+--decode-steps N adds, after the timed runs, per arm one prefill that keeps a decode state
 (`prefill(decode_rows=)`) and N greedy tokens after it (`next_logits`, one row per step): the
-state's device bytes (fence layers' native caches; reusable layers' compact rows, the documents'
-rows read from the pool) against what per-row copies of every request row would hold, and the
-seconds per token (the first step, which compiles, apart).
+seconds per token side by side (the first step, which compiles, apart), and the RedKnot state's
+device bytes (fence layers' native caches; reusable layers' compact rows, the documents' rows
+read from the pool, and the request's entries; the decode layout) against what per-row copies
+of every request row would hold.
 
 --store DIR keeps the built artifacts in an artifact store (raw codec) and reads them back on a
 later run with the same records, profile and model (content ids): a run too long for one call
@@ -108,23 +109,33 @@ def profile_variant(prof, **over):
 
 
 def decode_row(rt, req, pool, steps: int) -> dict:
-    """One RedKnot prefill keeping a decode state, then `steps` greedy tokens, one row each."""
-    res = rt.prefill(req, "redknot", require_reuse=True, pool=pool, decode_rows=steps)
-    st, gen, secs = res.decode, [int(np.argmax(res.logits[-1]))], []
-    gb = lambda layers: st.nbytes(layers) / 1e9
-    reusable = [i for i in st.layers if i in rt.reusable]
-    fences = [i for i in st.layers if i not in rt.reusable]
-    out = {"steps": steps, "state_gb": st.nbytes() / 1e9, "fence_cache_gb": gb(fences),
-           "reusable_gb": gb(reusable), "compact_rows": st.own, "compact_capacity": st.own_cap,
-           "request_rows": int(req.tokens.size),
-           # per-row copies of every request row (prompt + generated) in the reusable layers
-           "reusable_per_row_copy_gb": gb(reusable) / st.own_cap * (req.tokens.size + steps)}
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        gen.append(int(np.argmax(rt.next_logits(req, res, gen))))
-        secs.append(time.perf_counter() - t0)
-    out.update(first_step_s=secs[0], step_s=secs[1:], step_median_s=statistics.median(secs[1:]) if steps > 1 else None,
-               rows_after=st.rows)
+    """Both arms: a prefill keeping a decode state, then `steps` greedy tokens, one row each
+    (`next_logits` -> `Consumer.decode_step`). The RedKnot state's device bytes by part,
+    after the steps (the first step adds the request's entries), against per-row copies."""
+    out = {"steps": steps, "request_rows": int(req.tokens.size)}
+    for arm in ("redknot", "recompute"):
+        res = rt.prefill(req, arm, require_reuse=arm == "redknot", pool=pool, decode_rows=steps)
+        st, gen, secs = res.decode, [int(np.argmax(res.logits[-1]))], []
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            gen.append(int(np.argmax(rt.next_logits(req, res, gen))))
+            secs.append(time.perf_counter() - t0)
+        med = statistics.median(secs[1:]) if steps > 1 else None
+        out[arm] = {"first_step_s": secs[0], "step_s": secs[1:], "step_median_s": med, "rows_after": st.rows,
+                    "state_gb": st.nbytes() / 1e9, "tokens": gen}
+        if arm == "redknot":
+            gb = lambda tree: sum(x.nbytes for x in jax.tree.leaves(tree)) / 1e9
+            reusable = [i for i in st.layers if i in rt.reusable]
+            compact = {i: {k: v for k, v in st.layers[i].items() if k not in ("ents", "ikeys")} for i in reusable}
+            entries = {i: {k: v for k, v in st.layers[i].items() if k in ("ents", "ikeys")} for i in reusable}
+            out[arm].update(
+                fence_cache_gb=gb([st.layers[i] for i in st.layers if i not in rt.reusable]),
+                compact_gb=gb(compact), entries_gb=gb(entries), layout_gb=gb(st.layout.tables),
+                compact_rows=st.own, compact_capacity=st.own_cap,
+                # per-row copies of every request row (prompt + generated) in the reusable layers
+                per_row_copy_gb=gb(compact) / st.own_cap * (req.tokens.size + steps))
+    if steps > 1:
+        out["recompute_over_redknot_step"] = out["recompute"]["step_median_s"] / out["redknot"]["step_median_s"]
     return out
 
 

@@ -23,7 +23,7 @@ Pass B's CSA blocks run `pallas/sparse_attention.py` when the kernel set names i
 a list of key ids into one table of the request's absolute-frame latents and entries.)
 
 Sections below: layer math (pass A / pass B, restoration, decode attention), jitted layers,
-and `Consumer`: pieces, the arms (`recompute`, `redknot`, `redknot_step`; `layer_times` /
+and `Consumer`: pieces, the arms (`recompute`, `redknot`, `decode_step`; `layer_times` /
 `layer_traces` profile runs through `_LayerClock`), batches.
 """
 
@@ -60,19 +60,18 @@ HIGHEST = jax.lax.Precision.HIGHEST
 
 
 # ---------------------------------------------------------------------------------- layer math
-def _online_entries(comp, proj_kv, proj_gate, ring, tab, freqs, pool_entries, E, own_slot=None):
-    """Request entries [E, dk] in absolute coordinates: pool entries, or pooled from slots
-    (request rows' projections, or the artifact's boundary ring), turned by R(D). `own_slot`
-    (a layout's [t] table): the projections are a decode state's compact rows, not the
-    request's, so a request-row slot reads row own_slot[slot] of them."""
+def _pooled(comp, proj_kv, proj_gate, ring, slots, w, freqs, own_slot=None):
+    """Canonical entries [n, dk] (zero where every slot is empty) pooled from slots [n, r]:
+    request rows' projections (< t), then the artifact's boundary ring; window index w [n].
+    `own_slot` (a layout's [t] table): the projections are a decode state's compact rows, not
+    the request's, so a request-row slot reads row own_slot[slot] of them."""
     srcs_kv = jnp.concatenate([proj_kv, ring["kv"]]) if ring is not None else proj_kv
     srcs_gate = jnp.concatenate([proj_gate, ring["gate"]]) if ring is not None else proj_gate
-    slots = tab["on_slots"]  # [E_on, r]
     ok = slots >= 0
     if own_slot is not None:  # request rows (< t) -> compact rows; ring slots follow those
         t = own_slot.shape[0]
         slots = jnp.where(slots >= t, slots - t + proj_kv.shape[0], own_slot[jnp.clip(slots, 0, t - 1)])
-    sk = srcs_kv[jnp.maximum(slots, 0)]  # [E_on, r, c*dk]
+    sk = srcs_kv[jnp.maximum(slots, 0)]  # [n, r, c*dk]
     sg = jnp.where(ok[..., None], srcs_gate[jnp.maximum(slots, 0)], -jnp.inf)
     m, dk = comp.m, comp.dk
     if comp.overlap:  # A halves of window w-1 (first m slots), B halves of window w
@@ -80,14 +79,34 @@ def _online_entries(comp, proj_kv, proj_gate, ring, tab, freqs, pool_entries, E,
         gate = jnp.concatenate([sg[:, :m, :dk], sg[:, m:, dk:]], axis=1)
     else:
         kv, gate = sk, sg
-    w = tab["w"][jnp.minimum(tab["on_idx"], E - 1)]
     ent = comp.pool(kv[None], gate[None], w[None], freqs)[0]  # canonical RoPE at w*m
-    ent = jnp.where(ok.any(1)[:, None], ent, 0.0)
-    out = jnp.zeros((E, dk), jnp.float32)
+    return jnp.where(ok.any(1)[:, None], ent, 0.0)
+
+
+def _online_entries(comp, proj_kv, proj_gate, ring, tab, freqs, pool_entries, E, own_slot=None):
+    """Request entries [E, dk] in absolute coordinates: pool entries, or pooled from slots
+    (`_pooled`), turned by R(D)."""
+    ent = _pooled(comp, proj_kv, proj_gate, ring, tab["on_slots"], tab["w"][jnp.minimum(tab["on_idx"], E - 1)],
+                  freqs, own_slot)
+    out = jnp.zeros((E, comp.dk), jnp.float32)
     if pool_entries is not None:
         out = jnp.where((tab["src"] >= 0)[:, None], pool_entries[jnp.maximum(tab["src"], 0)].astype(jnp.float32), out)
     out = out.at[tab["on_idx"]].set(ent, mode="drop")
     return apply_rope(out, tab["d"], freqs)  # relocate: R(D) on the RoPE slice
+
+
+def _renew_entries(comp, proj_kv, proj_gate, ring, tab, rows, freqs, own_slot, ents):
+    """A decode state's entries `ents` [E, dk] (absolute) with the entries whose windows hold
+    `rows` pooled again from the compact rows (an unfinished window's entry is not visible yet;
+    the row that finishes it writes its final value)."""
+    E, E_on = ents.shape[0], tab["on_idx"].shape[0]
+    j = tab["row_on"][rows]
+    jc = jnp.minimum(j, E_on - 1)
+    e = jnp.where(j < E_on, tab["on_idx"][jc], E)  # E: dropped (no online entry)
+    w = tab["w"][jnp.minimum(e, E - 1)]
+    ent = _pooled(comp, proj_kv, proj_gate, ring, tab["on_slots"][jc], w, freqs, own_slot)
+    ent = apply_rope(ent, tab["d"][jnp.minimum(e, E - 1)], freqs)
+    return ents.at[e].set(ent.astype(ents.dtype), mode="drop")
 
 
 def _pass_a(q, tab, kv_abs, ents, sink, scale, kind, block, window, csa_ids):
@@ -330,14 +349,29 @@ class _LayerClock:
             self._start()
 
 
+def decode_entries(attn, keys, tab, pool_layer, *, freqs) -> dict:
+    """A decode state's layer `keys` (compact rows) with the request's compressed entries
+    added, computed once from them and the pool over the decode layout `tab`: "ents" [E, k]
+    (absolute frame, the latent's dtype, the attention's) and for CSA "ikeys" (indexer keys).
+    Each decode step then renews only the entries of the windows its rows fall in."""
+    if attn.kind not in (CSA, HCA):
+        return keys
+    (ents, _), ikeys = _request_entries(attn, keys, tab, pool_layer, freqs, compact=True)
+    out = {**keys, "ents": ents.astype(keys["kv"].dtype)}
+    if ikeys is not None:
+        out["ikeys"] = ikeys
+    return out
+
+
 def decode_attention(blk, x, tab, pool_layer, keys, t0, *, freqs):
     """The attention half of a reusable layer for g new rows x [1, g, n, d] at request rows
     t0 .. t0+g-1 of a frozen plan (protected new rows of the last frame: every head, native
     key sets), reading the earlier rows' keys instead of recomputing them: a document row's
     K=V from the pool (canonical, turned by R(D) as it is read), any other row's from `keys`,
     the decode state's compact rows (`tab["own_slot"]`: the request's own rows, refreshed
-    rows and the rows online entries pool). `tab`: the layout of the extended plan. Returns
-    (x, keys with the new rows written in)."""
+    rows and the rows online entries pool), and the entries from `keys` too (`decode_entries`;
+    those of the new rows' windows pooled again). `tab`: the decode layout (the plan extended
+    to the state's capacity). Returns (x, keys with the new rows written in)."""
     attn = blk.attn
     g = x.shape[1]
     u, post, comb = blk.hc_attn.pre(x)
@@ -349,15 +383,19 @@ def decode_attention(blk, x, tab, pool_layer, keys, t0, *, freqs):
     slots = own[rows]  # the new rows' compact rows (>= 0: new rows are the request's own)
     cq = attn.q_norm(jnp.einsum("td,qd->tq", xa, attn.wq_a[...], precision=HIGHEST))
     put = lambda a, v: a.at[slots].set(v.astype(a.dtype), mode="drop")
-    new = {"kv": put(keys["kv"], attn.latent(xa[None], cpos[None], freqs)[0])}
+    new = {**keys, "kv": put(keys["kv"], attn.latent(xa[None], cpos[None], freqs)[0])}
     ents = idx = None
     if attn.kind in (CSA, HCA):
-        proj = _projections(attn, xa, cpos)
-        new.update({n: put(keys[n], v) for n, v in proj.items()})
-        ents, idx_keys = _request_entries(attn, new, tab, pool_layer, freqs, compact=True)
+        new.update({n: put(keys[n], v) for n, v in _projections(attn, xa, cpos).items()})
+        rt = tab["rates"]["csa" if attn.kind == CSA else "hca"]
+        renew = lambda comp, a, b, ring, e: _renew_entries(comp, new[a], new[b], pool_layer.get(ring), rt, rows,
+                                                           freqs, own, e)
+        new["ents"] = renew(attn.compressor, "pk", "pg", "cmp", keys["ents"])
+        ents = (new["ents"], rt["end"])
         if attn.kind == CSA:
+            new["ikeys"] = renew(attn.indexer.compressor, "ik", "ig", "idx", keys["ikeys"])
             iq, iw = attn.indexer.queries(xa[None], cq[None], pos[None], freqs)
-            idx = (iq[0], iw[0], idx_keys)
+            idx = (iq[0], iw[0], new["ikeys"])
 
     def window_keys(kp):  # pool rows of the documents, compact rows of the rest
         r = jnp.clip(kp, 0, own.shape[0] - 1)
@@ -412,13 +450,19 @@ def _reusable_keys_jit(state, x, ids, tab, pool_layer, keep_rows, *, graphdef, f
     return x, hist, keys
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "freqs", "fan"))
+@functools.partial(jax.jit, static_argnames=("graphdef", "freqs", "fan"), donate_argnames=("keys",))
 def _reusable_step_jit(state, x, ids, tab, pool_layer, keys, t0, *, graphdef, freqs, fan):
-    """A reusable layer for new rows over the cached keys (`decode_attention`), then the MoE."""
+    """A reusable layer for new rows over the cached keys (`decode_attention`, which writes
+    them in place), then the MoE."""
     blk = nnx.merge(graphdef, state)
     x, keys = decode_attention(blk, x, tab, pool_layer, keys, t0, freqs=freqs)
     x, _ = reusable_ffn(blk, x, ids, jnp.ones(x.shape[1], bool), fan)
     return x, keys
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "freqs"))
+def _decode_entries_jit(state, keys, tab, pool_layer, *, graphdef, freqs):
+    return decode_entries(nnx.merge(graphdef, state).attn, keys, tab, pool_layer, freqs=freqs)
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "freqs", "glob", "block", "fan", "kernels"))
@@ -482,11 +526,15 @@ def _deviation_jit(state, x, pool_kv, pool_row, cpos, *, graphdef, freqs):
 
 @dataclasses.dataclass
 class DecodeState:
-    """What decoding after a RedKnot prefill reads: per fence layer its native cache (capacity
+    """What decoding after a prefill reads: per native layer (a fence; every layer of the
+    Recomputed arm's, `native`) its cache (capacity
     `cap` rows); per reusable layer the canonical K=V and compressor projections of the rows
     the pool does not hold (the request's own rows, refreshed rows, rows an online entry
-    pools), `own` of them so far in `own_cap` compact rows: a document's rows are read from
-    `pool`, the documents' pool the prefill read, never copied. `rows` request rows so far."""
+    pools), `own` of them so far in `own_cap` compact rows, and the request's compressed
+    entries (`decode_entries`, added by the first step): a document's rows are read from
+    `pool`, the documents' pool the prefill read, never copied. `rows` request rows so far.
+    `layout`: the decode layout, the prompt's plan extended by every row the state has room
+    for, built once (so the steps share one program and no host work)."""
 
     rows: int
     cap: int
@@ -494,12 +542,21 @@ class DecodeState:
     own: int = 0
     own_cap: int = 0
     layers: dict = dataclasses.field(default_factory=dict)
+    layout: "Layout | None" = None
+    stepped: bool = False  # a step ran (so the entries are in `layers`)
+    native: bool = False  # every layer native (the Recomputed arm's state; no pool, no layout)
+
+    @property
+    def room(self) -> bool:
+        """Whether one more row fits (`cap` and the decode layout's rows)."""
+        return self.rows < min(self.cap, self.layout.n_real if self.layout is not None else self.cap)
 
     def nbytes(self, layers=None) -> int:
-        """Device bytes the request holds for decoding (caches and compact rows; not the pool),
-        over `layers` (default all)."""
+        """Device bytes the request holds for decoding (caches, compact rows, entries and, over
+        all layers, the decode layout's tables; not the pool), over `layers` (default all)."""
         keep = self.layers if layers is None else {i: self.layers[i] for i in layers}
-        return int(sum(x.nbytes for x in jax.tree.leaves(keep)))
+        tables = self.layout.tables if layers is None and self.layout is not None else {}
+        return int(sum(x.nbytes for x in jax.tree.leaves((keep, tables))))
 
 
 class Consumer:
@@ -561,18 +618,30 @@ class Consumer:
         return _logits_jit(self.top_state, x, jnp.asarray(rows, jnp.int32)[None], graphdef=self.top_def)[0]
 
     # -------------------------------------------------------------- arms
+    def _native_cache(self, i, x, ids, t_real, t, state: "DecodeState"):
+        """Layer i native over one request, its cache (room for `state.cap` rows) kept in `state`."""
+        gd, st = self.defs[i]
+        x, state.layers[i] = _native_cache_jit(
+            st, x, ids, jnp.full((1,), t_real, jnp.int32), graphdef=gd, freqs=self.model.freqs(i),
+            block=min(self.block, t), cap=max(state.cap, ceil_to(t, self.cfg.hca_rate)), kernels=self.kernels)
+        return x
+
     def recompute(self, tokens, query_rows, layer_times: list | None = None,
-                  layer_traces: tuple[str, Sequence[int]] | None = None) -> jax.Array:
-        """The Recomputed arm: every layer native over the whole request (logits [q, vocab]).
-        `layer_times`: a profile; each layer is waited for and its seconds appended;
-        `layer_traces` (directory, layers): those layers traced on their own (`_LayerClock`)."""
+                  layer_traces: tuple[str, Sequence[int]] | None = None, decode_rows: int = 0):
+        """The Recomputed arm: every layer native over the whole request (logits [q, vocab]),
+        and with `decode_rows` > 0 a native `DecodeState` for that many generated rows
+        (`decode_step`). `layer_times`: a profile; each layer is waited for and its seconds
+        appended; `layer_traces` (directory, layers): those layers traced on their own
+        (`_LayerClock`)."""
         ids, t, t_real = self._pad(tokens)
         x = self._embed(ids)
         clock = _LayerClock(layer_times, x, layer_traces)
+        state = DecodeState(t_real, ceil_to(t_real + decode_rows, self.cfg.hca_rate), None, native=True)
         for i in range(self.cfg.num_layers):
-            x = self._native(i, x, ids, t_real, t)
+            x = self._native_cache(i, x, ids, t_real, t, state) if decode_rows else self._native(i, x, ids, t_real, t)
             clock.lap(x)
-        return self._logits(x, query_rows)
+        logits = self._logits(x, query_rows)
+        return (logits, state) if decode_rows else logits
 
     def controller(self, plan: Plan, x, pool: DocPool, pool_layer: dict) -> None:
         """Fill Itop and the budget (profile rule) from the native indexer for the query rows;
@@ -620,7 +689,7 @@ class Consumer:
         """The RedKnot arm for a planned request whose artifacts are in `pool`; fills Itop
         (unless the plan is `frozen`: decode continuation keeps the prompt's protected set).
         Returns (logits [q, vocab], fan-out histogram [k+1] over reusable layers and rows), and
-        with `decode_rows` > 0 a `DecodeState` for that many generated rows (`redknot_step`).
+        with `decode_rows` > 0 a `DecodeState` for that many generated rows (`decode_step`).
         `layer_times`: a profile; each layer is waited for and its seconds appended (the first
         reusable layer's include the controller and the layout); `layer_traces` (directory,
         layers): those layers traced on their own (`_LayerClock`)."""
@@ -632,14 +701,8 @@ class Consumer:
         state = DecodeState(t_real, ceil_to(t_real + decode_rows, cfg.hca_rate), pool) if decode_rows else None
         for i in range(cfg.num_layers):
             if prof.is_fence(i, cfg.num_layers):
-                if state is None:
-                    x = self._native(i, x, ids, t_real, t)
-                else:
-                    gd, st = self.defs[i]
-                    x, state.layers[i] = _native_cache_jit(
-                        st, x, ids, jnp.full((1,), t_real, jnp.int32), graphdef=gd, freqs=self.model.freqs(i),
-                        block=min(self.block, t), cap=max(state.cap, ceil_to(t, cfg.hca_rate)),
-                        kernels=self.kernels)
+                x = self._native(i, x, ids, t_real, t) if state is None else self._native_cache(i, x, ids, t_real, t,
+                                                                                                 state)
                 clock.lap(x)
                 continue
             pool_layer = pool.layers[i]  # read once: a HostPool streams each layer once
@@ -652,6 +715,9 @@ class Consumer:
                     kept = layout.own_rows(t_real)
                     state.own, state.own_cap = kept.size, ceil_to(kept.size + decode_rows, self.block)
                     keep_rows = jnp.asarray(np.r_[kept, np.full(state.own_cap - kept.size, t)], jnp.int32)
+                    state.layout = build_layout(plan.extend(decode_rows), pool, prof, cfg, self.block)
+                    if not np.array_equal(state.layout.own_rows(t_real), kept):
+                        raise AssertionError("decode layout: the prompt's compact rows changed")
                 if timings is not None:
                     timings["plan_s"] = time.perf_counter() - t0
             gd, st = self.defs[i]
@@ -666,40 +732,39 @@ class Consumer:
         logits = self._logits(x, plan.query_rows)
         return (logits, hist, state) if decode_rows else (logits, hist)
 
-    def redknot_step(self, plan: Plan, token: int, pool: DocPool, state: "DecodeState") -> jax.Array:
-        """Logits [vocab] after one generated `token` appended to a RedKnot request, reading the
-        earlier rows' keys and caches from `state` (from `redknot(..., decode_rows=)`; updated in
-        place) instead of re-running the request: fences decode natively with their caches,
-        reusable layers run the new row (protected: every head over the native key sets) over
-        the cached keys and the entries the new row completes. `plan`: the prompt's plan
-        extended by the generated rows so far (`state.rows + 1` rows). Equals `redknot` over
-        the whole extended request with the plan frozen."""
-        cfg, prof = self.cfg, self.profile
+    def decode_step(self, token: int, state: "DecodeState") -> jax.Array:
+        """Logits [vocab] after one generated `token` appended to a request, reading the earlier
+        rows' keys, entries and caches from `state` (from `redknot` or `recompute` with
+        `decode_rows`; updated in place) instead of re-running the request: native layers (all
+        of a `native` state's; the fences otherwise) decode with their caches, reusable layers
+        run the new row (protected: every head over the native key sets) over the cached keys
+        and entries, renewing the entries of the new row's windows. Equals the arm over the whole
+        extended request (RedKnot's with the plan frozen, `Plan.extend`)."""
+        cfg, prof, lay = self.cfg, self.profile, state.layout
         t0 = state.rows
-        if plan.n_rows != t0 + 1:
-            raise ValueError(f"redknot_step: the plan has {plan.n_rows} rows, expected {t0 + 1}")
-        if t0 + 1 > state.cap:
-            raise ValueError(f"redknot_step: the decode state holds {state.cap} rows; row {t0} does not fit")
+        if not state.room:
+            raise ValueError(f"decode_step: the decode state holds {state.rows} rows and has no room for more")
+        if lay is not None and (int(lay.own_slot[t0]) != state.own or state.own >= state.own_cap):
+            raise RuntimeError(f"decode_step: row {t0} would be compact row {int(lay.own_slot[t0])}, "
+                               f"expected {state.own} of {state.own_cap}")
         ids = jnp.asarray([[token]], jnp.int32)
         x = self._embed(ids)
-        tab = None
         for i in range(cfg.num_layers):
             gd, st = self.defs[i]
-            if prof.is_fence(i, cfg.num_layers):
+            if state.native or prof.is_fence(i, cfg.num_layers):
                 x, state.layers[i] = _native_step_jit(st, x, ids, jnp.int32(t0), state.layers[i], graphdef=gd,
                                                       freqs=self.model.freqs(i))
                 continue
-            if tab is None:
-                layout = build_layout(plan, pool, prof, cfg, self.block)
-                if int(layout.own_slot[t0]) != state.own or state.own >= state.own_cap:
-                    raise RuntimeError(f"redknot_step: row {t0} would be compact row {int(layout.own_slot[t0])}, "
-                                       f"expected {state.own} of {state.own_cap}: the plan is not the prompt's")
-                tab = layout.tables
-            x, state.layers[i] = _reusable_step_jit(st, x, ids, tab, pool.layers[i], state.layers[i],
+            pool_layer = state.pool.layers[i]
+            if not state.stepped:  # the first step: the request's entries, once
+                state.layers[i] = _decode_entries_jit(st, state.layers[i], lay.tables, pool_layer, graphdef=gd,
+                                                      freqs=self.model.freqs(i))
+            x, state.layers[i] = _reusable_step_jit(st, x, ids, lay.tables, pool_layer, state.layers[i],
                                                     jnp.int32(t0), graphdef=gd, freqs=self.model.freqs(i),
                                                     fan=self.fan)
         state.rows += 1
-        state.own += tab is not None
+        state.own += lay is not None
+        state.stepped = True
         return self._logits(x, [0])[0]
 
     # -------------------------------------------------------------- batches

@@ -22,16 +22,19 @@ NEVER = np.int32(2 ** 30)  # last position of a padding entry: never visible
 
 def _entry_table(plan: Plan, pool: DocPool, m: int, overlap: bool, refresh: np.ndarray, t: int,
                  frames, min_sizes: tuple[int, int] = (0, 0)) -> dict:
-    """The request's entries at rate m: pool entry or online slots, offset, last position.
-    `min_sizes` (entries, online entries): pad at least this far (a batch's common shapes)."""
+    """The request's entries at rate m: pool entry or online slots, offset, last position;
+    per row `row_on`, the online index of the entry its window pools (what a decode step
+    recomputes after writing the row; E_on if none). `min_sizes` (entries, online entries): pad at least this far (a batch's common shapes)."""
     r = (2 if overlap else 1) * m
     src, on_slots, d_off, wcan, endpos = [], [], [], [], []
     ebase = np.zeros(t, np.int32)
+    row_ent = np.full(t, -1)  # the entry whose window holds the row (-1: an unfinished window)
     count = 0
     for f in frames:
         n = f.end - f.start
         nw = n // m
         ebase[f.start:f.end] = count
+        row_ent[f.start:f.start + nw * m] = count + np.repeat(np.arange(nw), m)
         count += nw
         w = np.arange(nw)
         L = f.doc_len if f.artifact is not None else 0
@@ -60,6 +63,8 @@ def _entry_table(plan: Plan, pool: DocPool, m: int, overlap: bool, refresh: np.n
     online = np.flatnonzero(src < 0)
     E_on = max(ceil_to(online.size, ENTRY_PAD), min_sizes[1])
     pad = E - e
+    on_of = np.full(e + 1, E_on)  # entry -> its online index (E_on: a pool entry, or none)
+    on_of[online] = np.arange(online.size)
     return {
         "src": np.r_[src, np.full(pad, -1)].astype(np.int32),
         "d": np.r_[d_off, np.zeros(pad)].astype(np.int32),
@@ -68,6 +73,7 @@ def _entry_table(plan: Plan, pool: DocPool, m: int, overlap: bool, refresh: np.n
         "on_idx": np.r_[online, np.full(E_on - online.size, E)].astype(np.int32),
         "on_slots": np.r_[slots[online], np.full((E_on - online.size, r), -1)].astype(np.int32),
         "ebase": ebase,
+        "row_on": on_of[row_ent].astype(np.int32),
     }
 
 

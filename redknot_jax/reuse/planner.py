@@ -86,6 +86,20 @@ class Plan:
     def candidates(self) -> int:
         return int(self.doc_row.sum())
 
+    def extend(self, n_new: int) -> "Plan":
+        """This plan with n_new generated rows appended to the last frame as protected new
+        query rows (decoding: the prompt rows keep their classes)."""
+        t = self.n_rows + n_new
+        frames = list(self.frames)
+        frames[-1] = dataclasses.replace(frames[-1], end=frames[-1].end + n_new)
+        classes = {k: np.r_[v, np.zeros(n_new, bool)] for k, v in self.classes.items()}
+        classes["N"][self.n_rows:] = True
+        classes["Q"][:] = False
+        classes["Q"][t - 1] = True
+        return dataclasses.replace(self, n_rows=t, frames=frames, classes=classes,
+                                   frame_of_row=np.r_[self.frame_of_row, np.full(n_new, len(frames) - 1)],
+                                   doc_row=np.r_[self.doc_row, np.zeros(n_new, bool)], query_rows=np.array([t - 1]))
+
     def fraction_protected(self) -> float:
         """Protected share of the candidate rows (what the tail and budget yield)."""
         return float((self.protected & self.doc_row).sum() / max(1, self.candidates))

@@ -57,7 +57,7 @@ class PrefillResult:
     plan: Plan | None
     seconds: float
     fanout_hist: np.ndarray | None = None
-    decode: DecodeState | None = None  # RedKnot arm with decode_rows: what next_logits reads
+    decode: DecodeState | None = None  # with decode_rows (jit path): what next_logits reads
 
 
 class ReuseRuntime:
@@ -109,9 +109,9 @@ class ReuseRuntime:
 
         `path="jit"` runs the consumer (per-layer jitted, query-blocked; `pool` holds the hot
         artifacts, packed from the request's own when None); `path="reference"` the eager
-        reference below, which the consumer is tested against. `decode_rows` > 0 (RedKnot arm,
-        jit path): keep a decode state for that many generated rows, so `next_logits` runs one
-        new row per step over cached keys instead of the whole request."""
+        reference below, which the consumer is tested against. `decode_rows` > 0 (jit path,
+        either arm, a fallback included): keep a decode state for that many generated rows, so
+        `next_logits` runs one new row per step over cached keys instead of the whole request."""
         if arm not in ("recompute", "redknot"):
             raise ValueError(f"arm: expected 'recompute' or 'redknot', got {arm!r}")
         if path not in ("jit", "reference"):
@@ -137,10 +137,16 @@ class ReuseRuntime:
             if require_reuse:
                 raise ReuseFallback(f"RedKnot arm fell back to recomputation: {bad[0].value}: {bad[1]}")
         plan = plan_request(req, self.profile)
-        logits = (self._recompute(req, plan.query_rows) if path == "reference"
-                  else np.asarray(self.consumer.recompute(req.tokens, plan.query_rows)))
+        state = None
+        if path == "reference":
+            logits = self._recompute(req, plan.query_rows)
+        elif decode_rows:
+            logits, state = self.consumer.recompute(req.tokens, plan.query_rows, decode_rows=decode_rows)
+        else:
+            logits = self.consumer.recompute(req.tokens, plan.query_rows)
         reason, detail = (bad if arm == "redknot" else (None, ""))
-        return PrefillResult(logits, "recompute", reason, detail, None, plan, time.perf_counter() - t0)
+        return PrefillResult(np.asarray(logits), "recompute", reason, detail, None, plan, time.perf_counter() - t0,
+                             decode=state)
 
     def prefill_batch(self, reqs: list[Request], arm: str = "redknot", require_reuse: bool = False,
                       pool: DocPool | None = None) -> list[PrefillResult]:
@@ -196,7 +202,7 @@ class ReuseRuntime:
         continues natively over the same relocated frames: each generated token is a new,
         protected query row appended to the last frame, and the plan of the prompt rows stays
         frozen (so earlier rows never change). Each step runs the new row alone over the prompt's
-        cached keys (`decode_rows`; `Consumer.redknot_step`). Returns (tokens, first PrefillResult)."""
+        cached keys (`decode_rows`; `Consumer.decode_step`). Returns (tokens, first PrefillResult)."""
         first = self.prefill(req, arm, require_reuse, decode_rows=max(0, max_new_tokens - 1))
         toks = [int(np.argmax(first.logits[-1]))]
         for _ in range(max_new_tokens - 1):
@@ -209,15 +215,15 @@ class ReuseRuntime:
         plan frozen; a request that fell back continues natively."""
         gen = np.asarray(generated, np.int32)
         full = np.concatenate([req.tokens, gen])
+        st = first.decode
+        if st is not None and st.rows == first.plan.n_rows + gen.size - 1 and st.room:
+            return np.asarray(self.consumer.decode_step(int(gen[-1]), st))  # one row (RedKnot: the prefill's pool)
         if first.arm == "recompute":
             return np.asarray(self.consumer.recompute(full, [full.size - 1]))[-1]
-        plan = _extend_plan(first.plan, gen.size)
-        st = first.decode
         if pool is None:  # the prefill's pool when it kept one; packing is per call otherwise
             pool = st.pool if st is not None else self.consumer.pool(
                 [s.artifact for s in req.segments if s.artifact is not None])
-        if st is not None and st.rows == first.plan.n_rows + gen.size - 1 and st.rows < st.cap:
-            return np.asarray(self.consumer.redknot_step(plan, int(gen[-1]), pool, st))  # one row
+        plan = first.plan.extend(gen.size)
         logits, _ = self.consumer.redknot(plan, full, pool, frozen=True)  # the whole request again
         return np.asarray(logits)[-1]
 
@@ -443,21 +449,6 @@ class ReuseRuntime:
                 win_ref = win_ref | jnp.concatenate([jnp.zeros((1,), bool), win_ref[:-1]])
             out[name] = jnp.where(win_ref[:, None], online, base)
         return out
-
-
-def _extend_plan(plan: Plan, n_new: int) -> Plan:
-    """The prompt's plan with n_new generated rows appended to the last frame as protected new
-    query rows (the prompt rows keep their classes)."""
-    t = plan.n_rows + n_new
-    frames = list(plan.frames)
-    frames[-1] = dataclasses.replace(frames[-1], end=frames[-1].end + n_new)
-    classes = {k: np.r_[v, np.zeros(n_new, bool)] for k, v in plan.classes.items()}
-    classes["N"][plan.n_rows:] = True
-    classes["Q"][:] = False
-    classes["Q"][t - 1] = True
-    return dataclasses.replace(plan, n_rows=t, frames=frames, classes=classes,
-                               frame_of_row=np.r_[plan.frame_of_row, np.full(n_new, len(frames) - 1)],
-                               doc_row=np.r_[plan.doc_row, np.zeros(n_new, bool)], query_rows=np.array([t - 1]))
 
 
 def _compress(comp, x, pos0: int, n_new: int, state, freqs, nw: int):

@@ -33,7 +33,7 @@ def test_bench_ttft_store_host_resident_cold_layers(monkeypatch, tmp_path):
     assert 0 < row["protected_fraction"] < 1 and row["pool_gb"] > 0 and row["pool"] == "HostPool"
     assert row["host_kind"] == "pinned"
     assert len(row["cold_redknot_s"]) == 1 and row["cold_redknot_median_s"] > 0
-    # warm-up + 1 hot repeat + the decode prefill + 1 cold run, each certified (the cold one on
+    # warm-up + 1 hot repeat + the RedKnot decode prefill + 1 cold run, each certified (the cold one on
     # freshly built artifacts)
     assert row["cert"]["validated"] == 4 and not any(row["cert"]["fallback"].values())
     # both kernel sets (off a GPU "auto" resolves to none), each timed per repeat, each certified
@@ -56,11 +56,17 @@ def test_bench_ttft_store_host_resident_cold_layers(monkeypatch, tmp_path):
             assert "matmul" in s["by_category"]
     assert sorted(p.name for p in (tmp_path / "ttft.json.traces" / "96" / "redknot").iterdir()) == ["layer_00",
                                                                                                       "layer_02"]
-    dec = row["decode"]  # three tokens over a decode state whose reusable layers hold compact rows only
-    assert dec["rows_after"] == dec["request_rows"] + 3 and len(dec["step_s"]) == 2 and dec["step_median_s"] > 0
-    assert dec["compact_rows"] < dec["request_rows"] // 2 and dec["compact_capacity"] >= dec["compact_rows"] + 3
-    assert 0 < dec["reusable_gb"] < dec["reusable_per_row_copy_gb"] and dec["fence_cache_gb"] > 0
-    assert dec["state_gb"] == pytest.approx(dec["reusable_gb"] + dec["fence_cache_gb"])
+    dec = row["decode"]  # three tokens per arm over decode states; RedKnot's reusable layers hold compact rows
+    for arm in ("redknot", "recompute"):
+        d = dec[arm]
+        assert d["rows_after"] == dec["request_rows"] + 3 and len(d["step_s"]) == 2 and d["step_median_s"] > 0
+        assert len(d["tokens"]) == 4 and d["state_gb"] > 0
+    assert dec["recompute_over_redknot_step"] > 0
+    red = dec["redknot"]
+    assert red["compact_rows"] < dec["request_rows"] // 2 and red["compact_capacity"] >= red["compact_rows"] + 3
+    assert 0 < red["compact_gb"] < red["per_row_copy_gb"] and red["fence_cache_gb"] > 0 and red["entries_gb"] > 0
+    assert red["state_gb"] == pytest.approx(red["compact_gb"] + red["entries_gb"] + red["fence_cache_gb"]
+                                            + red["layout_gb"])
 
 
 @pytest.mark.parametrize("flags,named", [

@@ -17,7 +17,9 @@ import pytest
 import jax.numpy as jnp
 
 from redknot_jax import config
+from redknot_jax.config import CSA, HCA
 from redknot_jax.init import random_model
+from redknot_jax.reuse import consumer as consumer_mod
 from redknot_jax.reuse.artifact import build_artifact
 from redknot_jax.reuse.layout import build_layout
 from redknot_jax.reuse.pool import DocPool
@@ -228,8 +230,8 @@ def test_batched_prefill_equals_one_request_at_a_time():
 
 
 @pytest.mark.parametrize("kind,refresh,fan", CASES)
-def test_incremental_decode_equals_rerunning_the_request(kind, refresh, fan):
-    """`prefill(..., decode_rows=)` + `next_logits`: each generated row runs alone over the
+def test_incremental_decode_equals_rerunning_the_request(kind, refresh, fan, monkeypatch):
+    """`prefill(..., decode_rows=)` + `next_logits`, both arms: each generated row runs alone over the
     cached keys (fences: native caches; reusable layers: K=V, compressor projections, the
     entries the new rows complete) and gives the logits of re-running the whole extended
     request with the plan frozen, across compression-window boundaries of both rates."""
@@ -244,6 +246,8 @@ def test_incremental_decode_equals_rerunning_the_request(kind, refresh, fan):
     steps = cfg.hca_rate + 3  # the new rows close CSA and HCA windows
     inc = rt.prefill(req, "redknot", require_reuse=True, pool=pool, decode_rows=steps)
     full = rt.prefill(req, "redknot", require_reuse=True, pool=pool)
+    native = rt.prefill(req, "recompute", decode_rows=steps)  # the Recomputed arm (and a fallback) too
+    assert native.decode.native and native.decode.layout is None
     assert inc.decode is not None and full.decode is None
     st = inc.decode  # reusable layers keep compact rows only: the documents' rows stay in the pool
     doc_rows = sum(int(a.length) for a in arts)  # (refreshed rows and the windows they pool are kept)
@@ -254,9 +258,19 @@ def test_incremental_decode_equals_rerunning_the_request(kind, refresh, fan):
     gen = []
     for s in range(steps):
         gen.append(int(rng.integers(2, cfg.vocab_size)))
-        a = rt.next_logits(req, inc, gen)  # the pool kept by the decode state
+        with monkeypatch.context() as m:  # a step builds no layout: the state's serves every step
+            m.setattr(consumer_mod, "build_layout", None)
+            a = rt.next_logits(req, inc, gen)  # the pool kept by the decode state
         assert inc.decode.rows == req.tokens.size + s + 1  # the incremental path ran
         b = rt.next_logits(req, full, gen, pool=pool)
         assert rel_err(a, b) < TOL["consumer_vs_reference"][0], s
-    with pytest.raises(ValueError, match="does not fit|expected"):
-        rt.consumer.redknot_step(inc.plan, 3, pool, inc.decode)  # a plan that is not one row ahead
+        c = rt.next_logits(req, native, gen)
+        assert native.decode.rows == req.tokens.size + s + 1
+        rerun = np.asarray(rt.consumer.recompute(np.r_[req.tokens, gen], [req.tokens.size + s]))[-1]
+        assert rel_err(c, rerun) < TOL["consumer_vs_reference"][0], s
+    entry_layers = [i for i in rt.reusable if cfg.layer_types[i] in (CSA, HCA)]
+    assert entry_layers and all(st.layers[i]["ents"].shape[0] == st.layout.tables["rates"][
+        "csa" if cfg.layer_types[i] == CSA else "hca"]["src"].shape[0] for i in entry_layers)
+    assert not st.room
+    with pytest.raises(ValueError, match="no room"):
+        rt.consumer.decode_step(3, inc.decode)  # every row the state was made for is used
