@@ -108,11 +108,12 @@ def profile_variant(prof, **over):
     return dataclasses.replace(prof, name=prof.name + "".join(f"-{k}={v}" for k, v in over.items()), **over)
 
 
-def decode_row(rt, req, pool, steps: int) -> dict:
+def decode_row(rt, req, pool, steps: int, out: dict, save=lambda: None) -> dict:
     """Both arms: a prefill keeping a decode state, then `steps` greedy tokens, one row each
     (`next_logits` -> `Consumer.decode_step`). The RedKnot state's device bytes by part,
-    after the steps (the first step adds the request's entries), against per-row copies."""
-    out = {"steps": steps, "request_rows": int(req.tokens.size)}
+    after the steps (the first step adds the request's entries), against per-row copies. Fills
+    `out` and calls `save` after each arm."""
+    out.update(steps=steps, request_rows=int(req.tokens.size))
     for arm in ("redknot", "recompute"):
         res = rt.prefill(req, arm, require_reuse=arm == "redknot", pool=pool, decode_rows=steps)
         st, gen, secs = res.decode, [int(np.argmax(res.logits[-1]))], []
@@ -134,6 +135,7 @@ def decode_row(rt, req, pool, steps: int) -> dict:
                 compact_rows=st.own, compact_capacity=st.own_cap,
                 # per-row copies of every request row (prompt + generated) in the reusable layers
                 per_row_copy_gb=gb(compact) / st.own_cap * (req.tokens.size + steps))
+        save()
     if steps > 1:
         out["recompute_over_redknot_step"] = out["recompute"]["step_median_s"] / out["redknot"]["step_median_s"]
     return out
@@ -339,7 +341,7 @@ def main(argv=None):
                    for arm in ("recompute", "redknot")}}
             save()
         if args.decode_steps:
-            row["decode"] = decode_row(rt, req, pool, args.decode_steps)
+            decode_row(rt, req, pool, args.decode_steps, row.setdefault("decode", {}), save)
             save()
         if args.cold:  # after the hot runs, with their pool gone: construction + admission + prefill
             del pool
