@@ -257,9 +257,8 @@ def main(argv=None):
         ov = {k: v for k, v in ov.items() if not k.startswith("_")}
         prof = dataclasses.replace(base, name=f"{base.name}-{name}", **ov) if ov else base
         runtimes[name] = ReuseRuntime(model, prof, fingerprint)
-    templates = D.templates_of(args.checkpoint)  # the wording the model was trained on
     eps = D.eval_episodes(args.split, args.n, seed=args.seed, n_docs=args.docs, per_doc=args.per_doc,
-                          templates=templates)
+                          templates=D.templates_of(args.checkpoint))  # the trained wording
     rng = np.random.default_rng([args.seed, 7])
     records, t_start, artifact_layers = [], time.perf_counter(), {}
     rec_rt = next(iter(runtimes.values()))
@@ -302,15 +301,26 @@ def main(argv=None):
             print(f"world {e} {qa.qtype}/{qa.relation}: gold {gold!r} recompute {rec_txt!r} "
                   f"redknot {[r['redknot'] for r in records[-len(vs):]]} ({time.perf_counter() - t0:.1f}s)",
                   flush=True)
+        if args.out:  # what this world added, kept even if the run is cut short later
+            write(args, argv, base, vs, runtimes, records, artifact_layers, t_start, final=False)
+    return write(args, argv, base, vs, runtimes, records, artifact_layers, t_start, final=True)
+
+
+def write(args, argv, base, vs, runtimes, records, artifact_layers, t_start, final: bool) -> dict:
+    """The result so far: summary, table, certification counters and every record; written to
+    --out after every world (so a run cut short keeps what it measured, `complete` false) and
+    once more at the end, when the table is printed."""
     summary = summarize(records, args.bootstrap, args.seed)
     labels = {name: (f"budget {ov['budget_override']:.0%}, {ov['_label']}" if ov.get("budget_override") is not None
                      else ov.get("_label", f"default: the shipped profile ({base.name})")) for name, ov in vs}
     table = markdown(summary, labels)
-    print(table)
+    if final:
+        print(table)
     certs = {name: rt.counters.snapshot() for name, rt in runtimes.items()}
     result = {"command": "python launch/eval_quality.py " + " ".join(argv if argv is not None else __import__("sys").argv[1:]),
               "date": datetime.date.today().isoformat(), "device": str(jax.devices()[0].device_kind),
-              "jax": jax.__version__, "checkpoint": args.checkpoint, "split": args.split, "templates": templates, "n_worlds": args.n,
+              "jax": jax.__version__, "checkpoint": args.checkpoint, "split": args.split, "templates": D.templates_of(args.checkpoint),
+              "n_worlds": args.n, "worlds_done": len({r["episode"] for r in records}), "complete": final,
               "docs_per_request": args.docs, "profile": base.to_dict(), "variants": dict(vs),
               "artifact_layers": artifact_layers,
               "seconds": round(time.perf_counter() - t_start, 1), "summary": summary, "certification": certs,

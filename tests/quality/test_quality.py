@@ -454,10 +454,15 @@ def test_eval_quality_smoke(tmp_path):
     cfg = qa_test_config()
     model = random_model(cfg, seed=0, dtype=jnp.float32)
     save_checkpoint(model, tmp_path / "ckpt")
+    writes, write = [], ev.write
+    ev.write = lambda *a, final: writes.append(final) or write(*a, final=final)
     res = ev.main(["--checkpoint", str(tmp_path / "ckpt"), "--n", "1", "--docs", "3", "--per-doc", "2",
                    "--variants", "reuse-3-4,reuse-2-4,thin", "--max-new", "1", "--bootstrap", "50",
                    "--out", str(tmp_path / "q")])
     assert set(res["summary"]) == {"reuse-3-4", "reuse-2-4", "thin"}
+    # written after the world (a run cut short keeps it) and at the end
+    assert writes == [False, True] and res["complete"] and res["worlds_done"] == 1
+    assert json.loads((tmp_path / "q.json").read_text())["complete"]
     for cert in res["certification"].values():
         assert cert["validated"] == 2 and not any(cert["fallback"].values())  # no silent recomputation
     # the band variants ran on artifacts built for their own fences (layers 3-4 only, a band of the
