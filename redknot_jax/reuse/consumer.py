@@ -83,30 +83,35 @@ def _pooled(comp, proj_kv, proj_gate, ring, slots, w, freqs, own_slot=None):
     return jnp.where(ok.any(1)[:, None], ent, 0.0)
 
 
+def _entries(pool_entries, tab, on_ents, E, dk, freqs):
+    """Request entries [E, dk] (fp32) in absolute coordinates: pool entries turned by R(D) as
+    they are read, then the online entries `on_ents` [E_on, dk] (absolute already) in place."""
+    out = jnp.zeros((E, dk), jnp.float32)
+    if pool_entries is not None:
+        src = tab["src"]
+        pe = apply_rope(pool_entries[jnp.maximum(src, 0)].astype(jnp.float32), tab["d"], freqs)
+        out = jnp.where((src >= 0)[:, None], pe, out)
+    return out.at[tab["on_idx"]].set(on_ents.astype(jnp.float32), mode="drop")
+
+
 def _online_entries(comp, proj_kv, proj_gate, ring, tab, freqs, pool_entries, E, own_slot=None):
     """Request entries [E, dk] in absolute coordinates: pool entries, or pooled from slots
     (`_pooled`), turned by R(D)."""
-    ent = _pooled(comp, proj_kv, proj_gate, ring, tab["on_slots"], tab["w"][jnp.minimum(tab["on_idx"], E - 1)],
-                  freqs, own_slot)
-    out = jnp.zeros((E, comp.dk), jnp.float32)
-    if pool_entries is not None:
-        out = jnp.where((tab["src"] >= 0)[:, None], pool_entries[jnp.maximum(tab["src"], 0)].astype(jnp.float32), out)
-    out = out.at[tab["on_idx"]].set(ent, mode="drop")
-    return apply_rope(out, tab["d"], freqs)  # relocate: R(D) on the RoPE slice
+    e = jnp.minimum(tab["on_idx"], E - 1)
+    ent = _pooled(comp, proj_kv, proj_gate, ring, tab["on_slots"], tab["w"][e], freqs, own_slot)
+    return _entries(pool_entries, tab, apply_rope(ent, tab["d"][e], freqs), E, comp.dk, freqs)
 
 
-def _renew_entries(comp, proj_kv, proj_gate, ring, tab, rows, freqs, own_slot, ents):
-    """A decode state's entries `ents` [E, dk] (absolute) with the entries whose windows hold
-    `rows` pooled again from the compact rows (an unfinished window's entry is not visible yet;
-    the row that finishes it writes its final value)."""
-    E, E_on = ents.shape[0], tab["on_idx"].shape[0]
-    j = tab["row_on"][rows]
+def _renew_entries(comp, proj_kv, proj_gate, ring, tab, rows, freqs, own_slot, on_ents):
+    """A decode state's online entries `on_ents` [E_on, dk] (absolute) with those whose
+    windows hold `rows` pooled again from the compact rows (an unfinished window's entry is not
+    visible yet; the row that finishes it writes its final value)."""
+    E, E_on = tab["src"].shape[0], on_ents.shape[0]
+    j = tab["row_on"][rows]  # E_on: no online entry (dropped)
     jc = jnp.minimum(j, E_on - 1)
-    e = jnp.where(j < E_on, tab["on_idx"][jc], E)  # E: dropped (no online entry)
-    w = tab["w"][jnp.minimum(e, E - 1)]
-    ent = _pooled(comp, proj_kv, proj_gate, ring, tab["on_slots"][jc], w, freqs, own_slot)
-    ent = apply_rope(ent, tab["d"][jnp.minimum(e, E - 1)], freqs)
-    return ents.at[e].set(ent.astype(ents.dtype), mode="drop")
+    e = jnp.minimum(tab["on_idx"][jc], E - 1)
+    ent = _pooled(comp, proj_kv, proj_gate, ring, tab["on_slots"][jc], tab["w"][e], freqs, own_slot)
+    return on_ents.at[j].set(apply_rope(ent, tab["d"][e], freqs).astype(on_ents.dtype), mode="drop")
 
 
 def _pass_a(q, tab, kv_abs, ents, sink, scale, kind, block, window, csa_ids):
@@ -350,16 +355,25 @@ class _LayerClock:
 
 
 def decode_entries(attn, keys, tab, pool_layer, *, freqs) -> dict:
-    """A decode state's layer `keys` (compact rows) with the request's compressed entries
-    added, computed once from them and the pool over the decode layout `tab`: "ents" [E, k]
-    (absolute frame, the latent's dtype, the attention's) and for CSA "ikeys" (indexer keys).
-    Each decode step then renews only the entries of the windows its rows fall in."""
+    """A decode state's layer `keys` (compact rows) with the request's online compressed
+    entries added, pooled once from them over the decode layout `tab` (absolute frame): "ents"
+    [E_on, k] in the latent's dtype, the attention's, and for CSA "ikeys" (the indexer's). A
+    step reads the pool's entries as it needs them and renews only the online entries of the
+    windows its rows fall in."""
     if attn.kind not in (CSA, HCA):
         return keys
-    (ents, _), ikeys = _request_entries(attn, keys, tab, pool_layer, freqs, compact=True)
-    out = {**keys, "ents": ents.astype(keys["kv"].dtype)}
-    if ikeys is not None:
-        out["ikeys"] = ikeys
+    rt = tab["rates"]["csa" if attn.kind == CSA else "hca"]
+    E = rt["src"].shape[0]
+    e = jnp.minimum(rt["on_idx"], E - 1)
+    own = tab["own_slot"]
+
+    def online(comp, a, b, ring):
+        ent = _pooled(comp, keys[a], keys[b], pool_layer.get(ring), rt["on_slots"], rt["w"][e], freqs, own)
+        return apply_rope(ent, rt["d"][e], freqs)
+
+    out = {**keys, "ents": online(attn.compressor, "pk", "pg", "cmp").astype(keys["kv"].dtype)}
+    if attn.kind == CSA:
+        out["ikeys"] = online(attn.indexer.compressor, "ik", "ig", "idx")
     return out
 
 
@@ -369,8 +383,9 @@ def decode_attention(blk, x, tab, pool_layer, keys, t0, *, freqs):
     key sets), reading the earlier rows' keys instead of recomputing them: a document row's
     K=V from the pool (canonical, turned by R(D) as it is read), any other row's from `keys`,
     the decode state's compact rows (`tab["own_slot"]`: the request's own rows, refreshed
-    rows and the rows online entries pool), and the entries from `keys` too (`decode_entries`;
-    those of the new rows' windows pooled again). `tab`: the decode layout (the plan extended
+    rows and the rows online entries pool); the entries: the pool's, turned as they are read,
+    and the online ones from `keys` (`decode_entries`; those of the new rows' windows pooled
+    again). `tab`: the decode layout (the plan extended
     to the state's capacity). Returns (x, keys with the new rows written in)."""
     attn = blk.attn
     g = x.shape[1]
@@ -390,12 +405,15 @@ def decode_attention(blk, x, tab, pool_layer, keys, t0, *, freqs):
         rt = tab["rates"]["csa" if attn.kind == CSA else "hca"]
         renew = lambda comp, a, b, ring, e: _renew_entries(comp, new[a], new[b], pool_layer.get(ring), rt, rows,
                                                            freqs, own, e)
+        E = rt["src"].shape[0]
         new["ents"] = renew(attn.compressor, "pk", "pg", "cmp", keys["ents"])
-        ents = (new["ents"], rt["end"])
+        ents = (_entries(pool_layer.get("entries"), rt, new["ents"], E, attn.compressor.dk, freqs)
+                .astype(new["ents"].dtype), rt["end"])
         if attn.kind == CSA:
             new["ikeys"] = renew(attn.indexer.compressor, "ik", "ig", "idx", keys["ikeys"])
+            ikeys = _entries(pool_layer.get("idx_entries"), rt, new["ikeys"], E, attn.indexer.compressor.dk, freqs)
             iq, iw = attn.indexer.queries(xa[None], cq[None], pos[None], freqs)
-            idx = (iq[0], iw[0], new["ikeys"])
+            idx = (iq[0], iw[0], ikeys)
 
     def window_keys(kp):  # pool rows of the documents, compact rows of the rest
         r = jnp.clip(kp, 0, own.shape[0] - 1)

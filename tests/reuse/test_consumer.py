@@ -269,8 +269,8 @@ def test_incremental_decode_equals_rerunning_the_request(kind, refresh, fan, mon
         rerun = np.asarray(rt.consumer.recompute(np.r_[req.tokens, gen], [req.tokens.size + s]))[-1]
         assert rel_err(c, rerun) < TOL["consumer_vs_reference"][0], s
     entry_layers = [i for i in rt.reusable if cfg.layer_types[i] in (CSA, HCA)]
-    assert entry_layers and all(st.layers[i]["ents"].shape[0] == st.layout.tables["rates"][
-        "csa" if cfg.layer_types[i] == CSA else "hca"]["src"].shape[0] for i in entry_layers)
+    assert entry_layers and all(st.layers[i]["ents"].shape[0] == st.layout.tables["rates"][  # online entries only
+        "csa" if cfg.layer_types[i] == CSA else "hca"]["on_idx"].shape[0] for i in entry_layers)
     assert not st.room
     with pytest.raises(ValueError, match="no room"):
         rt.consumer.decode_step(3, inc.decode)  # every row the state was made for is used
