@@ -94,12 +94,12 @@ def _entries(pool_entries, tab, on_ents, E, dk, freqs):
     return out.at[tab["on_idx"]].set(on_ents.astype(jnp.float32), mode="drop")
 
 
-def _online_entries(comp, proj_kv, proj_gate, ring, tab, freqs, pool_entries, E, own_slot=None):
-    """Request entries [E, dk] in absolute coordinates: pool entries, or pooled from slots
-    (`_pooled`), turned by R(D)."""
-    e = jnp.minimum(tab["on_idx"], E - 1)
+def _online(comp, proj_kv, proj_gate, ring, tab, freqs, own_slot=None):
+    """The request's online entries [E_on, dk], pooled from their slots (`_pooled`) and turned
+    by R(D) into absolute coordinates."""
+    e = jnp.minimum(tab["on_idx"], tab["src"].shape[0] - 1)
     ent = _pooled(comp, proj_kv, proj_gate, ring, tab["on_slots"], tab["w"][e], freqs, own_slot)
-    return _entries(pool_entries, tab, apply_rope(ent, tab["d"][e], freqs), E, comp.dk, freqs)
+    return apply_rope(ent, tab["d"][e], freqs)
 
 
 def _renew_entries(comp, proj_kv, proj_gate, ring, tab, rows, freqs, own_slot, on_ents):
@@ -221,21 +221,18 @@ def _queries(attn, cq, heads, pos, freqs):
     return apply_rope(rms_norm(qq, None, attn.eps), pos, freqs)
 
 
-def _request_entries(attn, proj, tab, pool_layer, freqs, compact: bool = False):
+def _request_entries(attn, proj, tab, pool_layer, freqs):
     """The request's compressed entries (and for CSA its indexer keys) from the rows'
-    compressor projections `proj` {"pk", "pg"[, "ik", "ig"]} ([t, .] each, or with `compact` a
-    decode state's rows, `tab["own_slot"]`), the pool and the entry table: ((entries [E, k],
-    last positions [E]), indexer keys [E, .] or None)."""
+    compressor projections `proj` {"pk", "pg"[, "ik", "ig"]} ([t, .] each), the pool and the
+    entry table: ((entries [E, k], last positions [E]), indexer keys [E, .] or None)."""
     kind = attn.kind
     rt = tab["rates"]["csa" if kind == CSA else "hca"]
     E = rt["src"].shape[0]
-    own = tab["own_slot"] if compact else None
-    ents = (_online_entries(attn.compressor, proj["pk"], proj["pg"], pool_layer.get("cmp"), rt, freqs,
-                            pool_layer.get("entries"), E, own), rt["end"])
-    idx_keys = None
-    if kind == CSA:
-        idx_keys = _online_entries(attn.indexer.compressor, proj["ik"], proj["ig"], pool_layer.get("idx"), rt,
-                                   freqs, pool_layer.get("idx_entries"), E, own)
+    full = lambda comp, a, b, ring, pool_name: _entries(
+        pool_layer.get(pool_name), rt, _online(comp, proj[a], proj[b], pool_layer.get(ring), rt, freqs), E, comp.dk,
+        freqs)
+    ents = (full(attn.compressor, "pk", "pg", "cmp", "entries"), rt["end"])
+    idx_keys = full(attn.indexer.compressor, "ik", "ig", "idx", "idx_entries") if kind == CSA else None
     return ents, idx_keys
 
 
@@ -363,14 +360,8 @@ def decode_entries(attn, keys, tab, pool_layer, *, freqs) -> dict:
     if attn.kind not in (CSA, HCA):
         return keys
     rt = tab["rates"]["csa" if attn.kind == CSA else "hca"]
-    E = rt["src"].shape[0]
-    e = jnp.minimum(rt["on_idx"], E - 1)
-    own = tab["own_slot"]
-
-    def online(comp, a, b, ring):
-        ent = _pooled(comp, keys[a], keys[b], pool_layer.get(ring), rt["on_slots"], rt["w"][e], freqs, own)
-        return apply_rope(ent, rt["d"][e], freqs)
-
+    online = lambda comp, a, b, ring: _online(comp, keys[a], keys[b], pool_layer.get(ring), rt, freqs,
+                                              tab["own_slot"])
     out = {**keys, "ents": online(attn.compressor, "pk", "pg", "cmp").astype(keys["kv"].dtype)}
     if attn.kind == CSA:
         out["ikeys"] = online(attn.indexer.compressor, "ik", "ig", "idx")
@@ -654,9 +645,10 @@ class Consumer:
         ids, t, t_real = self._pad(tokens)
         x = self._embed(ids)
         clock = _LayerClock(layer_times, x, layer_traces)
-        state = DecodeState(t_real, ceil_to(t_real + decode_rows, self.cfg.hca_rate), None, native=True)
+        state = DecodeState(t_real, ceil_to(t_real + decode_rows, self.cfg.hca_rate), None, native=True) \
+            if decode_rows else None
         for i in range(self.cfg.num_layers):
-            x = self._native_cache(i, x, ids, t_real, t, state) if decode_rows else self._native(i, x, ids, t_real, t)
+            x = self._native(i, x, ids, t_real, t) if state is None else self._native_cache(i, x, ids, t_real, t, state)
             clock.lap(x)
         logits = self._logits(x, query_rows)
         return (logits, state) if decode_rows else logits
