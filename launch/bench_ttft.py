@@ -21,6 +21,11 @@ is rejected (require_reuse).
     python launch/bench_ttft.py --lengths 65536 --repeats 1 --layer-times --out ttft_64k_layers.json  # profile
     python launch/bench_ttft.py --lengths 65536 --repeats 1 --op-profile 3,4 --out ttft_64k_ops.json  # op level
     python launch/bench_ttft.py --lengths 65536 --repeats 1 --decode-steps 16 --out ttft_64k_decode.json
+    python launch/bench_ttft.py --lengths 15872,16384 --repeats 1 --shape-buckets 0 --out ttft_buckets0.json
+
+--shape-buckets N: the consumer's padded sizes per octave (`reuse.pool.Buckets`, default 8; 0: exact
+sizes). Each length's `warmup_*_s` is its first call: with two lengths in one bucket the second
+compiles nothing, so its warm-up is about one timed run; with 0 it compiles its own programs.
 
 --decode-steps N adds, after the timed runs, per arm one prefill that keeps a decode state
 (`prefill(decode_rows=)`) and N greedy tokens after it (`next_logits`, one row per step): the
@@ -56,6 +61,7 @@ from redknot_jax.pallas import KERNELS
 from redknot_jax.reuse import ledger as ledgers
 from redknot_jax.reuse.artifact import build_artifact
 from redknot_jax.reuse.planner import Request, Segment, plan_request
+from redknot_jax.reuse.pool import Buckets
 from redknot_jax.reuse.profile import flash_profile, tiny_profile
 from redknot_jax.reuse.runtime import ReuseFallback, ReuseRuntime
 from redknot_jax.store import ArtifactStore
@@ -174,12 +180,18 @@ def main(argv=None):
                          "of these layers runs inside a jax.profiler trace of its own (OUT.traces/); the JSON gets "
                          "each traced layer's device time by op category and its top ops (redknot_jax.op_profile)")
     ap.add_argument("--build-only", action="store_true", help="with --store: build and publish, time nothing")
+    ap.add_argument("--shape-buckets", type=int, default=8,
+                    help="padded sizes per octave (Consumer(buckets=)): 8 by default, 0 for exact sizes")
     ap.add_argument("--decode-steps", type=int, default=0,
                     help="after the timed runs: one RedKnot prefill keeping a decode state, then this many greedy "
                          "tokens (the state's bytes, seconds per token)")
     args = ap.parse_args(argv)
     if args.decode_steps < 0:
         ap.error(f"--decode-steps: expected >= 0, got {args.decode_steps}")
+    try:
+        Buckets(args.shape_buckets)
+    except ValueError as e:
+        ap.error(f"--shape-buckets: {e}")
     if args.tail_rows is not None and args.tail_rows < 0:
         ap.error(f"--tail-rows: expected >= 0, got {args.tail_rows}")
     if args.build_only and not args.store:
@@ -202,12 +214,13 @@ def main(argv=None):
     init_s = time.perf_counter() - t0
     prof = flash_profile() if cfg.num_layers == 43 else tiny_profile(cfg.num_layers)
     prof = profile_variant(prof, tail_rows=args.tail_rows, fanout_mode=args.fanout, budget_override=args.budget)
-    rts = {k: ReuseRuntime(model, prof, checkpoint_fingerprint=f"random-{args.preset}-seed-0", kernels=k.replace("+", ","))
-           for k in kernel_sets}
+    rts = {k: ReuseRuntime(model, prof, checkpoint_fingerprint=f"random-{args.preset}-seed-0", kernels=k.replace("+", ","),
+                           buckets=args.shape_buckets) for k in kernel_sets}
     rt = rts[kernel_sets[0]]
     out = {"device": str(jax.devices()[0].device_kind), "date": datetime.date.today().isoformat(),
            "jax": jax.__version__, "python": platform.python_version(), "preset": args.preset,
            "profile": prof.to_dict(), "resident": args.resident, "kernels": args.kernels,
+           "shape_buckets": args.shape_buckets,
            "kernels_resolved": {k: r.consumer.kernels for k, r in rts.items()}, "model_init_s": init_s, "command": "python launch/bench_ttft.py " +
            " ".join(argv if argv is not None else __import__("sys").argv[1:]), "lengths": []}
 

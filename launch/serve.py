@@ -45,6 +45,9 @@ def main(argv=None):
                     help="Mosaic GPU kernels: auto (on a GPU those measured faster than XLA that the model's shapes "
                          "allow), xla (none), mosaic (all), or a comma list of indexer, restore, ragged_dot, "
                          "sparse_attention")
+    ap.add_argument("--shape-buckets", type=int, default=8,
+                    help="padded sizes per octave of RedKnot requests (rows, entries, decode capacities, pools): "
+                         "requests of similar sizes share compiled programs, at most 1/N padding; 0 for exact sizes")
     ap.add_argument("--compilation-cache", default=os.path.expanduser("~/.cache/redknot_jax/xla"),
                     help="persistent XLA compilation cache ('' to disable): later starts skip most compiles")
     ap.add_argument("--log-level", default="info")
@@ -68,7 +71,8 @@ def main(argv=None):
                      max_queue=args.max_queue, max_model_len=args.max_model_len,
                      max_tokens_limit=args.max_tokens_limit, max_body_bytes=args.max_body_bytes,
                      prefill_chunk=args.prefill_chunk,
-                     shutdown_grace_s=args.shutdown_grace_s, warmup=not args.no_warmup, kernels=args.kernels)
+                     shutdown_grace_s=args.shutdown_grace_s, warmup=not args.no_warmup, kernels=args.kernels,
+                     shape_buckets=args.shape_buckets)
     state = build_state(sc)
     uvicorn.run(create_app(state), host=sc.host, port=sc.port, log_level=args.log_level,
                 timeout_graceful_shutdown=int(sc.shutdown_grace_s) + 1)

@@ -51,9 +51,9 @@ from redknot_jax.pallas.restore import restore as restore_kernel
 from redknot_jax.pallas.sparse_attention import row_lists, sparse_attention
 from redknot_jax.reuse.artifact import local_head_mask
 from redknot_jax.reuse.fanout import fanout_keep
-from redknot_jax.reuse.layout import build_layout, common_sizes, frame_rows
+from redknot_jax.reuse.layout import NEVER, build_layout, common_sizes, frame_rows
 from redknot_jax.reuse.planner import Plan, concentration, fill_itop, latent_deviation, row_risk
-from redknot_jax.reuse.pool import DocPool, HostPool, ceil_to
+from redknot_jax.reuse.pool import ENTRY_PAD, Buckets, DocPool, HostPool, ceil_to
 from redknot_jax.rope import apply_rope
 
 HIGHEST = jax.lax.Precision.HIGHEST
@@ -571,14 +571,17 @@ class DecodeState:
 class Consumer:
     """Both arms of a model at serving scale: `recompute(req)` and `redknot(req, pool)`."""
 
-    def __init__(self, model, profile, block: int | None = None, kernels: str = "auto"):
+    def __init__(self, model, profile, block: int | None = None, kernels: str = "auto", buckets: int = 8):
         """kernels: which Mosaic GPU kernels single requests run (batches run only the MoE's,
         `batch_kernels`): see `resolve_kernels`; `self.kernels` is the resolved set. A kernel
         named explicitly that the model cannot run is refused here, not silently replaced by its
-        reference."""
+        reference. buckets: `Buckets.per_octave` of every padded size (rows, protected rows,
+        entries, decode capacities, pools), so requests of similar sizes share compiled
+        programs; 0 pads to the query block and ENTRY_PAD only."""
         # query block: 256 rows at model scale; 32 for the small test models (fewer padded rows)
         block = block or (256 if model.cfg.hidden_size >= 1024 else 32)
         self.model, self.profile, self.cfg, self.block = model, profile, model.cfg, block
+        self.buckets = Buckets(buckets)
         self.defs = [nnx.split(b) for b in model.layers]
         self.top_def, self.top_state = nnx.split(model)  # embedding / head jits read only their leaves
         local = local_head_mask(model, profile)
@@ -600,15 +603,26 @@ class Consumer:
         device now) or "host" (prefetched: payloads stay in host memory, streamed per layer;
         `host_kind` as `HostPool`'s)."""
         if resident == "host":
-            return HostPool(artifacts, self.reusable, self.model.dtype, host_kind)
+            return HostPool(artifacts, self.reusable, self.model.dtype, host_kind, self.buckets)
         if resident != "device":
             raise ValueError(f"pool: resident must be one of ['device', 'host'], got {resident!r}")
-        return DocPool(artifacts, self.reusable, self.model.dtype)
+        return DocPool(artifacts, self.reusable, self.model.dtype, self.buckets)
 
     # -------------------------------------------------------------- pieces
+    def _rows(self, n: int) -> int:
+        """Padded rows of a request of n rows (its bucket of query blocks)."""
+        return self.buckets(n, self.block)
+
+    def _cap(self, n: int) -> int:
+        """Cache capacity (rows) for n rows: their bucket, whole HCA windows."""
+        return ceil_to(self._rows(n), self.cfg.hca_rate)
+
+    def _layout(self, plan: Plan, pool: DocPool, pad_to: dict | None = None):
+        return build_layout(plan, pool, self.profile, self.cfg, self.block, pad_to, self.buckets)
+
     def _pad(self, tokens):
         t_real = len(tokens)
-        t = ceil_to(t_real, self.block)
+        t = self._rows(t_real)
         ids = jnp.asarray(np.pad(np.asarray(tokens, np.int32), (0, t - t_real)))[None]
         return ids, t, t_real
 
@@ -624,7 +638,9 @@ class Consumer:
         return _embed_jit(self.top_state, ids, graphdef=self.top_def)
 
     def _logits(self, x, rows):
-        return _logits_jit(self.top_state, x, jnp.asarray(rows, jnp.int32)[None], graphdef=self.top_def)[0]
+        rows = np.asarray(rows, np.int32).reshape(-1)
+        padded = np.r_[rows, np.full(self.buckets(rows.size, 8) - rows.size, rows[-1])] if rows.size else rows
+        return _logits_jit(self.top_state, x, jnp.asarray(padded)[None], graphdef=self.top_def)[0, :rows.size]
 
     # -------------------------------------------------------------- arms
     def _native_cache(self, i, x, ids, t_real, t, state: "DecodeState"):
@@ -632,7 +648,7 @@ class Consumer:
         gd, st = self.defs[i]
         x, state.layers[i] = _native_cache_jit(
             st, x, ids, jnp.full((1,), t_real, jnp.int32), graphdef=gd, freqs=self.model.freqs(i),
-            block=min(self.block, t), cap=max(state.cap, ceil_to(t, self.cfg.hca_rate)), kernels=self.kernels)
+            block=min(self.block, t), cap=max(state.cap, self._cap(t)), kernels=self.kernels)
         return x
 
     def recompute(self, tokens, query_rows, layer_times: list | None = None,
@@ -645,7 +661,7 @@ class Consumer:
         ids, t, t_real = self._pad(tokens)
         x = self._embed(ids)
         clock = _LayerClock(layer_times, x, layer_traces)
-        state = DecodeState(t_real, ceil_to(t_real + decode_rows, self.cfg.hca_rate), None, native=True) \
+        state = DecodeState(t_real, self._cap(t_real + decode_rows), None, native=True) \
             if decode_rows else None
         for i in range(self.cfg.num_layers):
             x = self._native(i, x, ids, t_real, t) if state is None else self._native_cache(i, x, ids, t_real, t, state)
@@ -668,12 +684,17 @@ class Consumer:
             d_e = np.concatenate([np.full(f.doc_len // m, f.offset) for f in docs]).astype(np.int32)
             w_e = np.concatenate([np.arange(f.doc_len // m) for f in docs])
             end_e = d_e + (w_e + 1) * m - 1
-            qr = np.asarray(plan.query_rows, np.int32)
+            # padded to buckets: entries never visible (scores -inf, then dropped), query rows repeated
+            n_e, qr = keys.shape[0], np.asarray(plan.query_rows, np.int32)
+            pad_e = self.buckets(n_e, ENTRY_PAD) - n_e
+            keys = jnp.pad(keys, ((0, pad_e), (0, 0)))
+            d_e, end_e = np.r_[d_e, np.zeros(pad_e, np.int32)], np.r_[end_e, np.full(pad_e, NEVER)]
+            qr = np.r_[qr, np.full(self.buckets(qr.size, 8) - qr.size, qr[-1])]
             pd, ps = self.defs[self.reusable[0]]
             cd, cs = self.defs[li]
-            s = np.asarray(_controller_jit(ps, cs, x[:, qr], jnp.asarray(qr), keys, jnp.asarray(d_e),
-                                           jnp.asarray(end_e), pre_def=pd, csa_def=cd,
-                                           freqs=self.model.freqs(li), m=m))
+            s = np.asarray(_controller_jit(ps, cs, x[:, qr], jnp.asarray(qr), keys, jnp.asarray(d_e, jnp.int32),
+                                           jnp.asarray(end_e, jnp.int32), pre_def=pd, csa_def=cd,
+                                           freqs=self.model.freqs(li), m=m))[:n_e]
             off = 0
             for f in docs:
                 n = f.doc_len // m
@@ -708,7 +729,7 @@ class Consumer:
         x = self._embed(ids)
         clock = _LayerClock(layer_times, x, layer_traces)
         hist, layout = None, None
-        state = DecodeState(t_real, ceil_to(t_real + decode_rows, cfg.hca_rate), pool) if decode_rows else None
+        state = DecodeState(t_real, self._cap(t_real + decode_rows), pool) if decode_rows else None
         for i in range(cfg.num_layers):
             if prof.is_fence(i, cfg.num_layers):
                 x = self._native(i, x, ids, t_real, t) if state is None else self._native_cache(i, x, ids, t_real, t,
@@ -720,12 +741,12 @@ class Consumer:
                 t0 = time.perf_counter()
                 if not frozen:
                     self.controller(plan, x, pool, pool_layer)
-                layout = build_layout(plan, pool, prof, cfg, self.block)
+                layout = self._layout(plan, pool)
                 if state is not None:  # the compact rows decoding keeps, then room for the new rows
                     kept = layout.own_rows(t_real)
-                    state.own, state.own_cap = kept.size, ceil_to(kept.size + decode_rows, self.block)
+                    state.own, state.own_cap = kept.size, self._rows(kept.size + decode_rows)
                     keep_rows = jnp.asarray(np.r_[kept, np.full(state.own_cap - kept.size, t)], jnp.int32)
-                    state.layout = build_layout(plan.extend(decode_rows), pool, prof, cfg, self.block)
+                    state.layout = self._layout(plan.extend(decode_rows), pool)
                     if not np.array_equal(state.layout.own_rows(t_real), kept):
                         raise AssertionError("decode layout: the prompt's compact rows changed")
                 if timings is not None:
@@ -781,7 +802,7 @@ class Consumer:
     def _pad_batch(self, token_lists, t_min: int = 0):
         """ids [b, t] (each request padded to the batch's common row count), t, real lengths."""
         t_real = [len(x) for x in token_lists]
-        t = max(ceil_to(max(t_real), self.block), t_min)
+        t = max(self._rows(max(t_real)), t_min)
         ids = np.stack([np.pad(np.asarray(x, np.int32), (0, t - n)) for x, n in zip(token_lists, t_real)])
         return jnp.asarray(ids), t, t_real
 
@@ -818,11 +839,9 @@ class Consumer:
             if tabs is None:
                 for b, plan in enumerate(plans):
                     self.controller(plan, x[b:b + 1], pool, pool_layer)
-                first = [build_layout(plan, pool, prof, cfg, self.block, {"t": t, "P": 0, "rates": {}})
-                         for plan in plans]
+                first = [self._layout(plan, pool, {"t": t, "P": 0, "rates": {}}) for plan in plans]
                 sizes = common_sizes(first)
-                tabs = jax.tree.map(lambda *a: jnp.stack(a), *[
-                    build_layout(plan, pool, prof, cfg, self.block, sizes).tables for plan in plans])
+                tabs = jax.tree.map(lambda *a: jnp.stack(a), *[self._layout(plan, pool, sizes).tables for plan in plans])
             gd, st = self.defs[i]
             x, hb = _reusable_batch_jit(st, x, ids, tabs, pool_layer, graphdef=gd, freqs=self.model.freqs(i),
                                         glob=self.glob, block=self.block, fan=self.fan, kernels=self.batch_kernels)

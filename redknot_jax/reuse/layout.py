@@ -2,7 +2,8 @@
 from, built on the host (numpy), then put on the device. Per row its frame offset D, canonical
 position, pool row; per compressed rate the request's entry table (pool entry, or the slots an
 online entry pools, its offset and last position); the protected rows. Shapes are padded (rows
-and protected rows to the query block, entries to ENTRY_PAD) so a handful of programs compile.
+and protected rows to buckets of the query block, entries to buckets of ENTRY_PAD: `pool.Buckets`)
+so requests of similar sizes share their compiled programs.
 """
 
 from __future__ import annotations
@@ -15,16 +16,18 @@ import jax.numpy as jnp
 
 from redknot_jax.config import CSA, HCA
 from redknot_jax.reuse.planner import Plan
-from redknot_jax.reuse.pool import ENTRY_PAD, DocPool, ceil_to
+from redknot_jax.reuse.pool import ENTRY_PAD, EXACT, Buckets, DocPool, ceil_to
 
 NEVER = np.int32(2 ** 30)  # last position of a padding entry: never visible
 
 
 def _entry_table(plan: Plan, pool: DocPool, m: int, overlap: bool, refresh: np.ndarray, t: int,
-                 frames, min_sizes: tuple[int, int] = (0, 0)) -> dict:
+                 frames, min_sizes: tuple[int, int] = (0, 0), buckets: Buckets = EXACT) -> dict:
     """The request's entries at rate m: pool entry or online slots, offset, last position;
     per row `row_on`, the online index of the entry its window pools (what a decode step
-    recomputes after writing the row; E_on if none). `min_sizes` (entries, online entries): pad at least this far (a batch's common shapes)."""
+    recomputes after writing the row; E_on if none). Entries pad to the t // m the rows can hold,
+    online entries to `buckets` of ENTRY_PAD; `min_sizes` (entries, online entries): at least
+    this far (a batch's common shapes)."""
     r = (2 if overlap else 1) * m
     src, on_slots, d_off, wcan, endpos = [], [], [], [], []
     ebase = np.zeros(t, np.int32)
@@ -59,9 +62,9 @@ def _entry_table(plan: Plan, pool: DocPool, m: int, overlap: bool, refresh: np.n
     src, slots = cat(src, np.int32), (np.concatenate(on_slots) if on_slots else np.zeros((0, r))).astype(np.int32)
     d_off, wcan, endpos = cat(d_off, np.int32), cat(wcan, np.int32), cat(endpos, np.int32)
     e = src.shape[0]
-    E = max(ceil_to(e, ENTRY_PAD), min_sizes[0])
+    E = max(ceil_to(t // m, ENTRY_PAD), min_sizes[0])  # e <= t // m: a function of the padded rows
     online = np.flatnonzero(src < 0)
-    E_on = max(ceil_to(online.size, ENTRY_PAD), min_sizes[1])
+    E_on = max(buckets(online.size, ENTRY_PAD), min_sizes[1])
     pad = E - e
     on_of = np.full(e + 1, E_on)  # entry -> its online index (E_on: a pool entry, or none)
     on_of[online] = np.arange(online.size)
@@ -116,12 +119,14 @@ def frame_rows(frames, pool: DocPool, t: int) -> tuple[np.ndarray, np.ndarray]:
     return d_row, pool_row
 
 
-def build_layout(plan: Plan, pool: DocPool, profile, cfg, block: int, pad_to: dict | None = None) -> Layout:
-    """Index tables of a planned request. `pad_to` (`common_sizes` of a batch): pad rows,
+def build_layout(plan: Plan, pool: DocPool, profile, cfg, block: int, pad_to: dict | None = None,
+                 buckets: Buckets = EXACT) -> Layout:
+    """Index tables of a planned request, padded to `buckets` (rows and protected rows of the
+    query block, entries of ENTRY_PAD). `pad_to` (`common_sizes` of a batch): pad rows,
     protected rows and entry tables at least that far, so a batch shares one program; padding
     rows extend the last frame, padding entries are never visible, padding indices drop."""
     t_real = plan.n_rows
-    t = max(ceil_to(t_real, block), pad_to["t"] if pad_to else 0)
+    t = max(buckets(t_real, block), pad_to["t"] if pad_to else 0)
     prot = plan.protected
     collapse = profile.latent_refresh == "protected" and bool((prot | ~plan.doc_row).all())
     if collapse:  # every latent refreshed: one online frame at 0, the native computation
@@ -140,7 +145,7 @@ def build_layout(plan: Plan, pool: DocPool, profile, cfg, block: int, pad_to: di
     art_row = np.where(refresh, -1, pool_row)  # canonical latent read from the pool
     zl_row = np.where(doc_row & ~prot_t, pool_row, -1)  # z_L restored (and top-k read) from the pool
     prot_idx = np.flatnonzero(prot_t)
-    P = max(ceil_to(prot_idx.size, block), pad_to["P"] if pad_to else 0)
+    P = max(buckets(prot_idx.size, block), pad_to["P"] if pad_to else 0)
     tab = {"pos": np.arange(t, dtype=np.int32), "d": d_row, "frame": frame,
            "art_row": art_row.astype(np.int32), "zl_row": zl_row.astype(np.int32),
            "prot_idx": np.r_[prot_idx, np.full(P - prot_idx.size, t)].astype(np.int32),
@@ -148,9 +153,11 @@ def build_layout(plan: Plan, pool: DocPool, profile, cfg, block: int, pad_to: di
     rates = {}
     mins = (pad_to or {}).get("rates", {})
     if CSA in cfg.layer_types:
-        rates["csa"] = _entry_table(plan, pool, cfg.csa_rate, True, refresh, t, frames, mins.get("csa", (0, 0)))
+        rates["csa"] = _entry_table(plan, pool, cfg.csa_rate, True, refresh, t, frames, mins.get("csa", (0, 0)),
+                                    buckets)
     if HCA in cfg.layer_types:
-        rates["hca"] = _entry_table(plan, pool, cfg.hca_rate, False, refresh, t, frames, mins.get("hca", (0, 0)))
+        rates["hca"] = _entry_table(plan, pool, cfg.hca_rate, False, refresh, t, frames, mins.get("hca", (0, 0)),
+                                    buckets)
     tab["rates"] = rates
     # what a decode state keeps of a row (compact rows, in row order): the K=V and compressor
     # projections of rows the pool does not hold (own, refreshed) and of rows an online entry pools

@@ -9,6 +9,7 @@ reusable layer onto the device on a worker thread, one layer ahead of the consum
 
 from __future__ import annotations
 
+import dataclasses
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -27,8 +28,40 @@ def ceil_to(n: int, m: int) -> int:
     return max(m, -(-n // m) * m)
 
 
-def _pad_rows(a: jax.Array, m: int) -> jax.Array:
-    return jnp.pad(a, [(0, ceil_to(a.shape[0], m) - a.shape[0])] + [(0, 0)] * (a.ndim - 1))
+@dataclasses.dataclass(frozen=True)
+class Buckets:
+    """How a request's arrays are padded (rows, protected rows, entries, cache capacities, the
+    pool's rows): to a multiple of the size's unit and then, with `per_octave` > 0, up to the next
+    of `per_octave` geometric steps per doubling (at most 1 / per_octave of padding), so that
+    requests of similar sizes share compiled programs instead of compiling their own (a layer
+    program at model scale compiles for minutes). per_octave=0: the unit only."""
+
+    per_octave: int = 8
+
+    def __post_init__(self):
+        p = self.per_octave
+        if not isinstance(p, int) or p < 0 or p & (p - 1):
+            raise ValueError(f"Buckets: per_octave must be 0 or a power of two, got {p!r}")
+
+    def __call__(self, n: int, unit: int) -> int:
+        """n rounded up to its bucket: a multiple of unit (at least unit)."""
+        k = max(1, -(-int(n) // unit))
+        if self.per_octave:  # keep log2(per_octave) + 1 significant bits of k
+            e = max(0, k.bit_length() - self.per_octave.bit_length())
+            k = -(-k >> e) << e
+        return k * unit
+
+    def docs(self, n: int) -> int:
+        """A pool's document count padded (its boundary rings): a power of two when bucketing."""
+        return Buckets(1)(n, 1) if self.per_octave else n
+
+
+EXACT = Buckets(0)
+
+
+def _pad_rows(a: jax.Array, n: int) -> jax.Array:
+    """a padded with zero rows to n rows."""
+    return jnp.pad(a, [(0, n - a.shape[0])] + [(0, 0)] * (a.ndim - 1))
 
 
 def _fields(p: dict, dtype, conv) -> dict:
@@ -44,27 +77,32 @@ def _fields(p: dict, dtype, conv) -> dict:
     return d
 
 
-def _pack(per: list[dict], dtype, put=lambda x, dt: jnp.asarray(x, dt)) -> dict:
+def _pack(per: list[dict], dtype, put=lambda x, dt: jnp.asarray(x, dt), buckets: Buckets = EXACT) -> dict:
     """One reusable layer of several documents' artifacts, packed into device arrays; put(x, dt)
-    brings one document's array onto the device as dt."""
+    brings one document's array onto the device as dt. Rows pad to `buckets` of POOL_ROW_PAD,
+    entries of ENTRY_PAD, boundary rings to `buckets.docs` documents (padding is never read)."""
     fs = [_fields(p, dtype, put) for p in per]
     cat = lambda name: jnp.concatenate([f[name] for f in fs])
-    d = {"kv": _pad_rows(cat("kv"), POOL_ROW_PAD), "zl": _pad_rows(cat("zl"), POOL_ROW_PAD)}
+    rows = buckets(sum(f["kv"].shape[0] for f in fs), POOL_ROW_PAD)
+    d = {"kv": _pad_rows(cat("kv"), rows), "zl": _pad_rows(cat("zl"), rows)}
     for name, state in (("entries", "cmp"), ("idx_entries", "idx")):
         if name in fs[0]:
-            d[name] = _pad_rows(cat(name), ENTRY_PAD)
-            d[state] = {s: jnp.concatenate([f[state][s] for f in fs]) for s in ("kv", "gate")}
+            d[name] = _pad_rows(cat(name), buckets(sum(f[name].shape[0] for f in fs), ENTRY_PAD))
+            ring = fs[0][state]["kv"].shape[0]
+            d[state] = {s: _pad_rows(jnp.concatenate([f[state][s] for f in fs]), ring * buckets.docs(len(fs)))
+                        for s in ("kv", "gate")}
     if "topk" in fs[0]:
-        d["topk"] = _pad_rows(cat("topk"), POOL_ROW_PAD)
+        d["topk"] = _pad_rows(cat("topk"), rows)
     return d
 
 
 class DocPool:
     """Device-resident artifacts of a set of documents, packed per reusable layer. Row arrays
-    are padded to a multiple of POOL_ROW_PAD rows (entries to ENTRY_PAD), so pools of similar
+    are padded to `buckets` of POOL_ROW_PAD rows (entries of ENTRY_PAD), so pools of similar
     size share compiled layer programs; the padding is never indexed."""
 
-    def __init__(self, artifacts: list[Artifact], layers, dtype):
+    def __init__(self, artifacts: list[Artifact], layers, dtype, buckets: Buckets = EXACT):
+        self.buckets = buckets
         self.index = {id(a): k for k, a in enumerate(artifacts)}
         self.artifacts = list(artifacts)
         lens = [a.length for a in artifacts]
@@ -73,7 +111,7 @@ class DocPool:
         self.layers = self._place(list(layers), dtype)
 
     def _place(self, layers: list[int], dtype):
-        return {i: _pack([a.layers[i] for a in self.artifacts], dtype) for i in layers}
+        return {i: _pack([a.layers[i] for a in self.artifacts], dtype, buckets=self.buckets) for i in layers}
 
     def doc(self, art: Artifact) -> int:
         if id(art) not in self.index:
@@ -102,22 +140,22 @@ class HostPool(DocPool):
     on the H200, docs/store.md) at the price of a host copy of the payload; "auto": pinned on a
     GPU."""
 
-    def __init__(self, artifacts: list[Artifact], layers, dtype, host_kind: str = "auto"):
+    def __init__(self, artifacts: list[Artifact], layers, dtype, host_kind: str = "auto", buckets: Buckets = EXACT):
         self.device = jax.devices()[0]
         self.host_kind = host_memory_kind(self.device, host_kind)
         self.staged = None  # pinned: layer -> the documents' kept fields in pinned host memory
-        super().__init__(artifacts, layers, dtype)
+        super().__init__(artifacts, layers, dtype, buckets)
 
     def _place(self, layers: list[int], dtype):
         if self.host_kind == "numpy":
-            return _Streamed(lambda i: _pack([a.layers[i] for a in self.artifacts], dtype), layers)
+            return _Streamed(lambda i: _pack([a.layers[i] for a in self.artifacts], dtype, buckets=self.buckets), layers)
         pinned = jax.sharding.SingleDeviceSharding(self.device, memory_kind="pinned_host")
         to_device = jax.sharding.SingleDeviceSharding(self.device, memory_kind=self.device.default_memory().kind)
         host = lambda x, dt: np.asarray(x).astype(dt, copy=False)
         self.staged = jax.block_until_ready({i: [jax.device_put(_fields(a.layers[i], dtype, host), pinned)
                                                  for a in self.artifacts] for i in layers})  # admission pays it
         put = lambda x, dt: jax.device_put(x, to_device)
-        return _Streamed(lambda i: _pack(self.staged[i], dtype, put=put), layers)
+        return _Streamed(lambda i: _pack(self.staged[i], dtype, put=put, buckets=self.buckets), layers)
 
     def nbytes(self) -> int:  # host bytes of the layers it streams (unpadded)
         return int(sum(np.asarray(x).nbytes for a in self.artifacts for i in self.layers

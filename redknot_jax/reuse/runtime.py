@@ -64,7 +64,7 @@ class ReuseRuntime:
     """Holds the model, profile, identity (checkpoint fingerprint, TP geometry) and counters."""
 
     def __init__(self, model: Model, profile: RedKnotProfile, checkpoint_fingerprint: str,
-                 tp: TPGeometry | None = None, min_generation: int = 0, kernels: str = "auto"):
+                 tp: TPGeometry | None = None, min_generation: int = 0, kernels: str = "auto", buckets: int = 8):
         self.model, self.profile, self.cfg = model, profile, model.cfg
         self.fingerprint, self.tp = checkpoint_fingerprint, tp or single_rank()
         self.min_generation = min_generation
@@ -72,7 +72,8 @@ class ReuseRuntime:
         self.local = local_head_mask(model, profile)
         self.reusable = list(profile.reusable_layers(self.cfg.num_layers))
         self._verified: dict[int, tuple] = {}
-        self.consumer = Consumer(model, profile, kernels=kernels)  # Mosaic GPU kernels: resolve_kernels
+        # Mosaic GPU kernels: resolve_kernels; buckets: the padded sizes (pool.Buckets)
+        self.consumer = Consumer(model, profile, kernels=kernels, buckets=buckets)
 
     # ------------------------------------------------------------------ certification
     def certify(self, req: Request) -> tuple[FallbackReason, str] | None:

@@ -17,6 +17,7 @@ from redknot_jax.generate import Engine
 from redknot_jax.quality import SHIPPED_MODEL
 from redknot_jax.quality.model_config import PROFILE_FILE
 from redknot_jax.reuse import profile as profiles
+from redknot_jax.reuse.pool import Buckets
 from redknot_jax.reuse.runtime import ReuseRuntime
 from redknot_jax.server.documents import DocumentRegistry
 from redknot_jax.server.metrics import Metrics
@@ -47,6 +48,7 @@ class ServeConfig:
     shutdown_grace_s: float = 10.0
     warmup: bool = True
     kernels: str = "auto"  # Mosaic GPU kernels (redknot_jax.pallas.resolve_kernels): auto | xla | mosaic | a list
+    shape_buckets: int = 8  # RedKnot requests' padded sizes per octave (reuse.pool.Buckets; 0: exact)
 
     def __post_init__(self):
         for f in ("slots", "max_queue", "max_model_len", "max_tokens_limit", "max_body_bytes", "prefill_chunk"):
@@ -57,6 +59,10 @@ class ServeConfig:
             raise ValueError(f"checkpoint {self.checkpoint!r} and preset {self.preset!r}: give one of them")
         if self.dtype not in ("float32", "bfloat16"):
             raise ValueError(f"dtype: expected float32 or bfloat16, got {self.dtype!r}")
+        try:
+            Buckets(self.shape_buckets)
+        except ValueError as e:
+            raise ValueError(f"shape_buckets: {e}") from None
 
 
 def model_source(sc: ServeConfig) -> tuple[str | None, str | None]:
@@ -135,7 +141,7 @@ def build_state(sc: ServeConfig) -> ServerState:
         fp = f"embedded-random:{preset}:seed0:{sc.dtype}:{cfg.fingerprint()}"
         name = sc.model_name or f"redknot-{preset}-random"
     prof = make_profile(sc.profile, cfg, ckpt)
-    rt = ReuseRuntime(model, prof, fp, kernels=sc.kernels)
+    rt = ReuseRuntime(model, prof, fp, kernels=sc.kernels, buckets=sc.shape_buckets)
     eng = Engine(model, capacity=sc.max_model_len, kernels=sc.kernels)
     metrics = Metrics(rt.counters)
     # artifacts persist in per-tenant artifact stores under the registry's directory

@@ -45,7 +45,6 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from redknot_jax.mhc import HyperConnection
 from redknot_jax.pallas import kernel_mode
 from redknot_jax.reuse.consumer import Consumer, reusable_layer
-from redknot_jax.reuse.layout import build_layout
 from redknot_jax.reuse.pool import DocPool
 from redknot_jax.reuse.planner import Plan
 from redknot_jax.sharding import tp as tpmod
@@ -68,13 +67,14 @@ def _psum(y):
 class TPConsumer:
     """The consumer over a mesh with axis "tp" (see the module doc)."""
 
-    def __init__(self, model, profile, mesh, block: int | None = None, kernels: str = "auto"):
+    def __init__(self, model, profile, mesh, block: int | None = None, kernels: str = "auto", buckets: int = 8):
         """kernels: `Consumer`'s forms ("auto", "xla", "mosaic", "indexer,restore"), resolved
-        for the whole model; each rank runs the kernels on its share (`self.kernels`)."""
+        for the whole model; each rank runs the kernels on its share (`self.kernels`).
+        buckets: `Consumer`'s (padded sizes)."""
         self.cfg, self.mesh, self.tp = model.cfg, mesh, mesh.shape[AXIS]
         check_tp(self.cfg, self.tp)
         # layouts, controller, embedding, head, and the resolved kernel set
-        self.base = Consumer(model, profile, block, kernels=kernels)
+        self.base = Consumer(model, profile, block, kernels=kernels, buckets=buckets)
         self.kernels = self.base.kernels
         if "sparse_attention" in self.kernels.split(",") and self.tp > 1:
             # its wgmma takes a row's 64 heads at once; a rank holds num_heads / tp of them
@@ -195,7 +195,7 @@ class TPConsumer:
             if tab is None:
                 if not frozen:
                     self.base.controller(plan, jax.device_put(x, jax.devices()[0]), pool, pool.layers[i])
-                tab = jax.device_put(build_layout(plan, pool, prof, cfg, self.block).tables, self.rep)
+                tab = jax.device_put(self.base._layout(plan, pool).tables, self.rep)
             f = self._program(i, "reusable", t, pool.layers[i], tab)
             x, h = f(self.layers[i][1], x, ids, tab, pool.layers[i])
             hist = h if hist is None else hist + h

@@ -37,7 +37,7 @@ def test_bench_ttft_store_host_resident_cold_layers(monkeypatch, tmp_path):
     # freshly built artifacts)
     assert row["cert"]["validated"] == 4 and not any(row["cert"]["fallback"].values())
     # both kernel sets (off a GPU "auto" resolves to none), each timed per repeat, each certified
-    assert res["kernels_resolved"] == {"xla": "", "auto": ""}
+    assert res["kernels_resolved"] == {"xla": "", "auto": ""} and res["shape_buckets"] == 8
     by = row["by_kernels"]
     assert set(by) == {"xla", "auto"} and by["xla"]["recompute_s"] == row["recompute_s"]
     assert all(len(v["redknot_s"]) == 1 and v["speedup_median"] > 0 for v in by.values())
@@ -79,7 +79,8 @@ def test_bench_ttft_store_host_resident_cold_layers(monkeypatch, tmp_path):
     (["--lengths", "1000", "--question", "2000"], r"--lengths \[1000\]: a request needs"),
     (["--op-profile", "99"], r"--op-profile: layer indices must lie in \[0, 6\)"),
     (["--op-profile", "a"], "--op-profile: expected comma-separated layer indices"),
-    (["--decode-steps", "-1"], "--decode-steps: expected >= 0, got -1")])
+    (["--decode-steps", "-1"], "--decode-steps: expected >= 0, got -1"),
+    (["--shape-buckets", "3"], "--shape-buckets: Buckets: per_octave must be 0 or a power of two, got 3")])
 def test_bench_ttft_rejects_bad_flags(tmp_path, capsys, flags, named):
     """Each bad flag is refused before any work, with a message naming it."""
     with pytest.raises(SystemExit):

@@ -22,7 +22,7 @@ from redknot_jax.init import random_model
 from redknot_jax.reuse import consumer as consumer_mod
 from redknot_jax.reuse.artifact import build_artifact
 from redknot_jax.reuse.layout import build_layout
-from redknot_jax.reuse.pool import DocPool
+from redknot_jax.reuse.pool import Buckets, DocPool
 from redknot_jax.reuse.planner import DEVIATION_FLOOR, Request, Segment, plan_request
 from redknot_jax.reuse.profile import tiny_profile
 from redknot_jax.reuse.runtime import ReuseRuntime
@@ -274,3 +274,63 @@ def test_incremental_decode_equals_rerunning_the_request(kind, refresh, fan, mon
     assert not st.room
     with pytest.raises(ValueError, match="no room"):
         rt.consumer.decode_step(3, inc.decode)  # every row the state was made for is used
+
+
+def test_buckets_round_up_to_a_few_sizes_per_octave():
+    """`Buckets`: a multiple of the unit, then at most `per_octave` sizes per doubling (so at
+    most 1 / per_octave of padding); 0 is the unit only; anything else is refused."""
+    b, exact = Buckets(8), Buckets(0)
+    assert [b(n, 32) for n in (1, 32, 33, 480, 481, 512, 513)] == [32, 32, 64, 480, 512, 512, 576]
+    assert exact(513, 32) == 544 and exact(0, 32) == 32
+    sizes = {b(n, 256) for n in range(1, 65537)}
+    assert len(sizes) == 15 + 8 * 4 + 1  # 256 .. 3840 one by one, then 8 per octave up to 65536
+    assert all(b(n, 256) <= 1.125 * max(n, 256) + 255 for n in range(1, 65537, 97))
+    assert [Buckets(8).docs(n) for n in (1, 2, 3, 5)] == [1, 2, 4, 8] and exact.docs(3) == 3
+    for bad in (3, -1, 2.0):
+        with pytest.raises(ValueError, match="per_octave must be 0 or a power of two"):
+            Buckets(bad)
+
+
+def test_requests_of_similar_sizes_share_compiled_programs():
+    """Two requests of different lengths (150 and 162 rows), documents (3 and 4), query rows and
+    decode lengths, within one bucket (2 per octave here; the tiny model's 32-row block would
+    need 512-row requests to see 8 per octave round): the second compiles nothing (prefill,
+    controller, decode steps, both arms), and padding changes no result: the bucketed consumer
+    equals the unpadded one (`buckets=0`) on both requests, prefill and decode."""
+    cfg = config.tiny("mixed")
+    model = random_model(cfg, seed=7, dtype=jnp.float32)
+    prof = dataclasses.replace(tiny_profile(cfg.num_layers), budget_override=0.2, tail_rows=8,
+                               fanout_mode="tau", tau=0.8, fanout_min=2)
+    rng = np.random.default_rng(11)
+
+    def request(lens, new, query):
+        docs = [rng.integers(2, cfg.vocab_size, n) for n in lens]
+        arts = [build_artifact(model, prof, d, checkpoint_fingerprint="fp") for d in docs]
+        segs = [Segment(d, a) for d, a in zip(docs, arts)] + [Segment(rng.integers(2, cfg.vocab_size, new))]
+        n = sum(lens) + new
+        return Request(segs, query_rows=tuple(n - 1 - q for q in query)), arts
+
+    jits = [getattr(consumer_mod, name) for name in dir(consumer_mod) if name.endswith("_jit")]
+    compiled = lambda: sum(f._cache_size() for f in jits)
+    bucketed, exact = ReuseRuntime(model, prof, "fp", buckets=2), ReuseRuntime(model, prof, "fp", buckets=0)
+    counts = []
+    for (lens, new, query, steps) in (((40, 33, 25), 52, (48, 3, 0), 4), ((40, 33, 25, 28), 36, (9, 0), 6)):
+        req, arts = request(lens, new, query)
+        got = [bucketed.prefill(req, "redknot", require_reuse=True, pool=bucketed.consumer.pool(arts),
+                                decode_rows=steps), bucketed.prefill(req, "recompute", decode_rows=steps)]
+        want = [exact.prefill(req, "redknot", require_reuse=True, pool=exact.consumer.pool(arts), decode_rows=steps),
+                exact.prefill(req, "recompute", decode_rows=steps)]
+        gen = []
+        for s in range(steps):
+            gen.append(int(rng.integers(2, cfg.vocab_size)))
+            for g, w in zip(got, want):
+                assert rel_err(bucketed.next_logits(req, g, gen), exact.next_logits(req, w, gen)) < \
+                    TOL["chunked_vs_oneshot"][0], s
+        for g, w in zip(got, want):
+            assert rel_err(g.logits, w.logits) < TOL["chunked_vs_oneshot"][0]
+        if not counts:  # really padded: rows 150 -> 192 (unpadded 160), ring of 3 documents -> 4
+            assert got[0].decode.layout.t == got[1].decode.cap == 192 and want[0].decode.layout.t == 160
+            ring = lambda rt: rt.consumer.pool(arts).layers[rt.reusable[1]]["cmp"]["kv"].shape[0]
+            assert ring(bucketed) == ring(exact) // 3 * 4
+        counts.append(compiled())
+    assert counts[0] > 0 and counts[1] == counts[0]  # the second request compiled nothing

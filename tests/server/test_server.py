@@ -567,3 +567,7 @@ def test_kernels_flag_is_resolved_or_refused():
         build_state(ServeConfig(preset="tiny", kernels="restore", warmup=False))
     with pytest.raises(ValueError, match="kernels: expected 'auto', 'xla', 'mosaic' or a comma list.*'triton'"):
         build_state(ServeConfig(preset="tiny", kernels="triton", warmup=False))
+    # --shape-buckets reaches the consumer, or is refused naming the flag
+    assert build_state(ServeConfig(preset="tiny", shape_buckets=2, warmup=False)).runtime.consumer.buckets.per_octave == 2
+    with pytest.raises(ValueError, match="shape_buckets: Buckets: per_octave must be 0 or a power of two, got 3"):
+        ServeConfig(shape_buckets=3)
