@@ -629,7 +629,7 @@ class Consumer:
     def _native(self, i, x, ids, t_real, t):
         """t_real: an int, or one per request of the batch."""
         gd, st = self.defs[i]
-        cap = ceil_to(t, self.cfg.hca_rate)
+        cap = self._cap(t)
         return _native_jit(st, x, ids, jnp.asarray(np.reshape(t_real, -1), jnp.int32), graphdef=gd,
                            freqs=self.model.freqs(i), block=min(self.block, t), cap=cap,
                            kernels=self.kernels if x.shape[0] == 1 else self.batch_kernels)
@@ -638,8 +638,10 @@ class Consumer:
         return _embed_jit(self.top_state, ids, graphdef=self.top_def)
 
     def _logits(self, x, rows):
+        """Logits of `rows` of x; several rows are padded to a bucket of 8 (one row, a decode
+        step's or a single query's, is not: the head would run 8 times)."""
         rows = np.asarray(rows, np.int32).reshape(-1)
-        padded = np.r_[rows, np.full(self.buckets(rows.size, 8) - rows.size, rows[-1])] if rows.size else rows
+        padded = np.r_[rows, np.full(self.buckets(rows.size, 8) - rows.size, rows[-1])] if rows.size > 1 else rows
         return _logits_jit(self.top_state, x, jnp.asarray(padded)[None], graphdef=self.top_def)[0, :rows.size]
 
     # -------------------------------------------------------------- arms
