@@ -56,6 +56,7 @@ import numpy as np
 import jax
 
 from redknot_jax import config, op_profile
+from redknot_jax.indexer import TOPK_STAGES
 from redknot_jax.init import random_model
 from redknot_jax.pallas import KERNELS
 from redknot_jax.reuse import ledger as ledgers
@@ -173,6 +174,10 @@ def main(argv=None):
                          "redknot_jax.pallas.KERNELS joined by '+' (indexer+ragged_dot); several sets as "
                          "'xla,indexer+ragged_dot': each repeat then times both arms under each, side by side, and "
                          "the first named fills the row's main fields")
+    ap.add_argument("--topk-stages", default=str(TOPK_STAGES),
+                    help="the CSA selection's entry prefixes (Consumer(topk_stages=), indexer.select_topk_causal; "
+                         "1 scores every entry); several as '1,4' are timed side by side like kernel sets, "
+                         "keyed 'SET/stagesN'")
     ap.add_argument("--layer-times", action="store_true",
                     help="after the timed runs, one profile run per arm that waits for every layer: per-layer seconds")
     ap.add_argument("--op-profile", metavar="LAYERS",
@@ -207,6 +212,14 @@ def main(argv=None):
             or len(set(kernel_sets)) < len(kernel_sets)):
         ap.error(f"--kernels: expected one or several distinct sets, each one of {modes} or kernels of {KERNELS} "
                  f"joined by '+', got {args.kernels!r}")
+    try:
+        stages = [int(v) for v in args.topk_stages.split(",")]
+    except ValueError:
+        stages = []
+    if not stages or min(stages) < 1 or len(set(stages)) < len(stages):
+        ap.error(f"--topk-stages: expected distinct ints >= 1, comma-separated, got {args.topk_stages!r}")
+    # what each repeat times side by side: kernel set x stages (keyed by the set alone when one stages value)
+    variants = {(k if len(stages) == 1 else f"{k}/stages{n}"): (k, n) for k in kernel_sets for n in stages}
 
     t0 = time.perf_counter()
     model = random_model(cfg, seed=0)
@@ -214,13 +227,14 @@ def main(argv=None):
     init_s = time.perf_counter() - t0
     prof = flash_profile() if cfg.num_layers == 43 else tiny_profile(cfg.num_layers)
     prof = profile_variant(prof, tail_rows=args.tail_rows, fanout_mode=args.fanout, budget_override=args.budget)
-    rts = {k: ReuseRuntime(model, prof, checkpoint_fingerprint=f"random-{args.preset}-seed-0", kernels=k.replace("+", ","),
-                           buckets=args.shape_buckets) for k in kernel_sets}
-    rt = rts[kernel_sets[0]]
+    rts = {v: ReuseRuntime(model, prof, checkpoint_fingerprint=f"random-{args.preset}-seed-0", kernels=k.replace("+", ","),
+                           buckets=args.shape_buckets, topk_stages=n) for v, (k, n) in variants.items()}
+    first = next(iter(variants))
+    rt = rts[first]
     out = {"device": str(jax.devices()[0].device_kind), "date": datetime.date.today().isoformat(),
            "jax": jax.__version__, "python": platform.python_version(), "preset": args.preset,
            "profile": prof.to_dict(), "resident": args.resident, "kernels": args.kernels,
-           "shape_buckets": args.shape_buckets,
+           "shape_buckets": args.shape_buckets, "topk_stages": stages,
            "kernels_resolved": {k: r.consumer.kernels for k, r in rts.items()}, "model_init_s": init_s, "command": "python launch/bench_ttft.py " +
            " ".join(argv if argv is not None else __import__("sys").argv[1:]), "lengths": []}
 
@@ -318,9 +332,9 @@ def main(argv=None):
                 row["repeats_so_far"] = times  # a run cut off by a time limit keeps what it timed
                 save()
         row.pop("repeats_so_far")
-        rec_t, red_t = times[kernel_sets[0]]["recompute_s"], times[kernel_sets[0]]["redknot_s"]
+        rec_t, red_t = times[first]["recompute_s"], times[first]["redknot_s"]
         ratios = [a / b for a, b in zip(rec_t, red_t)]
-        tok_rec, tok_red = times[kernel_sets[0]]["tokens"][-1]
+        tok_rec, tok_red = times[first]["tokens"][-1]
         if len(rts) > 1:
             row["by_kernels"] = {k: {**v, "recompute_median_s": statistics.median(v["recompute_s"]),
                                      "redknot_median_s": statistics.median(v["redknot_s"]),

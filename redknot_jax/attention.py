@@ -14,7 +14,7 @@ from flax import nnx
 
 from redknot_jax.compressor import Compressor
 from redknot_jax.config import CSA, HCA, ModelConfig
-from redknot_jax.indexer import Indexer, score_function, select_topk
+from redknot_jax.indexer import TOPK_STAGES, Indexer, score_function, select_topk_causal
 from redknot_jax.norms import RMSNorm, rms_norm
 from redknot_jax.ring import ring_read, ring_write, scatter_rows
 from redknot_jax.rope import apply_rope
@@ -130,7 +130,7 @@ class Attention(nnx.Module):
 
     # ------------------------------------------------------------------ forward
     def __call__(self, x, pos0, n_new, cache, freqs, block: int, trace: bool = False, kernels: str = "xla",
-                 sparse: str = "xla"):
+                 sparse: str = "xla", topk_stages: int = TOPK_STAGES):
         """x [b, t, d] (normed block input) at positions pos0 + [0, t), n_new real rows each.
 
         Returns (y [b, t, d], new cache), plus with `trace` a dict of intermediates the artifact
@@ -142,7 +142,10 @@ class Attention(nnx.Module):
         by XLA ("xla") or the Mosaic GPU kernel ("mosaic"; `indexer.score_function`). `sparse`:
         a CSA block's attention over its window and top-k keys by XLA (a gather, then
         `sink_softmax_attend`) or by `pallas.sparse_attention` ("mosaic"; not with `trace`,
-        whose per-set attention masses only the XLA form gives).
+        whose per-set attention masses only the XLA form gives). `topk_stages`: a CSA query
+        block scores and selects over the shortest of that many entry prefixes that holds what
+        it sees (`indexer.select_topk_causal`; 1: over every entry), when the call has several
+        blocks.
         """
         b, t, _ = x.shape
         w, m = self.window, None
@@ -175,6 +178,8 @@ class Attention(nnx.Module):
             span = table.shape[1]
             table = table.reshape(b * span, self.k)
 
+        nblk = t // block
+
         def run_block(start):
             qb = jax.lax.dynamic_slice_in_dim(q, start, block, axis=1)
             pb = pos0[:, None] + start + jnp.arange(block)  # [b, tb]
@@ -194,7 +199,8 @@ class Attention(nnx.Module):
                 iwb = jax.lax.dynamic_slice_in_dim(iw, start, block, axis=1)
                 vis = jnp.arange(ients.shape[1])[None, None, :] < ((pb + 1) // m)[..., None]
                 kk = min(self.indexer.topk, ients.shape[1])
-                sel, ok = select_topk(score_function(kernels)(iqb, iwb, ients), vis, kk)
+                sel, ok = select_topk_causal(score_function(kernels), iqb, iwb, ients, vis, kk,
+                                             topk_stages if nblk > 1 else 1)
                 if kernel_csa:
                     return self._sparse_block(qb, pb, start, sel, ok, table, span, t, sink, scale), \
                         jnp.where(ok, sel, -1)
@@ -208,7 +214,6 @@ class Attention(nnx.Module):
             far = sum(mass[1:]) if len(mass) > 1 else jnp.zeros_like(mass[0])
             return o.astype(x.dtype), picked, far
 
-        nblk = t // block
         if nblk == 1:
             res = run_block(0)
         else:

@@ -14,6 +14,7 @@ from flax import nnx
 
 from redknot_jax.attention import Attention
 from redknot_jax.config import SLIDING, ModelConfig
+from redknot_jax.indexer import TOPK_STAGES
 from redknot_jax.mhc import HyperConnection, HyperHead
 from redknot_jax.moe import MoE
 from redknot_jax.pallas import kernel_mode
@@ -37,13 +38,15 @@ class Block(nnx.Module):
         self.compressed = cfg.layer_types[layer] != SLIDING
 
     def __call__(self, x, ids, pos0, n_new, cache, freqs, block, trace: bool = False, keep_fn=None,
-                 kernels: str = ""):
+                 kernels: str = "", topk_stages: int = TOPK_STAGES):
         """x [b, t, n, d] streams -> (streams, cache[, trace]); see `Attention.__call__`.
         kernels: the Mosaic GPU kernels to run, a comma list of `redknot_jax.pallas.KERNELS`
-        ("": the XLA references); the block uses "indexer", "sparse_attention" and "ragged_dot"."""
+        ("": the XLA references); the block uses "indexer", "sparse_attention" and "ragged_dot".
+        topk_stages: the CSA selection's entry prefixes (`indexer.select_topk_causal`)."""
         u, post, comb = self.hc_attn.pre(x)
         out = self.attn(self.attn_norm(u), pos0, n_new, cache, freqs, block, trace=trace,
-                        kernels=kernel_mode(kernels, "indexer"), sparse=kernel_mode(kernels, "sparse_attention"))
+                        kernels=kernel_mode(kernels, "indexer"), sparse=kernel_mode(kernels, "sparse_attention"),
+                        topk_stages=topk_stages)
         a, cache = out[0], out[1]
         x = HyperConnection.post(x, a, post, comb)
         x = self.ffn_residual(x, ids, keep_fn, kernels=kernels)

@@ -42,7 +42,7 @@ from flax import nnx
 
 from redknot_jax.attention import sink_softmax_attend
 from redknot_jax.config import CSA, HCA
-from redknot_jax.indexer import index_scores, score_function, select_topk
+from redknot_jax.indexer import TOPK_STAGES, index_scores, score_function, select_topk_causal
 from redknot_jax.mhc import HyperConnection
 from redknot_jax.norms import rms_norm
 from redknot_jax.pallas import kernel_mode, resolve_kernels
@@ -148,9 +148,10 @@ def _pass_a(q, tab, kv_abs, ents, sink, scale, kind, block, window, csa_ids):
 
 
 def _pass_b(q, pos, window_keys, ents, idx, sink, scale, kind, block, window, topk, scores=index_scores,
-            kv_abs=None):
+            kv_abs=None, stages: int = TOPK_STAGES):
     """Every head of the protected rows over the native key sets (indexer across frames;
-    `scores`: `index_scores` or its kernel, `indexer.score_function`). `window_keys(kp)`: the
+    `scores`: `index_scores` or its kernel, `indexer.score_function`; `stages`: the selection's
+    entry prefixes, `indexer.select_topk_causal`, used when there are several blocks). `window_keys(kp)`: the
     absolute-frame K=V of request rows kp (>= 0; others are masked). `kv_abs` (every row's,
     given only when the kernel set names it): a CSA layer's attention by
     `pallas.sparse_attention` over one table of the request's latents and entries."""
@@ -158,6 +159,8 @@ def _pass_b(q, pos, window_keys, ents, idx, sink, scale, kind, block, window, to
     sparse = kv_abs is not None and kind == CSA
     if sparse:
         table = jnp.concatenate([kv_abs, ents[0].astype(kv_abs.dtype)])
+
+    n = P // block
 
     def run(start):
         qb = jax.lax.dynamic_slice_in_dim(q, start, block)
@@ -175,7 +178,7 @@ def _pass_b(q, pos, window_keys, ents, idx, sink, scale, kind, block, window, to
             iwb = jax.lax.dynamic_slice_in_dim(iw, start, block)
             vis = (end[None] <= pb[:, None])[None]
             k = min(topk, e.shape[0])
-            sel, ok = select_topk(scores(iqb[None], iwb[None], ikeys[None]), vis, k)
+            sel, ok = select_topk_causal(scores, iqb[None], iwb[None], ikeys[None], vis, k, stages if n > 1 else 1)
             if sparse:  # window positions nearest first (real while >= 0), then the entries
                 win = pb[:, None] - jnp.arange(window)[None, :]
                 ids, count = row_lists(win, jnp.clip(pb + 1, 0, window),
@@ -185,19 +188,18 @@ def _pass_b(q, pos, window_keys, ents, idx, sink, scale, kind, block, window, to
         o, _ = sink_softmax_attend(qb[None], sets, sink, scale)
         return o[0].astype(q.dtype)
 
-    n = P // block
     return run(0) if n == 1 else jax.lax.map(run, jnp.arange(n) * block).reshape(P, *q.shape[1:])
 
 
 def reusable_layer(blk, x, ids, tab, pool_layer, *, freqs, glob, block, fan, reduce=None, ffn=None,
-                   kernels: str = ""):
+                   kernels: str = "", topk_stages: int = TOPK_STAGES):
     """One reusable layer of the RedKnot arm over the request rows (see the module doc).
 
     Under tensor parallelism (`redknot_jax.sharding.consumer_tp`) the block holds a rank's
     heads / groups / experts, `reduce` sums the row-parallel `wo_b` output over ranks and
     `ffn(x, ids, keep_fn) -> (x, keep)` is the rank's MoE half; by default both are local."""
     x = reusable_attention(blk, x, tab, pool_layer, freqs=freqs, glob=glob, block=block, reduce=reduce,
-                           kernels=kernels)
+                           kernels=kernels, topk_stages=topk_stages)
     return reusable_ffn(blk, x, ids, tab["pos"] < tab["n_real"], fan, ffn, kernels)
 
 
@@ -247,13 +249,14 @@ def _projections(attn, xa, cpos) -> dict:
 
 
 def reusable_attention(blk, x, tab, pool_layer, *, freqs, glob, block, reduce=None, keep_rows=None,
-                       kernels: str = ""):
+                       kernels: str = "", topk_stages: int = TOPK_STAGES):
     """The attention half of a reusable layer (passes A and B, z_L restore, `wo_b` once, mHC
     post) over one request's rows x [1, t, n, d]. With `keep_rows` ([C] request rows, padded
     with t) also what decoding reads later of those rows (`DecodeState`): their canonical K=V
     and compressor projections, C rows (a row past the request reads its last). `kernels`: which
     Mosaic GPU kernels run instead of their references ("restore", "indexer" for pass B's scores;
-    `Consumer`'s resolved set)."""
+    `Consumer`'s resolved set). `topk_stages`: pass B's CSA selection over entry prefixes
+    (`indexer.select_topk_causal`; 1 under `vmap`)."""
     attn = blk.attn
     t = x.shape[1]
     h, k, g, w = attn.h, attn.k, attn.g, attn.window
@@ -299,7 +302,8 @@ def reusable_attention(blk, x, tab, pool_layer, *, freqs, glob, block, reduce=No
         idx = (iq[0], iw[0], idx_keys)
     o_p = _pass_b(q_p, pp, lambda kp: kv_abs[jnp.clip(kp, 0, t - 1)], ents, idx, sink, scale, kind, block, w,
                   attn.indexer.topk if kind == CSA else 0, score_function(kernel_mode(kernels, "indexer")),
-                  kv_abs=kv_abs if kernel_mode(kernels, "sparse_attention") == "mosaic" else None)
+                  kv_abs=kv_abs if kernel_mode(kernels, "sparse_attention") == "mosaic" else None,
+                  stages=topk_stages)
     o_p = apply_rope(o_p, pp, freqs, inverse=True)
     z_p = attn.wo_a_apply(o_p[None])[0].astype(o_g.dtype)
 
@@ -415,29 +419,30 @@ def decode_attention(blk, x, tab, pool_layer, keys, t0, *, freqs):
 
     q = _queries(attn, cq, np.arange(attn.h), pos, freqs)
     o = _pass_b(q, pos, window_keys, ents, idx, attn.attn_sink[...], attn.k ** -0.5, attn.kind, g, attn.window,
-                attn.indexer.topk if attn.kind == CSA else 0)
+                attn.indexer.topk if attn.kind == CSA else 0, stages=1)
     o = apply_rope(o, pos, freqs, inverse=True)
     y = attn.wo_b_apply(attn.wo_a_apply(o[None]))
     return HyperConnection.post(x, y.astype(x.dtype), post, comb), new
 
 
 # ---------------------------------------------------------------------------------- jitted layers
-@functools.partial(jax.jit, static_argnames=("graphdef", "freqs", "block", "cap", "kernels"))
-def _native_jit(state, x, ids, n_real, *, graphdef, freqs, block, cap, kernels=""):
+@functools.partial(jax.jit, static_argnames=("graphdef", "freqs", "block", "cap", "kernels", "topk_stages"))
+def _native_jit(state, x, ids, n_real, *, graphdef, freqs, block, cap, kernels="", topk_stages=TOPK_STAGES):
     """One native layer over a batch of b padded requests (n_real [b] real rows each)."""
     blk = nnx.merge(graphdef, state)
     b = x.shape[0]
     cache = blk.attn.init_cache(b, cap, x.dtype)
-    x, _ = blk(x, ids, jnp.zeros((b,), jnp.int32), n_real, cache, freqs, block, kernels=kernels)
+    x, _ = blk(x, ids, jnp.zeros((b,), jnp.int32), n_real, cache, freqs, block, kernels=kernels,
+               topk_stages=topk_stages)
     return x
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "freqs", "block", "cap", "kernels"))
-def _native_cache_jit(state, x, ids, n_real, *, graphdef, freqs, block, cap, kernels=""):
+@functools.partial(jax.jit, static_argnames=("graphdef", "freqs", "block", "cap", "kernels", "topk_stages"))
+def _native_cache_jit(state, x, ids, n_real, *, graphdef, freqs, block, cap, kernels="", topk_stages=TOPK_STAGES):
     """A native layer over one request, keeping its cache (capacity `cap` rows) for decoding."""
     blk = nnx.merge(graphdef, state)
     return blk(x, ids, jnp.zeros((1,), jnp.int32), n_real, blk.attn.init_cache(1, cap, x.dtype), freqs, block,
-               kernels=kernels)
+               kernels=kernels, topk_stages=topk_stages)
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "freqs"))
@@ -448,13 +453,14 @@ def _native_step_jit(state, x, ids, pos0, cache, *, graphdef, freqs):
     return blk(x, ids, pos0[None], jnp.full((1,), g, jnp.int32), cache, freqs, g)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "freqs", "glob", "block", "fan", "kernels"))
-def _reusable_keys_jit(state, x, ids, tab, pool_layer, keep_rows, *, graphdef, freqs, glob, block, fan, kernels):
+@functools.partial(jax.jit, static_argnames=("graphdef", "freqs", "glob", "block", "fan", "kernels", "topk_stages"))
+def _reusable_keys_jit(state, x, ids, tab, pool_layer, keep_rows, *, graphdef, freqs, glob, block, fan, kernels,
+                       topk_stages=TOPK_STAGES):
     """`_reusable_jit` that also returns what decoding reads of rows `keep_rows` (see
     `reusable_attention`)."""
     blk = nnx.merge(graphdef, state)
     x, keys = reusable_attention(blk, x, tab, pool_layer, freqs=freqs, glob=np.asarray(glob), block=block,
-                                 keep_rows=keep_rows, kernels=kernels)
+                                 keep_rows=keep_rows, kernels=kernels, topk_stages=topk_stages)
     x, hist = reusable_ffn(blk, x, ids, tab["pos"] < tab["n_real"], fan, kernels=kernels)
     return x, hist, keys
 
@@ -481,7 +487,7 @@ def _reusable_batch_jit(state, x, ids, tab, pool_layer, *, graphdef, freqs, glob
     rows of the batch (tokens are independent there). Returns (x, histogram per request)."""
     blk = nnx.merge(graphdef, state)
     one = lambda xx, tt: reusable_attention(blk, xx[None], tt, pool_layer, freqs=freqs, glob=np.asarray(glob),
-                                            block=block)[0]
+                                            block=block, topk_stages=1)[0]  # vmapped: no switch
     x = jax.vmap(one)(x, tab)
     keep_fn = lambda sel, wts, scores: fanout_keep(wts, fan[0], fan[1], fan[2])
     x, keep = blk.ffn_residual(x, ids, keep_fn, with_keep=True, kernels=kernels)  # keep [b, t, k]
@@ -492,11 +498,12 @@ def _reusable_batch_jit(state, x, ids, tab, pool_layer, *, graphdef, freqs, glob
     return x, hist
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "freqs", "glob", "block", "fan", "kernels"))
-def _reusable_jit(state, x, ids, tab, pool_layer, *, graphdef, freqs, glob, block, fan, kernels):
+@functools.partial(jax.jit, static_argnames=("graphdef", "freqs", "glob", "block", "fan", "kernels", "topk_stages"))
+def _reusable_jit(state, x, ids, tab, pool_layer, *, graphdef, freqs, glob, block, fan, kernels,
+                  topk_stages=TOPK_STAGES):
     blk = nnx.merge(graphdef, state)
     return reusable_layer(blk, x, ids, tab, pool_layer, freqs=freqs, glob=np.asarray(glob), block=block, fan=fan,
-                          kernels=kernels)
+                          kernels=kernels, topk_stages=topk_stages)
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef",))
@@ -571,13 +578,16 @@ class DecodeState:
 class Consumer:
     """Both arms of a model at serving scale: `recompute(req)` and `redknot(req, pool)`."""
 
-    def __init__(self, model, profile, block: int | None = None, kernels: str = "auto", buckets: int = 8):
+    def __init__(self, model, profile, block: int | None = None, kernels: str = "auto", buckets: int = 8,
+                 topk_stages: int = TOPK_STAGES):
         """kernels: which Mosaic GPU kernels single requests run (batches run only the MoE's,
         `batch_kernels`): see `resolve_kernels`; `self.kernels` is the resolved set. A kernel
         named explicitly that the model cannot run is refused here, not silently replaced by its
         reference. buckets: `Buckets.per_octave` of every padded size (rows, protected rows,
         entries, decode capacities, pools), so requests of similar sizes share compiled
-        programs; 0 pads to the query block and ENTRY_PAD only."""
+        programs; 0 pads to the query block and ENTRY_PAD only. topk_stages: a CSA query block
+        scores and selects over the shortest of that many entry prefixes holding what it sees
+        (`indexer.select_topk_causal`; the same picks; 1 scores every entry, the form before)."""
         # query block: 256 rows at model scale; 32 for the small test models (fewer padded rows)
         block = block or (256 if model.cfg.hidden_size >= 1024 else 32)
         self.model, self.profile, self.cfg, self.block = model, profile, model.cfg, block
@@ -589,6 +599,9 @@ class Consumer:
         self.reusable = list(profile.reusable_layers(self.cfg.num_layers))
         self.fan = (profile.fanout_mode, float(profile.tau), int(profile.fanout_min))
         self.kernels = resolve_kernels(kernels, model, len(self.glob) // self.cfg.o_groups)
+        if not isinstance(topk_stages, int) or topk_stages < 1:
+            raise ValueError(f"Consumer: topk_stages must be an int >= 1, got {topk_stages!r}")
+        self.topk_stages = topk_stages
 
     @property
     def batch_kernels(self) -> str:
@@ -632,7 +645,7 @@ class Consumer:
         cap = self._cap(t)
         return _native_jit(st, x, ids, jnp.asarray(np.reshape(t_real, -1), jnp.int32), graphdef=gd,
                            freqs=self.model.freqs(i), block=min(self.block, t), cap=cap,
-                           kernels=self.kernels if x.shape[0] == 1 else self.batch_kernels)
+                           kernels=self.kernels if x.shape[0] == 1 else self.batch_kernels, topk_stages=self.topk_stages)
 
     def _embed(self, ids):
         return _embed_jit(self.top_state, ids, graphdef=self.top_def)
@@ -650,7 +663,8 @@ class Consumer:
         gd, st = self.defs[i]
         x, state.layers[i] = _native_cache_jit(
             st, x, ids, jnp.full((1,), t_real, jnp.int32), graphdef=gd, freqs=self.model.freqs(i),
-            block=min(self.block, t), cap=max(state.cap, self._cap(t)), kernels=self.kernels)
+            block=min(self.block, t), cap=max(state.cap, self._cap(t)), kernels=self.kernels,
+            topk_stages=self.topk_stages)
         return x
 
     def recompute(self, tokens, query_rows, layer_times: list | None = None,
@@ -755,7 +769,7 @@ class Consumer:
                     timings["plan_s"] = time.perf_counter() - t0
             gd, st = self.defs[i]
             kw = dict(graphdef=gd, freqs=self.model.freqs(i), glob=self.glob, block=self.block, fan=self.fan,
-                      kernels=self.kernels)
+                      kernels=self.kernels, topk_stages=self.topk_stages)
             if state is None:
                 x, h = _reusable_jit(st, x, ids, layout.tables, pool_layer, **kw)
             else:

@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 
 from redknot_jax.config import CSA, HCA
-from redknot_jax.indexer import index_scores
+from redknot_jax.indexer import TOPK_STAGES, index_scores
 from redknot_jax.mhc import HyperConnection
 from redknot_jax.model import Model
 from redknot_jax.reuse import ledger as ledgers
@@ -64,7 +64,8 @@ class ReuseRuntime:
     """Holds the model, profile, identity (checkpoint fingerprint, TP geometry) and counters."""
 
     def __init__(self, model: Model, profile: RedKnotProfile, checkpoint_fingerprint: str,
-                 tp: TPGeometry | None = None, min_generation: int = 0, kernels: str = "auto", buckets: int = 8):
+                 tp: TPGeometry | None = None, min_generation: int = 0, kernels: str = "auto", buckets: int = 8,
+                 topk_stages: int = TOPK_STAGES):
         self.model, self.profile, self.cfg = model, profile, model.cfg
         self.fingerprint, self.tp = checkpoint_fingerprint, tp or single_rank()
         self.min_generation = min_generation
@@ -72,8 +73,9 @@ class ReuseRuntime:
         self.local = local_head_mask(model, profile)
         self.reusable = list(profile.reusable_layers(self.cfg.num_layers))
         self._verified: dict[int, tuple] = {}
-        # Mosaic GPU kernels: resolve_kernels; buckets: the padded sizes (pool.Buckets)
-        self.consumer = Consumer(model, profile, kernels=kernels, buckets=buckets)
+        # Mosaic GPU kernels: resolve_kernels; buckets: the padded sizes (pool.Buckets); topk_stages:
+        # the CSA selection's entry prefixes (indexer.select_topk_causal)
+        self.consumer = Consumer(model, profile, kernels=kernels, buckets=buckets, topk_stages=topk_stages)
 
     # ------------------------------------------------------------------ certification
     def certify(self, req: Request) -> tuple[FallbackReason, str] | None:

@@ -1,8 +1,8 @@
 """launch/bench_ttft.py end to end on CPU (tiny preset): a build-only call publishes the
 documents' artifacts to a store (--store), the timed call reads them back and runs both arms with
 host-resident artifacts streamed per layer, the per-layer profile and the cold (construction
-included) RedKnot run, two kernel sets timed side by side; every RedKnot run certified, none fell
-back."""
+included) RedKnot run, two kernel sets x two entry-prefix stagings timed side by side; every
+RedKnot run certified, none fell back."""
 
 import dataclasses
 import json
@@ -23,7 +23,7 @@ def test_bench_ttft_store_host_resident_cold_layers(monkeypatch, tmp_path):
     assert built["artifacts"] == "built" and built["build_s"] > 0 and "recompute_s" not in built
     out = tmp_path / "ttft.json"
     res = bench_ttft.main(common + ["--resident", "host", "--host-kind", "pinned", "--cold", "--layer-times",
-                                    "--kernels", "xla,auto",
+                                    "--kernels", "xla,auto", "--topk-stages", "4,1",
                                     "--op-profile", "0,2", "--decode-steps", "3", "--out", str(out)])
     assert json.loads(out.read_text()) == json.loads(json.dumps(res)) and res["resident"] == "host"
     row = res["lengths"][0]
@@ -36,12 +36,17 @@ def test_bench_ttft_store_host_resident_cold_layers(monkeypatch, tmp_path):
     # warm-up + 1 hot repeat + the RedKnot decode prefill + 1 cold run, each certified (the cold one on
     # freshly built artifacts)
     assert row["cert"]["validated"] == 4 and not any(row["cert"]["fallback"].values())
-    # both kernel sets (off a GPU "auto" resolves to none), each timed per repeat, each certified
-    assert res["kernels_resolved"] == {"xla": "", "auto": ""} and res["shape_buckets"] == 8
+    # both kernel sets (off a GPU "auto" resolves to none) x both stagings, each timed per repeat, each
+    # certified; the first named fills the row's main fields
+    names = {"xla/stages4", "xla/stages1", "auto/stages4", "auto/stages1"}
+    assert res["kernels_resolved"] == dict.fromkeys(names, "") and res["shape_buckets"] == 8
+    assert res["topk_stages"] == [4, 1]
     by = row["by_kernels"]
-    assert set(by) == {"xla", "auto"} and by["xla"]["recompute_s"] == row["recompute_s"]
+    assert set(by) == names and by["xla/stages4"]["recompute_s"] == row["recompute_s"]
     assert all(len(v["redknot_s"]) == 1 and v["speedup_median"] > 0 for v in by.values())
-    assert by["auto"]["cert"]["validated"] == 2 and not any(by["auto"]["cert"]["fallback"].values())
+    assert by["auto/stages1"]["cert"]["validated"] == 2 and not any(by["auto/stages1"]["cert"]["fallback"].values())
+    # every variant answers with the same first tokens
+    assert len({tuple(v["tokens"][-1]) for v in by.values()}) == 1
     lt = row["layer_times"]  # the per-layer profile: every layer of both arms, fences named
     assert len(lt["recompute_s"]) == len(lt["redknot_s"]) == len(lt["role"]) == len(lt["kind"])
     assert min(lt["recompute_s"] + lt["redknot_s"]) > 0 and {"fence", "reusable"} == set(lt["role"])
@@ -80,7 +85,10 @@ def test_bench_ttft_store_host_resident_cold_layers(monkeypatch, tmp_path):
     (["--op-profile", "99"], r"--op-profile: layer indices must lie in \[0, 6\)"),
     (["--op-profile", "a"], "--op-profile: expected comma-separated layer indices"),
     (["--decode-steps", "-1"], "--decode-steps: expected >= 0, got -1"),
-    (["--shape-buckets", "3"], "--shape-buckets: Buckets: per_octave must be 0 or a power of two, got 3")])
+    (["--shape-buckets", "3"], "--shape-buckets: Buckets: per_octave must be 0 or a power of two, got 3"),
+    (["--topk-stages", "0"], "--topk-stages: expected distinct ints >= 1"),
+    (["--topk-stages", "2,2"], "--topk-stages: expected distinct ints >= 1"),
+    (["--topk-stages", "a"], "--topk-stages: expected distinct ints >= 1, comma-separated, got 'a'")])
 def test_bench_ttft_rejects_bad_flags(tmp_path, capsys, flags, named):
     """Each bad flag is refused before any work, with a message naming it."""
     with pytest.raises(SystemExit):
