@@ -31,8 +31,9 @@ def load_ttft(paths) -> tuple[list[dict], list[str]]:
     """Rows (one per length) and provenance lines. Runs of one length on the same request
     records, profile and kernel set are pooled (every repeat kept, medians over all of them).
     Otherwise a run of the preset's own profile wins over a variant (`bench_ttft.py
-    --tail-rows/--fanout/--budget` rename it "name-field=value"), then the run with more of
-    today's default kernels (`redknot_jax.pallas.FASTER`), and among equals the last file; a
+    --tail-rows/--fanout/--budget` rename it "name-field=value"), then a run of today's default
+    top-k staging (`indexer.TOPK_STAGES`; runs before it scored every entry), then the run with
+    more of today's default kernels (`redknot_jax.pallas.FASTER`), and among equals the last file; a
     winner without a per-layer profile keeps the loser's (its plot names the file it came from)."""
     rows, prov = {}, []
     for p in paths:
@@ -44,11 +45,12 @@ def load_ttft(paths) -> tuple[list[dict], list[str]]:
         if complete:  # files of complete rows only (not a --build-only run)
             prov.append(src)
         for r in complete:
-            r = {**r, "profile_name": d.get("profile", {}).get("name"), "kernel_set": _kernel_set(d)}
+            r = {**r, "profile_name": d.get("profile", {}).get("name"), "kernel_set": _kernel_set(d),
+                 "topk_stages": (d.get("topk_stages") or [1])[0]}
             if r.get("layer_times"):
                 r["layer_times_src"] = src
             was = rows.get(int(r["length"]))
-            same = ("records_sha256", "profile_name", "kernel_set")
+            same = ("records_sha256", "profile_name", "kernel_set", "topk_stages")
             if was and all(was[k] == r[k] for k in same):
                 r = _pool(was, r)
             elif was and _rank(r) < _rank(was):
@@ -63,21 +65,27 @@ def load_ttft(paths) -> tuple[list[dict], list[str]]:
 
 def _kernel_set(d: dict) -> str:
     """The kernels behind a result's main fields: the first of `--kernels`, as resolved when
-    recorded (results before kernels were recorded ran the XLA references)."""
+    recorded (results before kernels were recorded ran the XLA references; with several
+    `--topk-stages` the resolved sets are keyed 'SET/stagesN', the first variant first)."""
+    resolved = d.get("kernels_resolved", {})
+    if resolved and all("/stages" in k for k in resolved):
+        return next(iter(resolved.values()))
     first = (d.get("kernels") or "xla").split(",")[0]
-    return d.get("kernels_resolved", {}).get(first, "" if first == "xla" else first)
+    return resolved.get(first, "" if first == "xla" else first)
 
 
 def _variant(r: dict) -> bool:
     return "=" in (r["profile_name"] or "")
 
 
-def _rank(r: dict) -> tuple[bool, int]:
+def _rank(r: dict) -> tuple[bool, bool, int]:
     """Which of two unpoolable runs of one length a plot shows: the preset's own profile, then
-    the most kernels of the current default set."""
+    today's top-k staging, then the most kernels of the current default set."""
+    from redknot_jax.indexer import TOPK_STAGES
     from redknot_jax.pallas import FASTER
 
-    return not _variant(r), sum(k in FASTER for k in r["kernel_set"].split(",") if k)
+    return (not _variant(r), r["topk_stages"] == TOPK_STAGES,
+            sum(k in FASTER for k in r["kernel_set"].split(",") if k))
 
 
 def _pool(a: dict, b: dict) -> dict:

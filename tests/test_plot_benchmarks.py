@@ -30,13 +30,15 @@ def test_plots_from_committed_results(tmp_path):
 @pytest.mark.parametrize("length, runs, layers_file", [(65536, 2, "ttft_64k_ops_moe_kernel_h200.json"),
                                                        (131072, 2, "ttft_128k_host_layers_h200.json")])
 def test_runs_of_the_same_requests_are_pooled(length, runs, layers_file):
-    """The committed runs of one length on the same records, profile and main kernel set become
-    one row with every repeat, not the earlier runs with fewer kernels (128K: two runs of one
-    repeat). 64K: the session-24 run (main set indexer + ragged_dot + sparse_attention, 2
-    repeats) replaces the four pooled runs with indexer + ragged_dot, and keeps their per-layer
-    profile, which names the one file it came from."""
+    """The committed runs of one length on the same records, profile, main kernel set and top-k
+    staging become one row with every repeat, not the earlier runs with fewer kernels (128K: two
+    runs of one repeat). 64K: the session-30 run (top-k over 4 entry prefixes, 2 repeats) replaces
+    the session-24 run with more kernels but every entry scored, and keeps the per-layer profile
+    of earlier runs, which names the one file it came from."""
     rows, _ = pb.load_ttft(sorted((ROOT / "docs" / "results").glob("ttft_*_h200.json")))
     row = {r["length"]: r for r in rows}[length]
+    if length == 65536:
+        assert row["topk_stages"] == 4 and row["recompute_s"] == pytest.approx([7.417, 7.415], abs=1e-3)
     assert len(row["recompute_s"]) == len(row["redknot_s"]) == len(row["ratio_per_repeat"]) == runs
     assert row["layer_times"] and min(row["ratio_per_repeat"]) <= row["speedup_median"] <= max(row["ratio_per_repeat"])
     assert row["layer_times_src"].startswith(layers_file + ":")
