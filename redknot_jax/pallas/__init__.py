@@ -3,11 +3,13 @@
 `indexer_scores` (Lightning Indexer scores), `ragged_dot` (the MoE experts' grouped matmul,
 JAX's Hopper kernel) and `sparse_attention` (gathered-key latent attention: the CSA layers'
 window + top-k keys, natively and in the consumer's pass B). `KERNELS` names those the runtime chooses among (`resolve_kernels`, used by
-the consumer and `generate.Engine`); a resolved set is a comma list of them."""
+the consumer and `generate.Engine`); a resolved set is a comma list of them. "sparse_global" is
+the same gathered-key kernel at another call site, the consumer's pass A (the Global heads of
+every row, padded to the kernel's 64), so the two can be chosen and timed apart."""
 
 import jax
 
-KERNELS = ("indexer", "restore", "ragged_dot", "sparse_attention")
+KERNELS = ("indexer", "restore", "ragged_dot", "sparse_attention", "sparse_global")
 FASTER = ("indexer", "restore", "ragged_dot", "sparse_attention")  # measured faster than their XLA references on the H200 (docs/kernels.md)
 
 
@@ -20,13 +22,14 @@ def resolve_kernels(kernels: str, model, n_global: int | None = None) -> str:
     GPU none (interpret mode is for tests). A kernel named explicitly that the model cannot run
     (dtype, tiles, Global heads per group, no GPU) raises ValueError. n_global: the profile's
     Global heads per output group, for the restoration kernel; None outside the RedKnot consumer
-    (`generate.Engine`, `build_artifact`), where that kernel has nothing to run and is left out
-    of the set, so one `--kernels` value serves the consumer, the engine and the builds."""
+    (`generate.Engine`, `build_artifact`), where that kernel and "sparse_global" (pass A) have
+    nothing to run and are left out of the set, so one `--kernels` value serves the consumer, the
+    engine and the builds."""
     from redknot_jax.config import CSA
     from redknot_jax.pallas.indexer_scores import scores_unsupported
     from redknot_jax.pallas.ragged_dot import ragged_dot_unsupported
     from redknot_jax.pallas.restore import restore_unsupported
-    from redknot_jax.pallas.sparse_attention import sparse_attention_unsupported
+    from redknot_jax.pallas.sparse_attention import HEADS, sparse_attention_unsupported
 
     cfg, gpu = model.cfg, jax.default_backend() == "gpu"
     why = {"restore": None if n_global is None
@@ -38,6 +41,9 @@ def resolve_kernels(kernels: str, model, n_global: int | None = None) -> str:
            or ragged_dot_unsupported(cfg.moe_inter_dim, cfg.hidden_size, model.dtype),
            "sparse_attention": sparse_attention_unsupported(cfg.num_heads, cfg.head_dim, model.dtype)
            if CSA in cfg.layer_types else "no CSA layer"}
+    # pass A pads its Global heads to the kernel's 64: the head dim and dtype decide
+    why["sparse_global"] = (sparse_attention_unsupported(HEADS, cfg.head_dim, model.dtype)
+                            if CSA in cfg.layer_types else "no CSA layer")
     if kernels == "auto":
         names = [k for k in FASTER if why[k] is None] if gpu else []
     else:
@@ -48,7 +54,8 @@ def resolve_kernels(kernels: str, model, n_global: int | None = None) -> str:
     for k in names:
         if why[k]:
             raise ValueError(f"kernels={kernels!r}: the {k} kernel cannot run this model: {why[k]}")
-    return ",".join(k for k in KERNELS if k in names and (k != "restore" or n_global is not None))
+    consumer_only = ("restore", "sparse_global")
+    return ",".join(k for k in KERNELS if k in names and (k not in consumer_only or n_global is not None))
 
 
 def kernel_mode(kernels: str, name: str) -> str:

@@ -20,7 +20,8 @@ output needs no phase restore before the native inverse output RoPE. The artifac
 never written. (`pallas/seg_attention.py` rotates queries per segment instead; it is not used
 here, docs/kernels.md says why. Both are tested against the reference's rotated-query form.
 Pass B's CSA blocks run `pallas/sparse_attention.py` when the kernel set names it: per row
-a list of key ids into one table of the request's absolute-frame latents and entries.)
+a list of key ids into one table of the request's absolute-frame latents and entries; pass A's
+too, when it names "sparse_global", its Global heads padded to the kernel's 64.)
 
 Sections below: layer math (pass A / pass B, restoration, decode attention), jitted layers,
 and `Consumer`: pieces, the arms (`recompute`, `redknot`, `decode_step`; `layer_times` /
@@ -48,6 +49,7 @@ from redknot_jax.norms import rms_norm
 from redknot_jax.pallas import kernel_mode, resolve_kernels
 from redknot_jax.pallas.restore import restore_reference
 from redknot_jax.pallas.restore import restore as restore_kernel
+from redknot_jax.pallas.sparse_attention import HEADS as SPARSE_HEADS
 from redknot_jax.pallas.sparse_attention import row_lists, sparse_attention
 from redknot_jax.reuse.artifact import local_head_mask
 from redknot_jax.reuse.fanout import fanout_keep
@@ -114,9 +116,15 @@ def _renew_entries(comp, proj_kv, proj_gate, ring, tab, rows, freqs, own_slot, o
     return on_ents.at[j].set(apply_rope(ent, tab["d"][e], freqs).astype(on_ents.dtype), mode="drop")
 
 
-def _pass_a(q, tab, kv_abs, ents, sink, scale, kind, block, window, csa_ids):
-    """Global heads of every row: own frame's window, document-local top-k, visible HCA."""
+def _pass_a(q, tab, kv_abs, ents, sink, scale, kind, block, window, csa_ids, sparse: bool = False):
+    """Global heads of every row: own frame's window, document-local top-k, visible HCA.
+    `sparse` (CSA): by `pallas.sparse_attention` over one table of the request's latents and
+    entries, the heads padded to the kernel's 64 (zero queries, outputs dropped): the kernel
+    reads each key in place where XLA gathers a [block, top-k, k] tensor, and its time is the
+    gather's, not the padded heads' products."""
     t = q.shape[0]
+    if sparse and kind == CSA:
+        return _pass_a_sparse(q, tab, kv_abs, ents, sink, scale, block, window, csa_ids)
     pad = jnp.zeros((window, kv_abs.shape[1]), kv_abs.dtype)
     ext = jnp.concatenate([pad, kv_abs])
     ext_frame = jnp.concatenate([jnp.full((window,), -1, jnp.int32), tab["frame"]])
@@ -145,6 +153,37 @@ def _pass_a(q, tab, kv_abs, ents, sink, scale, kind, block, window, csa_ids):
     n = t // block
     o = run(0) if n == 1 else jax.lax.map(run, jnp.arange(n) * block).reshape(t, *q.shape[1:])
     return o
+
+
+def _frame_first(frame):
+    """Each row's frame's first row, from the layout's frame index per row (nondecreasing)."""
+    return jnp.searchsorted(frame, frame, side="left").astype(jnp.int32)
+
+
+def _pass_a_sparse(q, tab, kv_abs, ents, sink, scale, block, window, csa_ids):
+    """`_pass_a` of a CSA layer by the gathered-key kernel. Per row its key list: the window rows
+    of its own frame (positions p - j, j < min(window, p - frame start + 1), nearest first),
+    then its document-local top-k entries (valid first, as the artifact's picks are stored)."""
+    t, nh, _ = q.shape
+    table = jnp.concatenate([kv_abs, ents[0].astype(kv_abs.dtype)])
+    end = ents[1]
+    first = _frame_first(tab["frame"])
+    qp = jnp.pad(q, ((0, 0), (0, SPARSE_HEADS - nh), (0, 0)))
+    sp = jnp.pad(sink, (0, SPARSE_HEADS - nh))
+
+    def run(start):
+        qb = jax.lax.dynamic_slice_in_dim(qp, start, block)
+        pb = start + jnp.arange(block)
+        fb = jax.lax.dynamic_slice_in_dim(first, start, block)
+        ids = jax.lax.dynamic_slice_in_dim(csa_ids, start, block)
+        safe = jnp.maximum(ids, 0)
+        ok = (ids >= 0) & (end[safe] <= pb[:, None])
+        win = pb[:, None] - jnp.arange(window)[None, :]
+        idx, count = row_lists(win, jnp.clip(pb - fb + 1, 0, window), t + safe, jnp.sum(ok, -1))
+        return sparse_attention(qb, table, idx, count, sp, scale=scale)[0][:, :nh]
+
+    n = t // block
+    return run(0) if n == 1 else jax.lax.map(run, jnp.arange(n) * block).reshape(t, *q.shape[1:])
 
 
 def _pass_b(q, pos, window_keys, ents, idx, sink, scale, kind, block, window, topk, scores=index_scores,
@@ -288,7 +327,8 @@ def reusable_attention(blk, x, tab, pool_layer, *, freqs, glob, block, reduce=No
         rt = tab["rates"]["csa"]
         csa_ids = jnp.where((zr >= 0)[:, None] & (local_ids >= 0), rt["ebase"][:, None] + local_ids, -1)
     q_g = queries(cq, glob, pos)
-    o_g = _pass_a(q_g, tab, kv_abs, ents, sink[glob], scale, kind, block, w, csa_ids)
+    o_g = _pass_a(q_g, tab, kv_abs, ents, sink[glob], scale, kind, block, w, csa_ids,
+                  sparse=kernel_mode(kernels, "sparse_global") == "mosaic")
     o_g = apply_rope(o_g, pos, freqs, inverse=True)
 
     # pass B: every head of the protected rows, native key sets; their z replaces the row's

@@ -297,3 +297,88 @@ def test_native_csa_layers_run_the_kernel_interpret(monkeypatch):
     floor = rel_err(prefill("sparse_attention"), xla)
     assert 0 < floor < 0.05
     assert rel_err(kernel, xla) < 2 * floor
+
+
+def _pass_a_problem(*, t, nh, k, n_ent, topk, window, block, frames, dtype=jnp.float32, seed=7):
+    """`consumer._pass_a`'s arguments for a CSA layer: rows in frames of the given lengths, entry
+    e ending at row m e + m - 1 (m = t / n_ent), each row's document-local picks valid first and
+    only among entries that ended before it (as artifacts store them)."""
+    from redknot_jax.config import CSA
+
+    rng = np.random.default_rng(seed)
+    m = t // n_ent
+    frame = np.repeat(np.arange(len(frames)), frames).astype(np.int32)
+    end = np.arange(n_ent, dtype=np.int32) * m + m - 1
+    ids = np.full((t, topk), -1, np.int32)
+    for r in range(t):
+        seen = np.flatnonzero(end <= r)
+        pick = rng.permutation(seen)[: rng.integers(0, topk + 1)]
+        ids[r, : pick.size] = pick
+    f = lambda *shape: jnp.asarray(rng.normal(size=shape), jnp.float32).astype(dtype)
+    return (f(t, nh, k), {"frame": jnp.asarray(frame)}, f(t, k), (f(n_ent, k), jnp.asarray(end)),
+            f(nh).astype(jnp.float32), k ** -0.5, CSA, block, window, jnp.asarray(ids))
+
+
+@pytest.mark.gpu
+def test_pass_a_kernel_matches_xla_gpu():
+    """Pass A with the kernel itself (8 Global heads padded to 64, head dim 512, bf16, 640 keys
+    per row at most) against pass A in XLA: every row of four frames, to bf16 rounding."""
+    if jax.default_backend() != "gpu":
+        pytest.skip("needs a GPU")
+    from redknot_jax.reuse import consumer
+
+    args = _pass_a_problem(t=2048, nh=8, k=512, n_ent=512, topk=512, window=128, block=256,
+                           frames=(700, 500, 600, 248), dtype=jnp.bfloat16)
+    run = lambda sparse: jax.jit(lambda q, tab, kv, ents, sink, ids: consumer._pass_a(
+        q, tab, kv, ents, sink, *args[5:9], ids, sparse=sparse))(*args[:5], args[9])
+    got, want = run(True), run(False)
+    assert bool(jnp.all(jnp.isfinite(got.astype(jnp.float32))))
+    assert rel_err(got.astype(jnp.float32), want.astype(jnp.float32)) < TOL["kernel_bf16_o"][0]
+
+
+def test_pass_a_hands_the_global_heads_to_the_kernel(monkeypatch):
+    """"sparse_global": the RedKnot arm's pass A (the Global heads of every row over their own
+    frame's window and the artifact's document-local top-k) through the gathered-key kernel, the
+    heads padded to its 64, with the reference in the kernel's place (fp32, real selection):
+    * pass A itself, every row of three frames, equals the XLA form, and a window that ignores
+      the frame start (keys reaching into the previous document) does not;
+    * in the consumer, the RedKnot arm's logits are the XLA path's, every call with 64 heads;
+    * `resolve_kernels` takes the name in the consumer and leaves it out where pass A does not
+      exist (Engine, builds)."""
+    import dataclasses
+
+    from redknot_jax.init import random_model
+    from redknot_jax.pallas import resolve_kernels
+    from redknot_jax.reuse import consumer
+    from redknot_jax.reuse.artifact import build_artifact
+    from redknot_jax.reuse.planner import Request, Segment
+    from redknot_jax.reuse.runtime import ReuseRuntime
+    from tests.pallas.kernel_case import kernel_case
+
+    calls = _patch_reference(monkeypatch)
+    block, k = 16, 32
+    args = _pass_a_problem(t=64, nh=2, k=k, n_ent=16, topk=4, window=8, block=block, frames=(20, 24, 20))
+    want = consumer._pass_a(*args)
+    assert rel_err(consumer._pass_a(*args, sparse=True), want) < 1e-5
+    assert calls and all(c == (block, sp.HEADS, k) for c in calls)
+    monkeypatch.setattr(consumer, "_frame_first", jnp.zeros_like)  # windows cross into earlier frames
+    assert rel_err(consumer._pass_a(*args, sparse=True), want) > 1e-2
+    monkeypatch.undo()
+
+    calls = _patch_reference(monkeypatch)
+    _, kmodel, prof, _, req = kernel_case()
+    kmodel = random_model(kmodel.cfg, seed=5, dtype=jnp.float32)
+    prof = dataclasses.replace(prof, tail_rows=4, budget_override=0.1)  # most rows restored: pass A matters
+    arts = [build_artifact(kmodel, prof, s.tokens, checkpoint_fingerprint="fp") for s in req.segments[:2]]
+    req = Request([Segment(req.segments[0].tokens, arts[0]), Segment(req.segments[1].tokens, arts[1]),
+                   req.segments[2]], query_rows=req.query_rows)
+    xla, ker = ReuseRuntime(kmodel, prof, "fp", kernels="xla"), ReuseRuntime(kmodel, prof, "fp", kernels="xla")
+    ker.consumer.kernels = "sparse_global"  # the tiny model's head dim: the kernel itself would refuse
+    want = xla.prefill(req, "redknot", require_reuse=True).logits
+    got = ker.prefill(req, "redknot", require_reuse=True).logits
+    assert calls and all(c[1] == sp.HEADS for c in calls)  # every pass-A call: 64 (padded) heads
+    assert rel_err(got, want) < 1e-5
+    big = dataclasses.replace(kmodel.cfg, num_heads=16, head_dim=512, rope_dim=64, o_groups=8, o_lora_rank=32)
+    bmodel = random_model(big, seed=0, dtype=jnp.bfloat16)
+    assert resolve_kernels("sparse_global", bmodel, 1) == "sparse_global"  # 16 heads: padded, accepted
+    assert resolve_kernels("sparse_global", bmodel) == ""  # outside the consumer: nothing to run
