@@ -32,13 +32,15 @@ def test_plots_from_committed_results(tmp_path):
 def test_runs_of_the_same_requests_are_pooled(length, runs, layers_file):
     """The committed runs of one length on the same records, profile, main kernel set and top-k
     staging become one row with every repeat, not the earlier runs with fewer kernels (128K: two
-    runs of one repeat). 64K: the session-30 run (top-k over 4 entry prefixes, 2 repeats) replaces
-    the session-24 run with more kernels but every entry scored, and keeps the per-layer profile
-    of earlier runs, which names the one file it came from."""
+    runs of one repeat). 64K: session 30's last run (top-k over 4 entry prefixes, pass A's kernel,
+    2 repeats) replaces its run with fewer kernels and the session-24 run with every entry
+    scored, and keeps the per-layer profile of earlier runs, which names the one file it came
+    from."""
     rows, _ = pb.load_ttft(sorted((ROOT / "docs" / "results").glob("ttft_*_h200.json")))
     row = {r["length"]: r for r in rows}[length]
     if length == 65536:
-        assert row["topk_stages"] == 4 and row["recompute_s"] == pytest.approx([7.417, 7.415], abs=1e-3)
+        assert row["topk_stages"] == 4 and row["recompute_s"] == pytest.approx([7.500, 7.480], abs=1e-3)
+        assert "sparse_global" in row["kernel_set"]
     assert len(row["recompute_s"]) == len(row["redknot_s"]) == len(row["ratio_per_repeat"]) == runs
     assert row["layer_times"] and min(row["ratio_per_repeat"]) <= row["speedup_median"] <= max(row["ratio_per_repeat"])
     assert row["layer_times_src"].startswith(layers_file + ":")
@@ -64,10 +66,11 @@ def test_wrong_inputs_are_named(tmp_path):
 
 def test_axis_labels_name_host_residency_and_kernels():
     """128K ran with host-resident artifacts and the indexer kernel, 64K with the indexer, MoE
-    and gathered-key attention kernels: their labels say so (one kernel per line); a
+    and gathered-key attention kernels, the last in pass A too: their labels say so (one kernel
+    per line); a
     --build-only result (no timed rows) is not named as a source."""
     paths = sorted((ROOT / "docs" / "results").glob("ttft_*_h200.json"))
     rows, prov = pb.load_ttft(paths)
     labels = {r["length"]: pb._tick(r) for r in rows}
-    assert labels[131072] == "128K\nhost\nindexer" and labels[65536] == "64K\nindexer,\nragged_dot,\nsparse_attention"
+    assert labels[131072] == "128K\nhost\nindexer" and labels[65536] == "64K\nindexer,\nragged_dot,\nsparse_attention,\nsparse_global"
     assert any("build" in p.name for p in paths) and not any("build" in line for line in prov)

@@ -23,7 +23,9 @@ than XLA, `pallas.FASTER`). Each rank runs them on its share: the indexer kernel
 queries are all-gathered first), the restoration kernel over the rank's output groups, the
 MoE's grouped-matmul kernel ("ragged_dot") over the rank's expert range (`tp._moe`). The
 gathered-key attention kernel ("sparse_attention") takes all 64 heads of a row: at tp > 1 it is
-left out of "auto" and "mosaic" and refused when named.
+left out of "auto" and "mosaic" and refused when named. Pass A's use of it ("sparse_global")
+pads a rank's Global heads to 64, so it can run at any tp; not yet run on GPUs at tp > 1, it is
+left out of "auto" and "mosaic" there and runs only when named.
 
 Embedding and LM head are vocabulary-parallel as in `TPForward` (each rank its slice of the
 table; COLLECTIVE: psum of the looked-up rows, t*d; all-gather of the logits along vocab,
@@ -82,6 +84,10 @@ class TPConsumer:
                 raise ValueError(f"kernels={kernels!r}: the sparse_attention kernel needs all "
                                  f"{self.cfg.num_heads} heads of a row on one device; tp={self.tp} splits them")
             self.kernels = ",".join(k for k in self.kernels.split(",") if k != "sparse_attention")
+        if "sparse_global" in self.kernels.split(",") and self.tp > 1 and "sparse_global" not in kernels.split(","):
+            # pass A pads a rank's Global heads to the kernel's 64, so it can run at any tp; it has
+            # not run on GPUs at tp > 1 yet: only when named
+            self.kernels = ",".join(k for k in self.kernels.split(",") if k != "sparse_global")
         self.block, self.profile = self.base.block, profile
         self.rep = NamedSharding(mesh, P())
         hpg = self.cfg.heads_per_group
