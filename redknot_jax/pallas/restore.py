@@ -24,7 +24,13 @@ row is the gather); each row arrives once on its consumer's barrier, padding row
 without a copy. `RestoreConfig.chunk` > 1 copies an aligned run of up to 16 rows whose sources
 are consecutive rows of one array in one copy (`addend_chunks`), the rows it covers arriving
 plainly: up to 9x fewer copies, and slower on the H200 (0.80-0.96x of a copy per row,
-2026-12-03): the producer's per-row branching, not the copies, sets the pace. Each consumer
+2026-12-03): the producer's per-row branching, not the copies, sets the pace.
+`RestoreConfig.walk` "copies" takes that branching away: the wrapper compacts each consumer
+half's copies into a list grouped by copy shape (`addend_copies`), and the producer loops over
+each shape's entries (a TMA copy of static shape each), then arrives plainly once for each of
+the half's other rows. With a copy per row (chunk 1) that is 1.17-1.20x the rows walk on the
+H200 (2026-12-04), so it is the default; with chunk 16 its ten loops per step cost more than they
+save (0.65-0.69x). Each consumer
 warpgroup owns 64 rows (the wgmma M), shares the weight tile with the other, keeps one wgmma in
 flight and releases a slot when its product is done. Its epilogue drops the product of
 protected rows, adds the addend (zero on padding rows) in fp32 in place of the addend in shared
@@ -47,6 +53,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import NamedTuple
 
 import numpy as np
 import jax
@@ -63,13 +70,14 @@ BLOCK_K = 64  # one 128-byte swizzle row of bf16: the contraction step
 SMEM_LIMIT = 227 * 1024  # Hopper's per-CTA shared memory
 HEAD_DIM = 512  # the Flash / Pro head dim: the k RestoreConfig's budget is checked at
 CHUNKS = (16, 8, 4, 2)  # addend copies: aligned runs of these many rows, else one row
+WALKS = ("rows", "copies")  # how the producer finds the addend copies (`RestoreConfig.walk`)
 
 
 @dataclasses.dataclass(frozen=True)
 class RestoreConfig:
     """Tiling: block_n output columns per product (wgmma N, shared by both consumers), steps the
     number of operand slots of the contraction pipeline, chunk the longest addend copy (rows),
-    resident the form:
+    walk how the producer finds the addend copies, resident the form:
 
     * False ("tiled"): one CTA per (128 rows, group, block_n columns); a slot holds the o_G rows
       [128, 64] and the weight tile [block_n, 64] of one contraction step, so a row block's o_G
@@ -79,15 +87,24 @@ class RestoreConfig:
       holding one weight tile [block_n, 64]; the weight stream runs on across column blocks, so
       the next block's first tiles load during a block's epilogue.
 
+    walk:
+    * "rows": the producer visits each of the CTA's 128 rows, reads its (source row, kind, chunk
+      size) and copies or arrives plainly by branch (as measured: 57 % of copy bandwidth);
+    * "copies": the wrapper compacts each consumer half's copies into a list grouped by copy shape
+      (`addend_copies`); the producer loops over the list, a loop per shape with no per-row
+      test, then arrives plainly for the rest of the half's 64 rows. The default: 1.17-1.20x the
+      rows walk at chunk 1 on the H200 (docs/kernels.md, "Walking copies, not rows").
+
     Shared memory (`smem_bytes`): the operand slots, o_G (resident: [128, k] whole), 128 *
-    block_n * 2 bytes of addend rows (the output staging too) and the rows' (source row, kind, chunk)
-    triples. __post_init__ checks it at k = HEAD_DIM, the Flash / Pro head dim; `restore` checks
-    the k it is given."""
+    block_n * 2 bytes of addend rows (the output staging too) and `id_rows` rows of 128 ids
+    (`restore`). __post_init__ checks it at k = HEAD_DIM, the Flash / Pro head dim; `restore`
+    checks the k it is given."""
 
     block_n: int = 256
     steps: int = 3
     resident: bool = False
     chunk: int = 1  # the longest addend copy in rows (`addend_chunks`; 1: a copy per row, as measured fastest)
+    walk: str = "copies"  # "copies" (measured fastest) or "rows": the producer's loop (above)
 
     def __post_init__(self):
         if self.block_n not in (64, 128, 256):
@@ -98,6 +115,8 @@ class RestoreConfig:
             raise ValueError(f"RestoreConfig.resident: expected a bool, got {self.resident!r}")
         if self.chunk not in (1, *CHUNKS):
             raise ValueError(f"RestoreConfig.chunk: expected one of 1, {', '.join(map(str, CHUNKS))}, got {self.chunk}")
+        if self.walk not in WALKS:
+            raise ValueError(f"RestoreConfig.walk: expected one of {', '.join(WALKS)}, got {self.walk!r}")
         if self.smem_bytes() > SMEM_LIMIT:
             raise ValueError(self.over_budget())
 
@@ -105,11 +124,18 @@ class RestoreConfig:
     def form(self) -> str:
         return "resident" if self.resident else "tiled"
 
+    @property
+    def id_rows(self) -> int:
+        """Rows of 128 int32 ids a CTA reads (`restore`): the rows walk each row's (source row, kind,
+        chunk size); the copies walk the list's source rows and offsets, each row's kind and the
+        halves' class starts."""
+        return 3 if self.walk == "rows" else 4
+
     def smem_bytes(self, k: int = HEAD_DIM) -> int:
         """Shared memory of one CTA at head dim k (barriers rounded up to 1 KB)."""
         o_g = BLOCK_T * k * 2 if self.resident else self.steps * BLOCK_T * BLOCK_K * 2
         weights = self.steps * self.block_n * BLOCK_K * 2
-        return o_g + weights + BLOCK_T * self.block_n * 2 + 3 * BLOCK_T * 4 + 1024
+        return o_g + weights + BLOCK_T * self.block_n * 2 + self.id_rows * BLOCK_T * 4 + 1024
 
     def over_budget(self, k: int = HEAD_DIM) -> str:
         """The error of a config whose shared memory at head dim k exceeds the budget."""
@@ -196,6 +222,74 @@ def addend_chunks(kind, row, max_chunk: int = CHUNKS[0]) -> jax.Array:
     return jnp.where(covered & (size == 1), 0, size)
 
 
+def copy_classes(max_chunk: int) -> tuple[tuple[int, int], ...]:
+    """The (kind, rows) of every addend copy shape up to max_chunk rows, in the producer's order.
+    A TMA copy's source array (kind 1: z_L, 2: z_p) and row count are static, so each shape is
+    its own code: the rows walk tests every shape per row, the copies walk loops per shape."""
+    return tuple((kind, s) for s in (1, *(c for c in CHUNKS if c <= max_chunk)) for kind in (1, 2))
+
+
+class AddendCopies(NamedTuple):
+    """Each consumer half's addend copies (`addend_copies`), [blocks, 2, WG_ROWS] entries: half w
+    of 128-row block b copies `size` rows from row `source` of z_L (kind 1) or z_p (kind 2) to the
+    block's rows offset .. offset + size - 1. start [blocks, 2, classes + 1]: the entries of class
+    c (`copy_classes`) are start[c] .. start[c + 1] - 1, start[-1] the half's count of copies."""
+
+    offset: jax.Array
+    source: jax.Array
+    kind: jax.Array
+    size: jax.Array
+    start: jax.Array
+
+
+def addend_copies(kind, row, size, max_chunk: int = CHUNKS[0]) -> AddendCopies:
+    """The copies walk's lists: per consumer half (64 rows), its copies only, grouped by copy
+    class (`copy_classes`), in row order within a class, then zeros past the count; rows without
+    a copy (covered by an earlier row's chunk, padding) have no entry. kind, row [t]
+    (`addend_sources`, t a multiple of BLOCK_T), size [t] (`addend_chunks` at max_chunk).
+    Grouped so the producer's loop per class issues a copy of a static shape per entry, with no
+    test; each entry's position is its class's start plus its rank in the class (a cumsum)."""
+    classes = copy_classes(max_chunk)
+    halves = kind.shape[0] // WG_ROWS
+    kind, row, size = (a.reshape(halves, WG_ROWS) for a in (kind, row, size))
+    cls = jnp.full(kind.shape, len(classes), jnp.int32)  # no copy: past every class
+    for c, (want, s) in enumerate(classes):
+        cls = jnp.where((kind == want) & (size == s), c, cls)
+    member = (cls[..., None] == jnp.arange(len(classes))).astype(jnp.int32)  # [halves, 64, classes]
+    start = jnp.pad(jnp.cumsum(member.sum(axis=1), axis=1), ((0, 0), (1, 0)))  # [halves, classes + 1]
+    earlier = jnp.cumsum(member, axis=1) - member  # the half's earlier rows of each class
+    pos = jnp.where(cls < len(classes), ((start[:, None, :-1] + earlier) * member).sum(-1), WG_ROWS)  # WG_ROWS: dropped
+    half = jnp.arange(halves)[:, None]
+    offset = (half % 2) * WG_ROWS + jnp.arange(WG_ROWS)  # the row's offset in its 128-row block
+
+    def compact(a):
+        return jnp.zeros((halves, WG_ROWS), jnp.int32).at[half, pos].set(a, mode="drop").reshape(-1, 2, WG_ROWS)
+
+    return AddendCopies(compact(jnp.broadcast_to(offset, kind.shape)), compact(row), compact(kind), compact(size),
+                        start.reshape(-1, 2, len(classes) + 1))
+
+
+def copy_ids(kind, copies: AddendCopies) -> jax.Array:
+    """ids [4, t] of the copies walk, read per CTA like the rows walk's: per 128-row block, row 0
+    the halves' entries' source rows (half w's entry i at column w * 64 + i), row 1 each row's
+    kind (the consumers' epilogue reads it), row 2 the entries' offsets, row 3 the halves' class
+    starts (`AddendCopies.start`, at columns w * 64 ..)."""
+    t = kind.shape[0]
+    start = copies.start.reshape(-1, copies.start.shape[-1])
+    heads = jnp.pad(start, ((0, 0), (0, WG_ROWS - start.shape[1]))).reshape(t)
+    return jnp.stack([copies.source.reshape(t), kind, copies.offset.reshape(t), heads])
+
+
+def addend_ids(kind, row, cfg: RestoreConfig) -> jax.Array:
+    """The ids [cfg.id_rows, t] the kernel reads per 128-row block (by one TMA copy), from each
+    row's addend source (`addend_sources`): the rows walk each row's (source row, kind, chunk
+    size); the copies walk the compact lists of `copy_ids`."""
+    size = addend_chunks(kind, row, cfg.chunk)
+    if cfg.walk == "rows":
+        return jnp.stack([row, kind, size])
+    return copy_ids(kind, addend_copies(kind, row, size, cfg.chunk))
+
+
 def _kernel_call(a, wo_a, zl, zp, idx, *, g, o, k, col0, cfg, interpret):
     import jax.experimental.pallas as pl
     import jax.experimental.pallas.mosaic_gpu as plgpu
@@ -210,9 +304,11 @@ def _kernel_call(a, wo_a, zl, zp, idx, *, g, o, k, col0, cfg, interpret):
     # the addend copies of a column block spread over its first `spread` steps, issued while the
     # consumers compute: tiled over all steps (as measured); resident over the first half, so the
     # last rows land well before the epilogue (one addend buffer: the next block's cannot be
-    # fetched during this one). Step kk copies rows bounds[kk] .. bounds[kk + 1] - 1, whole
-    # chunks (multiples of CHUNKS[0]).
+    # fetched during this one). Rows walk: step kk copies rows bounds[kk] .. bounds[kk + 1] - 1,
+    # whole chunks (multiples of CHUNKS[0]); copies walk: the kk-th of `spread` equal shares of
+    # each half's copy list.
     spread = max(1, nk // 2) if resident else nk
+    classes = copy_classes(cfg.chunk)
     units = bt // CHUNKS[0]
     bounds = [kk * units // spread * CHUNKS[0] for kk in range(spread + 1)]
 
@@ -298,7 +394,12 @@ def _kernel_call(a, wo_a, zl, zp, idx, *, g, o, k, col0, cfg, interpret):
                 plgpu.copy_gmem_to_smem(w_ref.at[pl.ds(n0 + j * bn, bn), pl.ds(col0 + kk * BLOCK_K, BLOCK_K)],
                                         w_s.at[sl], ready.at[sl])
 
-            def addends(lo, hi, c0):  # rows lo .. hi - 1, columns c0 ..: one arrival per row (module doc)
+            def addend_copy(want, s, src, rr, c0, w):  # s addend rows from row src of z_L / z_p (kind want)
+                ref = zl_ref if want == 1 else zp_ref
+                plgpu.copy_gmem_to_smem(ref.at[pl.ds(src, s), pl.ds(c0, bn)], add_s.at[pl.ds(rr, s)], add_bar.at[w])
+
+            def addend_rows(kk, c0):  # rows walk: step kk's rows, columns c0 ..: one arrival per row (module doc)
+                lo, hi = bounds[kk], bounds[kk + 1]
                 for w in (0, 1):
                     a_lo, a_hi = max(lo, w * WG_ROWS), min(hi, (w + 1) * WG_ROWS)
                     if a_lo >= a_hi:
@@ -312,17 +413,29 @@ def _kernel_call(a, wo_a, zl, zp, idx, *, g, o, k, col0, cfg, interpret):
                         def _():
                             plgpu.barrier_arrive(add_bar.at[w])
 
-                        for s in (1, *(c for c in CHUNKS if c <= cfg.chunk)):
-                            for want, ref in ((1, zl_ref), (2, zp_ref)):
-                                @pl.when((size == s) & (kind == want))
-                                def _(ref=ref, s=s):
-                                    plgpu.copy_gmem_to_smem(ref.at[pl.ds(src, s), pl.ds(c0, bn)],
-                                                            add_s.at[pl.ds(rr, s)], add_bar.at[w])
+                        for want, s in classes:
+                            pl.when((size == s) & (kind == want))(
+                                lambda want=want, s=s: addend_copy(want, s, src, rr, c0, w))
+
+            def addend_list(kk, c0):  # copies walk: step kk's share of each half's list, columns c0 ..
+                for w in (0, 1):
+                    head = w * WG_ROWS  # the half's entries (ids rows 0, 2) and class starts (row 3)
+                    n = idx_s[3, head + len(classes)]
+                    lo, hi = lax.div(n * kk, spread), lax.div(n * (kk + 1), spread)
+                    for c, (want, s) in enumerate(classes):  # a static copy shape per loop: no test per copy
+                        @pl.loop(jnp.maximum(lo, idx_s[3, head + c]), jnp.minimum(hi, idx_s[3, head + c + 1]))
+                        def _copy(e, w=w, want=want, s=s):
+                            addend_copy(want, s, idx_s[0, head + e], idx_s[2, head + e], c0, w)
+
+                    if kk == 0:  # the barrier counts WG_ROWS arrivals: the rows no copy arrives for
+                        @pl.loop(n, WG_ROWS)
+                        def _plain(_, w=w):
+                            plgpu.barrier_arrive(add_bar.at[w])
 
             def column_block(j):
                 for kk in range(nk):
                     if kk < spread:
-                        addends(bounds[kk], bounds[kk + 1], n0 + j * bn)
+                        (addend_rows if cfg.walk == "rows" else addend_list)(kk, n0 + j * bn)
                     j2, kk2 = j + (kk + slots) // nk, (kk + slots) % nk  # the step `slots` ahead
 
                     def _next(j=j, kk=kk, j2=j2, kk2=kk2):
@@ -354,11 +467,11 @@ def _kernel_call(a, wo_a, zl, zp, idx, *, g, o, k, col0, cfg, interpret):
 
     scratch = (
         # o_G: the CTA's rows whole (resident) or a step's chunk per slot (tiled); the weight
-        # tiles; the addend rows, then the output rows; the rows' (source row, kind, chunk size)
+        # tiles; the addend rows, then the output rows; the ids (`RestoreConfig.id_rows`)
         (plgpu.SMEM((nk if resident else slots, bt, BLOCK_K), dtype, transforms=swizzled),
          plgpu.SMEM((slots, bn, BLOCK_K), dtype, transforms=swizzled),
          plgpu.SMEM((bt, bn), dtype),
-         plgpu.SMEM((3, bt), jnp.int32)),
+         plgpu.SMEM((cfg.id_rows, bt), jnp.int32)),
         # ids ready; (resident) o_G's chunk ready; a slot's operands ready (tiled: two copies); a
         # consumer's addend rows (an arrival per row); a slot free (both consumers); (resident) a
         # consumer's addend rows free (its store has read them)
@@ -418,8 +531,7 @@ def restore(o_g, wo_a, zl, zl_row, z_p, prot_idx, *, global_heads, config: Resto
     kind, row = addend_sources(zl_row, prot_idx, t)  # the kernel reads each row's source, not a scatter list
     a = jnp.pad(o_g.reshape(t, g * k), ((0, kind.shape[0] - t), (0, 0)))
     z = _kernel_call(a, wo_a, zl.reshape(zl.shape[0], g * o), z_p.reshape(z_p.shape[0], g * o),
-                     jnp.stack([row, kind, addend_chunks(kind, row, cfg.chunk)]), g=g, o=o, k=k, col0=heads[0] * k,
-                     cfg=cfg, interpret=interpret)
+                     addend_ids(kind, row, cfg), g=g, o=o, k=k, col0=heads[0] * k, cfg=cfg, interpret=interpret)
     return z[:t].reshape(t, g, o)
 
 
@@ -482,18 +594,22 @@ def main(argv=None):
     ap.add_argument("--runs", default="0,32",
                     help="protected-row layouts (make_problem's runs): 0 scattered, n runs of about n rows")
     ap.add_argument("--chunk", default="1,16", help="RestoreConfig.chunk variants: the longest addend copy (1: per row)")
+    ap.add_argument("--walk", default="rows",
+                    help="RestoreConfig.walk variants: rows (the producer visits every row), copies (a compact list)")
     a = ap.parse_args(argv)
-    forms = a.form.split(",")
-    if not forms or any(f not in ("tiled", "resident") for f in forms):
+    forms, walks = a.form.split(","), a.walk.split(",")
+    if any(f not in ("tiled", "resident") for f in forms):
         ap.error(f"--form: expected a comma list of tiled, resident, got {a.form!r}")
+    if any(w not in WALKS for w in walks):
+        ap.error(f"--walk: expected a comma list of {', '.join(WALKS)}, got {a.walk!r}")
     configs = []
     for form in forms:
-        for bn, st, ch in [(int(v), int(w), int(c)) for v in a.block_n.split(",") for w in a.steps.split(",")
-                           for c in a.chunk.split(",")]:
+        for bn, st, ch, wk in [(int(v), int(w), int(c), wk) for v in a.block_n.split(",") for w in a.steps.split(",")
+                               for c in a.chunk.split(",") for wk in walks]:
             try:
-                configs.append(RestoreConfig(block_n=bn, steps=st, resident=form == "resident", chunk=ch))
+                configs.append(RestoreConfig(block_n=bn, steps=st, resident=form == "resident", chunk=ch, walk=wk))
             except ValueError as e:  # a shared-memory budget it exceeds: said, not timed
-                print(f"{form} block_n={bn} steps={st} chunk={ch}: not timed: {e}", flush=True)
+                print(f"{form} block_n={bn} steps={st} chunk={ch} walk={wk}: not timed: {e}", flush=True)
     x = jnp.ones((1 << 28,), jnp.bfloat16)  # 512 MB: read + write
     copy = jax.jit(lambda u: u + 1)
     copy_gbs = 2 * x.nbytes / median_time(copy, x, iters=10) / 1e9
@@ -518,6 +634,7 @@ def main(argv=None):
             tk = float(np.median(ts))
             copies = int(np.count_nonzero(addend_chunks(kind, src, cfg.chunk)))
             rows.append(dict(rows=t, runs=runs, protected=a.protected, addend_copies_per_row=copies / t, form=cfg.form,
+                             walk=cfg.walk,
                              config=dataclasses.asdict(cfg), smem_bytes=cfg.smem_bytes(),
                              rel_err=err, kernel_ms=tk * 1e3, xla_ms=tr * 1e3, speedup=tr / tk,
                              kernel_ms_rounds=[v * 1e3 for v in ts], xla_ms_rounds=[v * 1e3 for v in times[0]],
@@ -525,7 +642,7 @@ def main(argv=None):
                              kernel_frac_of_copy=nbytes / tk / 1e9 / copy_gbs, kernel_tflops=tflop / tk,
                              xla_tflops=tflop / tr))
             print(f"t={t:6d} runs={runs:2d} ({copies / t:.2f} copies/row) {cfg.form:8s} block_n={cfg.block_n:3d} "
-                  f"steps={cfg.steps} chunk={cfg.chunk:2d} err {err:.1e} "
+                  f"steps={cfg.steps} chunk={cfg.chunk:2d} walk={cfg.walk:6s} err {err:.1e} "
                   f"kernel {tk * 1e3:7.3f} ms xla {tr * 1e3:7.3f} ms x{tr / tk:4.2f} {nbytes / tk / 1e9:6.0f} GB/s "
                   f"({nbytes / tk / 1e9 / copy_gbs:.0%} of copy {copy_gbs:.0f}), {tflop / tk:.0f} TFLOP/s "
                   f"(peak {peak:.0f})", flush=True)

@@ -84,21 +84,98 @@ def test_addend_chunks():
         assert size.max() == (16 if runs else 8)  # the longest chunks these layouts hold
 
 
-@pytest.mark.parametrize("seed,t,k,bn,steps,resident,runs,chunk", [
-    (0, 256, 256, 128, 2, False, 0, 1), (1, 100, 128, 64, 3, False, 0, 1), (3, 256, 128, 128, 2, False, 16, 1),
+def _check_copies(kind, src, size, copies, max_chunk):
+    """The compact lists hold exactly addend_chunks' copies: per half, entry i < count starts a
+    chunk of its size at its offset, with that row's source and kind; entries are grouped by
+    class in `copy_classes` order (in row order within one), zeros past the count; replaying
+    the entries covers every row with an addend once."""
+    classes = rs.copy_classes(max_chunk)
+    kind, src, size = (np.asarray(a) for a in (kind, src, size))
+    off, source, knd, sz, start = (np.asarray(a) for a in copies)
+    blocks = kind.shape[0] // rs.BLOCK_T
+    assert off.shape == (blocks, 2, rs.WG_ROWS) and start.shape == (blocks, 2, len(classes) + 1)
+    hits = np.zeros(kind.shape[0], int)
+    for b in range(blocks):
+        for w in range(2):
+            base = b * rs.BLOCK_T + w * rs.WG_ROWS
+            n = start[b, w, -1]
+            assert n == np.count_nonzero(size[base:base + rs.WG_ROWS])
+            assert start[b, w, 0] == 0 and (np.diff(start[b, w]) >= 0).all()
+            for c, (want, s) in enumerate(classes):
+                e = slice(start[b, w, c], start[b, w, c + 1])
+                assert (knd[b, w, e] == want).all() and (sz[b, w, e] == s).all()
+                assert (np.diff(off[b, w, e]) > 0).all()
+            for i in range(n):
+                r = b * rs.BLOCK_T + off[b, w, i]
+                assert w * rs.WG_ROWS <= off[b, w, i] < (w + 1) * rs.WG_ROWS
+                assert (size[r], kind[r], src[r]) == (sz[b, w, i], knd[b, w, i], source[b, w, i])
+                hits[r:r + sz[b, w, i]] += 1
+            for a in (off, source, knd, sz):
+                assert (a[b, w, n:] == 0).all()
+    assert (hits == (kind > 0)).all()
+
+
+def test_addend_copies():
+    """The copies walk's lists (`addend_copies`) against addend_chunks, on the hand-made layout
+    of test_addend_chunks and on random ones (scattered and runs, chunk 1 and 16), and their
+    packing into the kernel's ids (`copy_ids`)."""
+    kind = np.array([1] * 20 + [2, 2, 1, 0] * 3 + [1] * 16 + [0] * 80, np.int32)
+    row = np.concatenate([np.arange(20) + 5, [0, 1, 30, 0, 2, 3, 31, 0, 4, 5, 40, 0], np.arange(16) + 100,
+                          np.zeros(80, int)]).astype(np.int32)
+    row[7] = 99
+    kind, row = jnp.asarray(kind), jnp.asarray(row)
+    size = rs.addend_chunks(kind, row)
+    copies = rs.addend_copies(kind, row, size)
+    _check_copies(kind, row, size, copies, 16)
+    # half 0, by class: the single z_L rows 6, 7, 22, 26, 30, then z_L's 16-row run at 32, its
+    # 8 rows at 8, its 4-row runs at 0 and 16, its pair at 4, then the z_p pairs at 20, 24, 28
+    n = int(copies.start[0, 0, -1])
+    assert np.asarray(copies.offset[0, 0, :n]).tolist() == [6, 7, 22, 26, 30, 32, 8, 0, 16, 4, 20, 24, 28]
+    assert np.asarray(copies.size[0, 0, :n]).tolist() == [1] * 5 + [16, 8, 4, 4] + [2] * 4
+    assert np.asarray(copies.kind[0, 0, :n]).tolist() == [1] * 10 + [2] * 3
+    assert np.asarray(copies.start[0, 1]).tolist() == [0] * 11  # rows 64..127: padding, no copy
+    for runs in (0, 8):
+        args, _ = rs.make_problem(jax.random.key(runs), t=1000, g=1, hpg=2, k=64, o=64, runs=runs)
+        kind, src = rs.addend_sources(args[3], args[5], 1000)
+        for chunk in (1, 16):
+            size = rs.addend_chunks(kind, src, chunk)
+            copies = rs.addend_copies(kind, src, size, chunk)
+            _check_copies(kind, src, size, copies, chunk)
+    ids = np.asarray(rs.copy_ids(kind, copies))
+    assert ids.shape == (4, 1024)
+    np.testing.assert_array_equal(ids[1], np.asarray(kind))  # the consumers' per-row kinds
+    np.testing.assert_array_equal(ids[0].reshape(copies.source.shape), np.asarray(copies.source))
+    np.testing.assert_array_equal(ids[2].reshape(copies.offset.shape), np.asarray(copies.offset))
+    heads = ids[3].reshape(-1, 2, rs.WG_ROWS)
+    np.testing.assert_array_equal(heads[..., :11], np.asarray(copies.start))
+    assert (heads[..., 11:] == 0).all()
+    assert ids.shape[0] == rs.RestoreConfig(walk="copies").id_rows
+
+
+@pytest.mark.parametrize("seed,t,k,bn,steps,resident,runs,chunk,walk", [
+    (0, 256, 256, 128, 2, False, 0, 1, "rows"), (1, 100, 128, 64, 3, False, 0, 1, "rows"),
+    (3, 256, 128, 128, 2, False, 16, 1, "rows"),
     # protected rows in runs: 16-row copies of z_L and of z_p
-    (2, 256, 128, 128, 2, False, 16, 16),
+    (2, 256, 128, 128, 2, False, 16, 16, "rows"),
     # resident: 2 column blocks, slots dividing the 4 steps; 4 column blocks of 2 steps through 3
     # slots (slot indices computed in the loop, the weight stream running 1-2 blocks ahead)
-    (0, 256, 256, 128, 2, True, 0, 1), (1, 100, 128, 64, 3, True, 0, 1), (2, 256, 128, 128, 2, True, 16, 16)])
-def test_kernel_matches_reference_interpret(seed, t, k, bn, steps, resident, runs, chunk):
-    """The kernel itself, both forms, run by Mosaic GPU interpret mode on CPU (GPU: natively), on a
-    small consumer-shaped problem: restored, protected and padding rows, rows not a multiple of
-    64, more contraction steps than slots (slots reused) and fewer, addend copies of 1 to 16 rows.
-    Interpret mode fills the output with NaN before the kernel runs (uninitialized_memory="nan"),
-    so an element the kernel never writes is caught."""
+    (0, 256, 256, 128, 2, True, 0, 1, "rows"), (1, 100, 128, 64, 3, True, 0, 1, "rows"),
+    (2, 256, 128, 128, 2, True, 16, 16, "rows"),
+    # the copies walk: halves of 64 copies (no plain arrival; lists split over 4 steps), short
+    # chunks of scattered rows, a half with no copy (t 60: 64 plain arrivals), 16-row copies of
+    # runs; resident over 2 and 4 column blocks (the lists re-walked per block)
+    (0, 256, 256, 128, 2, False, 0, 1, "copies"), (1, 100, 128, 64, 3, False, 0, 16, "copies"),
+    (4, 60, 128, 64, 2, False, 0, 16, "copies"), (2, 256, 128, 128, 2, False, 16, 16, "copies"),
+    (0, 256, 256, 128, 2, True, 16, 16, "copies"), (1, 100, 128, 64, 3, True, 0, 1, "copies")])
+def test_kernel_matches_reference_interpret(seed, t, k, bn, steps, resident, runs, chunk, walk):
+    """The kernel itself, both forms and both walks, run by Mosaic GPU interpret mode on CPU (GPU:
+    natively), on a small consumer-shaped problem: restored, protected and padding rows, rows not
+    a multiple of 64, more contraction steps than slots (slots reused) and fewer, addend copies
+    of 1 to 16 rows. Interpret mode fills the output and the shared memory with NaN before the
+    kernel runs (uninitialized_memory="nan"), so an element the kernel never writes, or an addend
+    row no copy fetched, is caught."""
     args, kw = rs.make_problem(jax.random.key(seed), t=t, g=2, hpg=4, k=k, o=256, pool=300, global_head=2, runs=runs)
-    cfg = rs.RestoreConfig(block_n=bn, steps=steps, resident=resident, chunk=chunk)
+    cfg = rs.RestoreConfig(block_n=bn, steps=steps, resident=resident, chunk=chunk, walk=walk)
     got = rs.restore(*args, **kw, config=cfg)
     want = rs.restore_reference(*args, **kw)
     assert got.shape == want.shape and got.dtype == want.dtype
@@ -114,14 +191,18 @@ def test_kernel_matches_reference_interpret(seed, t, k, bn, steps, resident, run
         assert rel_err(got[rows].astype(jnp.float32), want[rows].astype(jnp.float32)) < TOL["kernel_bf16_o"][0]
 
 
-@pytest.mark.parametrize("bn,steps,resident", [(256, 3, False), (128, 4, False), (128, 4, True), (128, 3, True)])
-def test_kernel_lowers_for_cuda(bn, steps, resident):
+@pytest.mark.parametrize("bn,steps,resident,chunk,walk", [
+    (256, 3, False, 1, "rows"), (128, 4, False, 1, "rows"), (128, 4, True, 1, "rows"), (128, 3, True, 1, "rows"),
+    (256, 3, False, 16, "copies"), (128, 4, True, 1, "copies"), (128, 3, True, 16, "copies")])
+def test_kernel_lowers_for_cuda(bn, steps, resident, chunk, walk):
     """Flash shapes (8 groups, k 512, o 1024): the Mosaic GPU lowering (layout inference, TMA
     shapes, and Mosaic's own shared-memory check against 227 KB) runs on CPU. The resident
-    default (block_n 128, 4 slots) is the tightest budget (231,936 bytes by `smem_bytes`); with
-    3 slots, which do not divide the 8 steps, the slot indices are computed in the loop."""
+    default (block_n 128, 4 slots) is the tightest budget (231,936 bytes by `smem_bytes`; the
+    copies walk's fourth id row makes it 232,448, the budget itself); with 3 slots, which do not
+    divide the 8 steps, the slot indices are computed in the loop. The copies walk's loops have
+    bounds read from shared memory."""
     args, kw = rs.make_problem(jax.random.key(0), t=256)
-    cfg = rs.RestoreConfig(block_n=bn, steps=steps, resident=resident)
+    cfg = rs.RestoreConfig(block_n=bn, steps=steps, resident=resident, chunk=chunk, walk=walk)
     f = jax.jit(lambda *a: rs.restore(*a, **kw, config=cfg, interpret=False))
     text = f.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text
@@ -140,6 +221,14 @@ def test_config_budget():
         rs.RestoreConfig(resident="yes")
     with pytest.raises(ValueError, match="chunk: expected one of 1, 16, 8, 4, 2, got 3"):
         rs.RestoreConfig(chunk=3)
+    with pytest.raises(ValueError, match="RestoreConfig.walk: expected one of rows, copies, got 'chunks'"):
+        rs.RestoreConfig(walk="chunks")
+    with pytest.raises(SystemExit):  # the benchmark's --walk, refused before anything runs
+        rs.main(["--walk", "rows,chunks"])
+    # the copies walk's fourth row of ids: 512 bytes more, the resident default still fits
+    copies = rs.RestoreConfig(block_n=128, steps=4, resident=True, walk="copies")
+    rows = rs.RestoreConfig(block_n=128, steps=4, resident=True, walk="rows")
+    assert copies.smem_bytes() == rows.smem_bytes() + 512 <= rs.SMEM_LIMIT
     assert "shared memory at k=1024" in rs.restore_unsupported(1024, 1024, 1, jnp.bfloat16, res)
     assert rs.restore_unsupported(1024, 1024, 1, jnp.bfloat16, rs.RestoreConfig(block_n=256)) is None
     assert rs.restore_unsupported(512, 1024, 1, jnp.bfloat16, res) is None
@@ -179,17 +268,18 @@ def _poisoned_run(f, *a, **k):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("walk", ["rows", "copies"])
 @pytest.mark.parametrize("seed,t,bn,steps,resident,runs,chunk", [
     (0, 4096, 256, 3, False, 0, 1), (1, 1000, 256, 2, False, 0, 16), (2, 64, 64, 2, False, 0, 1),
     (3, 4096, 128, 4, False, 0, 16), (4, 1000, 128, 3, False, 0, 1), (5, 4096, 256, 3, False, 32, 16),
     (6, 4096, 256, 3, False, 32, 1),
     (0, 4096, 128, 4, True, 0, 1), (1, 1000, 128, 2, True, 0, 16), (2, 64, 64, 2, True, 0, 1),
     (3, 4096, 64, 3, True, 0, 16), (4, 1000, 128, 3, True, 0, 1), (5, 4096, 128, 4, True, 32, 16)])
-def test_kernel_matches_reference_gpu(seed, t, bn, steps, resident, runs, chunk):
+def test_kernel_matches_reference_gpu(seed, t, bn, steps, resident, runs, chunk, walk):
     if jax.default_backend() != "gpu":
         pytest.skip("needs a GPU")
     args, kw = rs.make_problem(jax.random.key(seed), t=t, runs=runs)
-    cfg = rs.RestoreConfig(block_n=bn, steps=steps, resident=resident, chunk=chunk)
+    cfg = rs.RestoreConfig(block_n=bn, steps=steps, resident=resident, chunk=chunk, walk=walk)
     got = _poisoned_run(rs.restore, *args, **kw, config=cfg)
     want = rs.restore_reference(*args, **kw)
     assert bool(jnp.all(jnp.isfinite(got.astype(jnp.float32))))
