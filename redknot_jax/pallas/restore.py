@@ -30,7 +30,8 @@ half's copies into a list grouped by copy shape (`addend_copies`), and the produ
 each shape's entries (a TMA copy of static shape each), then arrives plainly once for each of
 the half's other rows. With a copy per row (chunk 1) that is 1.17-1.20x the rows walk on the
 H200 (2026-12-04), so it is the default; with chunk 16 its ten loops per step cost more than they
-save (0.65-0.69x). Each consumer
+save (0.65-0.69x). `RestoreConfig.sizes` "ends" keeps only the chunk-row copies and single rows
+(four copy shapes, not ten, at chunk 16), so long runs still merge. Each consumer
 warpgroup owns 64 rows (the wgmma M), shares the weight tile with the other, keeps one wgmma in
 flight and releases a slot when its product is done. Its epilogue drops the product of
 protected rows, adds the addend (zero on padding rows) in fp32 in place of the addend in shared
@@ -70,6 +71,7 @@ BLOCK_K = 64  # one 128-byte swizzle row of bf16: the contraction step
 SMEM_LIMIT = 227 * 1024  # Hopper's per-CTA shared memory
 HEAD_DIM = 512  # the Flash / Pro head dim: the k RestoreConfig's budget is checked at
 CHUNKS = (16, 8, 4, 2)  # addend copies: aligned runs of these many rows, else one row
+SIZES = ("pow2", "ends")  # which of CHUNKS up to chunk a copy may span (`RestoreConfig.sizes`, `chunk_sizes`)
 WALKS = ("rows", "copies")  # how the producer finds the addend copies (`RestoreConfig.walk`)
 
 
@@ -77,7 +79,8 @@ WALKS = ("rows", "copies")  # how the producer finds the addend copies (`Restore
 class RestoreConfig:
     """Tiling: block_n output columns per product (wgmma N, shared by both consumers), steps the
     number of operand slots of the contraction pipeline, chunk the longest addend copy (rows),
-    walk how the producer finds the addend copies, resident the form:
+    sizes which shorter copies it may use, walk how the producer finds the addend copies,
+    resident the form:
 
     * False ("tiled"): one CTA per (128 rows, group, block_n columns); a slot holds the o_G rows
       [128, 64] and the weight tile [block_n, 64] of one contraction step, so a row block's o_G
@@ -95,6 +98,14 @@ class RestoreConfig:
       test, then arrives plainly for the rest of the half's 64 rows. The default: 1.17-1.20x the
       rows walk at chunk 1 on the H200 (docs/kernels.md, "Walking copies, not rows").
 
+    sizes (`chunk_sizes`; irrelevant at chunk 1 and 2, where both give the same copies):
+    * "pow2": copies of every power of two up to chunk rows (16, 8, 4, 2, then 1): the fewest
+      copies; at chunk 16, 10 copy shapes (2 sources x 5 sizes), each a loop of the copies walk
+      per half per step, and those loops cost more than the copies they save (0.65-0.69x);
+    * "ends": copies of chunk rows or of one row, nothing between: 4 shapes, so a run shorter
+      than an aligned chunk costs a copy per row, while long runs (boundary rows, the tail)
+      still merge.
+
     Shared memory (`smem_bytes`): the operand slots, o_G (resident: [128, k] whole), 128 *
     block_n * 2 bytes of addend rows (the output staging too) and `id_rows` rows of 128 ids
     (`restore`). __post_init__ checks it at k = HEAD_DIM, the Flash / Pro head dim; `restore`
@@ -103,8 +114,9 @@ class RestoreConfig:
     block_n: int = 256
     steps: int = 3
     resident: bool = False
-    chunk: int = 1  # the longest addend copy in rows (`addend_chunks`; 1: a copy per row, as measured fastest)
+    chunk: int = 1  # the longest addend copy in rows (`addend_chunks`; 1: a copy per row; default_config: 16, "ends")
     walk: str = "copies"  # "copies" (measured fastest) or "rows": the producer's loop (above)
+    sizes: str = "pow2"  # "pow2" (every power of two up to chunk) or "ends" (chunk or 1 rows only): above
 
     def __post_init__(self):
         if self.block_n not in (64, 128, 256):
@@ -117,6 +129,8 @@ class RestoreConfig:
             raise ValueError(f"RestoreConfig.chunk: expected one of 1, {', '.join(map(str, CHUNKS))}, got {self.chunk}")
         if self.walk not in WALKS:
             raise ValueError(f"RestoreConfig.walk: expected one of {', '.join(WALKS)}, got {self.walk!r}")
+        if self.sizes not in SIZES:
+            raise ValueError(f"RestoreConfig.sizes: expected one of {', '.join(SIZES)}, got {self.sizes!r}")
         if self.smem_bytes() > SMEM_LIMIT:
             raise ValueError(self.over_budget())
 
@@ -148,11 +162,14 @@ class RestoreConfig:
 
 def default_config(o: int, resident: bool = False) -> RestoreConfig:
     """The widest block_n that divides the output-group rank and fits (Flash / Pro, o = 1024:
-    tiled 256 with 3 slots; resident 128 with 4 slots, 226 KB of shared memory at k = 512)."""
+    tiled 256 with 3 slots; resident 128 with 4 slots, 226 KB of shared memory at k = 512). The
+    tiled form copies aligned 16-row runs in one copy, else single rows (chunk 16, sizes "ends"):
+    on the H200 that is 1.09x a copy per row where protected rows come in runs, as a request's
+    tail and a document's restored rows do, and 0.94x where they are scattered (2026-12-04)."""
     if resident:
         return RestoreConfig(block_n=128 if o % 128 == 0 else 64, steps=4, resident=True)
     bn = next((b for b in (256, 128) if o % b == 0), 64)
-    return RestoreConfig(block_n=bn)
+    return RestoreConfig(block_n=bn, chunk=16, sizes="ends")
 
 
 def _check(o_g, wo_a, zl, zl_row, z_p, prot_idx, global_heads):
@@ -205,28 +222,38 @@ def addend_sources(zl_row, prot_idx, t: int) -> tuple[jax.Array, jax.Array]:
     return jnp.pad(kind, (0, tp)), jnp.pad(row, (0, tp))
 
 
-def addend_chunks(kind, row, max_chunk: int = CHUNKS[0]) -> jax.Array:
+def chunk_sizes(max_chunk: int, sizes: str = "pow2") -> tuple[int, ...]:
+    """The row counts (> 1, largest first) an addend copy may span (`RestoreConfig.chunk`,
+    `RestoreConfig.sizes`): "pow2" every one of CHUNKS up to max_chunk, "ends" max_chunk alone
+    (none at max_chunk 1). Any other row copies alone."""
+    if sizes not in SIZES:
+        raise ValueError(f"sizes: expected one of {', '.join(SIZES)}, got {sizes!r}")
+    return tuple(c for c in CHUNKS if c <= max_chunk and (sizes == "pow2" or c == max_chunk))
+
+
+def addend_chunks(kind, row, max_chunk: int = CHUNKS[0], sizes: str = "pow2") -> jax.Array:
     """size [t] (t a multiple of max_chunk): the rows one addend copy starting at each row
-    covers. A chunk of s rows starts at a multiple of s, holds rows of one source (kind 1: z_L,
-    2: z_p) whose source rows are consecutive, and is the largest such (up to max_chunk) that
-    no larger chunk already covers; rows it covers after its first get 0, as do padding rows
-    (kind 0: no addend); any other row copies alone (1)."""
+    covers. A chunk of s rows (s one of `chunk_sizes(max_chunk, sizes)`) starts at a multiple of
+    s, holds rows of one source (kind 1: z_L, 2: z_p) whose source rows are consecutive, and is
+    the largest such that no larger chunk already covers; rows it covers after its first get 0,
+    as do padding rows (kind 0: no addend); any other row copies alone (1)."""
     t = kind.shape[0]
     link = jnp.concatenate([(kind[1:] == kind[:-1]) & (row[1:] == row[:-1] + 1), jnp.zeros((1,), bool)])
     size = jnp.where(kind > 0, 1, 0).astype(jnp.int32)
     covered = jnp.zeros((t,), bool)
-    for s in (c for c in CHUNKS if c <= max_chunk):
+    for s in chunk_sizes(max_chunk, sizes):
         good = link.reshape(-1, s)[:, :-1].all(axis=1) & (kind[::s] > 0) & ~covered[::s]
         size = size.at[::s].set(jnp.where(good, s, size[::s]))
         covered = covered | jnp.repeat(good, s)
     return jnp.where(covered & (size == 1), 0, size)
 
 
-def copy_classes(max_chunk: int) -> tuple[tuple[int, int], ...]:
-    """The (kind, rows) of every addend copy shape up to max_chunk rows, in the producer's order.
-    A TMA copy's source array (kind 1: z_L, 2: z_p) and row count are static, so each shape is
-    its own code: the rows walk tests every shape per row, the copies walk loops per shape."""
-    return tuple((kind, s) for s in (1, *(c for c in CHUNKS if c <= max_chunk)) for kind in (1, 2))
+def copy_classes(max_chunk: int, sizes: str = "pow2") -> tuple[tuple[int, int], ...]:
+    """The (kind, rows) of every addend copy shape (rows 1 and `chunk_sizes(max_chunk, sizes)`),
+    in the producer's order. A TMA copy's source array (kind 1: z_L, 2: z_p) and row count are
+    static, so each shape is its own code: the rows walk tests every shape per row, the copies
+    walk loops per shape (10 shapes at chunk 16 "pow2", 4 at "ends")."""
+    return tuple((kind, s) for s in (1, *chunk_sizes(max_chunk, sizes)) for kind in (1, 2))
 
 
 class AddendCopies(NamedTuple):
@@ -242,14 +269,14 @@ class AddendCopies(NamedTuple):
     start: jax.Array
 
 
-def addend_copies(kind, row, size, max_chunk: int = CHUNKS[0]) -> AddendCopies:
+def addend_copies(kind, row, size, max_chunk: int = CHUNKS[0], sizes: str = "pow2") -> AddendCopies:
     """The copies walk's lists: per consumer half (64 rows), its copies only, grouped by copy
     class (`copy_classes`), in row order within a class, then zeros past the count; rows without
     a copy (covered by an earlier row's chunk, padding) have no entry. kind, row [t]
-    (`addend_sources`, t a multiple of BLOCK_T), size [t] (`addend_chunks` at max_chunk).
+    (`addend_sources`, t a multiple of BLOCK_T), size [t] (`addend_chunks` at max_chunk, sizes).
     Grouped so the producer's loop per class issues a copy of a static shape per entry, with no
     test; each entry's position is its class's start plus its rank in the class (a cumsum)."""
-    classes = copy_classes(max_chunk)
+    classes = copy_classes(max_chunk, sizes)
     halves = kind.shape[0] // WG_ROWS
     kind, row, size = (a.reshape(halves, WG_ROWS) for a in (kind, row, size))
     cls = jnp.full(kind.shape, len(classes), jnp.int32)  # no copy: past every class
@@ -284,10 +311,10 @@ def addend_ids(kind, row, cfg: RestoreConfig) -> jax.Array:
     """The ids [cfg.id_rows, t] the kernel reads per 128-row block (by one TMA copy), from each
     row's addend source (`addend_sources`): the rows walk each row's (source row, kind, chunk
     size); the copies walk the compact lists of `copy_ids`."""
-    size = addend_chunks(kind, row, cfg.chunk)
+    size = addend_chunks(kind, row, cfg.chunk, cfg.sizes)
     if cfg.walk == "rows":
         return jnp.stack([row, kind, size])
-    return copy_ids(kind, addend_copies(kind, row, size, cfg.chunk))
+    return copy_ids(kind, addend_copies(kind, row, size, cfg.chunk, cfg.sizes))
 
 
 def _kernel_call(a, wo_a, zl, zp, idx, *, g, o, k, col0, cfg, interpret):
@@ -308,7 +335,7 @@ def _kernel_call(a, wo_a, zl, zp, idx, *, g, o, k, col0, cfg, interpret):
     # whole chunks (multiples of CHUNKS[0]); copies walk: the kk-th of `spread` equal shares of
     # each half's copy list.
     spread = max(1, nk // 2) if resident else nk
-    classes = copy_classes(cfg.chunk)
+    classes = copy_classes(cfg.chunk, cfg.sizes)  # the copy shapes the ids name (`addend_ids`)
     units = bt // CHUNKS[0]
     bounds = [kk * units // spread * CHUNKS[0] for kk in range(spread + 1)]
 
@@ -577,6 +604,29 @@ def moved_bytes(args) -> int:
     return 2 * (t * g * k + rows_with_addend * g * o + t * g * o + g * o * k)
 
 
+def bench_configs(forms, block_ns, steps, chunks, sizes, walks) -> list[RestoreConfig]:
+    """The benchmark's configs, every combination in this order. One RestoreConfig refuses (over
+    the shared-memory budget, a bad chunk) is said and left out, as is one whose kernel an earlier
+    one already is: the same copy shapes (`copy_classes`) and the rest of the config equal, e.g.
+    chunk 1 (or 2) with sizes pow2 and ends, so no kernel is timed twice."""
+    configs, made = [], {}  # made: the kernel (copy shapes, the rest of the config) -> its first config
+    for form, bn, st, ch, sz, wk in [(f, b, s, c, z, w) for f in forms for b in block_ns for s in steps for c in chunks
+                                     for z in sizes for w in walks]:
+        what = f"{form} block_n={bn} steps={st} chunk={ch} sizes={sz} walk={wk}"
+        try:
+            cfg = RestoreConfig(block_n=bn, steps=st, resident=form == "resident", chunk=ch, sizes=sz, walk=wk)
+        except ValueError as e:
+            print(f"{what}: not timed: {e}", flush=True)
+            continue
+        kernel = (copy_classes(ch, sz), dataclasses.replace(cfg, chunk=1, sizes="pow2"))
+        if kernel in made:
+            print(f"{what}: not timed: the kernel of chunk={made[kernel].chunk} sizes={made[kernel].sizes}", flush=True)
+            continue
+        made[kernel] = cfg
+        configs.append(cfg)
+    return configs
+
+
 def main(argv=None):
     """Kernel forms vs XLA reference at consumer shapes, timed interleaved (each round times the
     reference and every kernel once); GB/s against a copy measured in the same run."""
@@ -594,22 +644,22 @@ def main(argv=None):
     ap.add_argument("--runs", default="0,32",
                     help="protected-row layouts (make_problem's runs): 0 scattered, n runs of about n rows")
     ap.add_argument("--chunk", default="1,16", help="RestoreConfig.chunk variants: the longest addend copy (1: per row)")
+    ap.add_argument("--sizes", default="pow2",
+                    help="RestoreConfig.sizes variants: pow2 (copies of every power of two up to chunk rows), ends "
+                         "(chunk rows or one row only); a config whose copies an earlier one already makes is not "
+                         "timed twice (chunk 1 or 2: both the same)")
     ap.add_argument("--walk", default="rows",
                     help="RestoreConfig.walk variants: rows (the producer visits every row), copies (a compact list)")
     a = ap.parse_args(argv)
-    forms, walks = a.form.split(","), a.walk.split(",")
+    forms, walks, sizes = a.form.split(","), a.walk.split(","), a.sizes.split(",")
     if any(f not in ("tiled", "resident") for f in forms):
         ap.error(f"--form: expected a comma list of tiled, resident, got {a.form!r}")
     if any(w not in WALKS for w in walks):
         ap.error(f"--walk: expected a comma list of {', '.join(WALKS)}, got {a.walk!r}")
-    configs = []
-    for form in forms:
-        for bn, st, ch, wk in [(int(v), int(w), int(c), wk) for v in a.block_n.split(",") for w in a.steps.split(",")
-                               for c in a.chunk.split(",") for wk in walks]:
-            try:
-                configs.append(RestoreConfig(block_n=bn, steps=st, resident=form == "resident", chunk=ch, walk=wk))
-            except ValueError as e:  # a shared-memory budget it exceeds: said, not timed
-                print(f"{form} block_n={bn} steps={st} chunk={ch} walk={wk}: not timed: {e}", flush=True)
+    if any(v not in SIZES for v in sizes):
+        ap.error(f"--sizes: expected a comma list of {', '.join(SIZES)}, got {a.sizes!r}")
+    configs = bench_configs(forms, [int(v) for v in a.block_n.split(",")], [int(v) for v in a.steps.split(",")],
+                            [int(v) for v in a.chunk.split(",")], sizes, walks)
     x = jnp.ones((1 << 28,), jnp.bfloat16)  # 512 MB: read + write
     copy = jax.jit(lambda u: u + 1)
     copy_gbs = 2 * x.nbytes / median_time(copy, x, iters=10) / 1e9
@@ -632,9 +682,9 @@ def main(argv=None):
         tr = float(np.median(times[0]))
         for cfg, err, ts in zip(configs, errs, times[1:]):
             tk = float(np.median(ts))
-            copies = int(np.count_nonzero(addend_chunks(kind, src, cfg.chunk)))
+            copies = int(np.count_nonzero(addend_chunks(kind, src, cfg.chunk, cfg.sizes)))
             rows.append(dict(rows=t, runs=runs, protected=a.protected, addend_copies_per_row=copies / t, form=cfg.form,
-                             walk=cfg.walk,
+                             walk=cfg.walk, sizes=cfg.sizes,
                              config=dataclasses.asdict(cfg), smem_bytes=cfg.smem_bytes(),
                              rel_err=err, kernel_ms=tk * 1e3, xla_ms=tr * 1e3, speedup=tr / tk,
                              kernel_ms_rounds=[v * 1e3 for v in ts], xla_ms_rounds=[v * 1e3 for v in times[0]],
@@ -642,7 +692,7 @@ def main(argv=None):
                              kernel_frac_of_copy=nbytes / tk / 1e9 / copy_gbs, kernel_tflops=tflop / tk,
                              xla_tflops=tflop / tr))
             print(f"t={t:6d} runs={runs:2d} ({copies / t:.2f} copies/row) {cfg.form:8s} block_n={cfg.block_n:3d} "
-                  f"steps={cfg.steps} chunk={cfg.chunk:2d} walk={cfg.walk:6s} err {err:.1e} "
+                  f"steps={cfg.steps} chunk={cfg.chunk:2d} sizes={cfg.sizes:4s} walk={cfg.walk:6s} err {err:.1e} "
                   f"kernel {tk * 1e3:7.3f} ms xla {tr * 1e3:7.3f} ms x{tr / tk:4.2f} {nbytes / tk / 1e9:6.0f} GB/s "
                   f"({nbytes / tk / 1e9 / copy_gbs:.0%} of copy {copy_gbs:.0f}), {tflop / tk:.0f} TFLOP/s "
                   f"(peak {peak:.0f})", flush=True)

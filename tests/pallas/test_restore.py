@@ -70,26 +70,68 @@ def test_addend_chunks():
                                  + [2, 0, 1, 0] * 3 + [16] + [0] * 15)
     assert (got[48:] == 0).all()
     for runs in (0, 8):
-        args, _ = rs.make_problem(jax.random.key(runs), t=1024, g=1, hpg=2, k=64, o=64, runs=runs)
-        kind, src = rs.addend_sources(args[3], args[5], 1024)
-        size = np.asarray(rs.addend_chunks(kind, src))
-        kind, src = np.asarray(kind), np.asarray(src)
-        hits = np.zeros(1024, int)
-        for r in np.flatnonzero(size):
-            s = size[r]
-            assert r % s == 0 and (kind[r:r + s] == kind[r]).all()
-            assert (src[r:r + s] == src[r] + np.arange(s)).all()
-            hits[r:r + s] += 1
-        assert (hits == (kind > 0)).all()
+        kind, src = _random_sources(runs)
+        size = _check_chunks(kind, src, rs.addend_chunks(kind, src), (16, 8, 4, 2, 1))
         assert size.max() == (16 if runs else 8)  # the longest chunks these layouts hold
 
 
-def _check_copies(kind, src, size, copies, max_chunk):
+def _random_sources(runs, t=1024):
+    """(kind, source row) of a random consumer layout (`make_problem`; runs 0: scattered)."""
+    args, _ = rs.make_problem(jax.random.key(runs), t=t, g=1, hpg=2, k=64, o=64, runs=runs)
+    return rs.addend_sources(args[3], args[5], t)
+
+
+def _check_chunks(kind, src, size, allowed):
+    """size (`addend_chunks`) as chunks: each of an allowed size s, starting at a multiple of s,
+    of rows of one kind with consecutive source rows; every row with an addend covered by exactly
+    one chunk, padding rows by none. Returns size as numpy."""
+    kind, src, size = (np.asarray(a) for a in (kind, src, size))
+    hits = np.zeros(kind.shape[0], int)
+    for r in np.flatnonzero(size):
+        s = size[r]
+        assert s in allowed and r % s == 0 and (kind[r:r + s] == kind[r]).all()
+        assert (src[r:r + s] == src[r] + np.arange(s)).all()
+        hits[r:r + s] += 1
+    assert (hits == (kind > 0)).all()
+    return size
+
+
+def test_addend_chunks_ends():
+    """sizes "ends": copies of chunk rows or of one row, nothing between. On the hand-made layout
+    of test_addend_chunks the broken 16-row run copies row by row (pow2 makes 8 + 4 + 2 of it)
+    and the whole one at 32 stays one copy (two of 8 at chunk 8); on random layouts every aligned
+    chunk whose rows are one kind with consecutive sources is one copy, every other row with an
+    addend alone, and more copies than pow2 make."""
+    kind = np.array([1] * 20 + [2, 2, 1, 0] * 3 + [1] * 16 + [0] * 80, np.int32)
+    row = np.concatenate([np.arange(20) + 5, [0, 1, 30, 0, 2, 3, 31, 0, 4, 5, 40, 0], np.arange(16) + 100,
+                          np.zeros(80, int)]).astype(np.int32)
+    row[7] = 99
+    kind, row = jnp.asarray(kind), jnp.asarray(row)
+    got = np.asarray(rs.addend_chunks(kind, row, 16, "ends"))
+    assert got[:48].tolist() == [1] * 20 + [1, 1, 1, 0] * 3 + [16] + [0] * 15 and (got[48:] == 0).all()
+    got = np.asarray(rs.addend_chunks(kind, row, 8, "ends"))
+    assert got[:48].tolist() == [1] * 8 + [8] + [0] * 7 + [1] * 4 + [1, 1, 1, 0] * 3 + ([8] + [0] * 7) * 2
+    assert rs.chunk_sizes(16, "ends") == (16,) and rs.chunk_sizes(1, "ends") == ()
+    assert rs.copy_classes(16, "ends") == ((1, 1), (2, 1), (1, 16), (2, 16))
+    for runs in (0, 8):
+        kind, src = _random_sources(runs)
+        for chunk in (4, 16):
+            size = _check_chunks(kind, src, rs.addend_chunks(kind, src, chunk, "ends"), (chunk, 1))
+            k, r = np.asarray(kind).reshape(-1, chunk), np.asarray(src).reshape(-1, chunk)
+            whole = (k == k[:, :1]).all(1) & (k[:, 0] > 0) & (r == r[:, :1] + np.arange(chunk)).all(1)
+            np.testing.assert_array_equal(size[::chunk] == chunk, whole)  # every aligned run merged
+            assert whole.any() == (runs > 0 or chunk == 4)  # scattered rows hold no aligned 16-row run
+            assert np.count_nonzero(size) > np.count_nonzero(rs.addend_chunks(kind, src, chunk))
+    with pytest.raises(ValueError, match="sizes: expected one of pow2, ends, got 'all'"):
+        rs.addend_chunks(kind, src, 16, "all")
+
+
+def _check_copies(kind, src, size, copies, max_chunk, sizes="pow2"):
     """The compact lists hold exactly addend_chunks' copies: per half, entry i < count starts a
     chunk of its size at its offset, with that row's source and kind; entries are grouped by
     class in `copy_classes` order (in row order within one), zeros past the count; replaying
     the entries covers every row with an addend once."""
-    classes = rs.copy_classes(max_chunk)
+    classes = rs.copy_classes(max_chunk, sizes)
     kind, src, size = (np.asarray(a) for a in (kind, src, size))
     off, source, knd, sz, start = (np.asarray(a) for a in copies)
     blocks = kind.shape[0] // rs.BLOCK_T
@@ -117,8 +159,8 @@ def _check_copies(kind, src, size, copies, max_chunk):
 
 def test_addend_copies():
     """The copies walk's lists (`addend_copies`) against addend_chunks, on the hand-made layout
-    of test_addend_chunks and on random ones (scattered and runs, chunk 1 and 16), and their
-    packing into the kernel's ids (`copy_ids`)."""
+    of test_addend_chunks and on random ones (scattered and runs, chunk 1 and 16, sizes pow2 and
+    ends at 16), and their packing into the kernel's ids (`copy_ids`)."""
     kind = np.array([1] * 20 + [2, 2, 1, 0] * 3 + [1] * 16 + [0] * 80, np.int32)
     row = np.concatenate([np.arange(20) + 5, [0, 1, 30, 0, 2, 3, 31, 0, 4, 5, 40, 0], np.arange(16) + 100,
                           np.zeros(80, int)]).astype(np.int32)
@@ -137,10 +179,10 @@ def test_addend_copies():
     for runs in (0, 8):
         args, _ = rs.make_problem(jax.random.key(runs), t=1000, g=1, hpg=2, k=64, o=64, runs=runs)
         kind, src = rs.addend_sources(args[3], args[5], 1000)
-        for chunk in (1, 16):
-            size = rs.addend_chunks(kind, src, chunk)
-            copies = rs.addend_copies(kind, src, size, chunk)
-            _check_copies(kind, src, size, copies, chunk)
+        for chunk, sizes in ((16, "ends"), (1, "pow2"), (16, "pow2")):
+            size = rs.addend_chunks(kind, src, chunk, sizes)
+            copies = rs.addend_copies(kind, src, size, chunk, sizes)
+            _check_copies(kind, src, size, copies, chunk, sizes)
     ids = np.asarray(rs.copy_ids(kind, copies))
     assert ids.shape == (4, 1024)
     np.testing.assert_array_equal(ids[1], np.asarray(kind))  # the consumers' per-row kinds
@@ -152,7 +194,7 @@ def test_addend_copies():
     assert ids.shape[0] == rs.RestoreConfig(walk="copies").id_rows
 
 
-@pytest.mark.parametrize("seed,t,k,bn,steps,resident,runs,chunk,walk", [
+@pytest.mark.parametrize("seed,t,k,bn,steps,resident,runs,chunk,walk,sizes", [(*c, "pow2") for c in [
     (0, 256, 256, 128, 2, False, 0, 1, "rows"), (1, 100, 128, 64, 3, False, 0, 1, "rows"),
     (3, 256, 128, 128, 2, False, 16, 1, "rows"),
     # protected rows in runs: 16-row copies of z_L and of z_p
@@ -166,16 +208,21 @@ def test_addend_copies():
     # runs; resident over 2 and 4 column blocks (the lists re-walked per block)
     (0, 256, 256, 128, 2, False, 0, 1, "copies"), (1, 100, 128, 64, 3, False, 0, 16, "copies"),
     (4, 60, 128, 64, 2, False, 0, 16, "copies"), (2, 256, 128, 128, 2, False, 16, 16, "copies"),
-    (0, 256, 256, 128, 2, True, 16, 16, "copies"), (1, 100, 128, 64, 3, True, 0, 1, "copies")])
-def test_kernel_matches_reference_interpret(seed, t, k, bn, steps, resident, runs, chunk, walk):
+    (0, 256, 256, 128, 2, True, 16, 16, "copies"), (1, 100, 128, 64, 3, True, 0, 1, "copies")]] + [
+    # sizes "ends" at chunk 16: 16-row copies or single rows (the copies walk's 4 shapes), of runs
+    # (16-row copies of z_L and z_p) and of scattered rows (all single: the 16-row loops run
+    # empty, where pow2 copies 2, 4 and 8 rows); the rows walk's test of the 4 shapes, resident
+    (2, 256, 128, 128, 2, False, 16, 16, "copies", "ends"), (5, 256, 128, 64, 3, False, 0, 16, "copies", "ends"),
+    (2, 256, 128, 128, 2, True, 16, 16, "rows", "ends")])
+def test_kernel_matches_reference_interpret(seed, t, k, bn, steps, resident, runs, chunk, walk, sizes):
     """The kernel itself, both forms and both walks, run by Mosaic GPU interpret mode on CPU (GPU:
     natively), on a small consumer-shaped problem: restored, protected and padding rows, rows not
     a multiple of 64, more contraction steps than slots (slots reused) and fewer, addend copies
-    of 1 to 16 rows. Interpret mode fills the output and the shared memory with NaN before the
+    of 1 to 16 rows (every size, or 16 and 1 only). Interpret mode fills the output and the shared memory with NaN before the
     kernel runs (uninitialized_memory="nan"), so an element the kernel never writes, or an addend
     row no copy fetched, is caught."""
     args, kw = rs.make_problem(jax.random.key(seed), t=t, g=2, hpg=4, k=k, o=256, pool=300, global_head=2, runs=runs)
-    cfg = rs.RestoreConfig(block_n=bn, steps=steps, resident=resident, chunk=chunk, walk=walk)
+    cfg = rs.RestoreConfig(block_n=bn, steps=steps, resident=resident, chunk=chunk, walk=walk, sizes=sizes)
     got = rs.restore(*args, **kw, config=cfg)
     want = rs.restore_reference(*args, **kw)
     assert got.shape == want.shape and got.dtype == want.dtype
@@ -191,18 +238,19 @@ def test_kernel_matches_reference_interpret(seed, t, k, bn, steps, resident, run
         assert rel_err(got[rows].astype(jnp.float32), want[rows].astype(jnp.float32)) < TOL["kernel_bf16_o"][0]
 
 
-@pytest.mark.parametrize("bn,steps,resident,chunk,walk", [
+@pytest.mark.parametrize("bn,steps,resident,chunk,walk,sizes", [(*c, "pow2") for c in [
     (256, 3, False, 1, "rows"), (128, 4, False, 1, "rows"), (128, 4, True, 1, "rows"), (128, 3, True, 1, "rows"),
-    (256, 3, False, 16, "copies"), (128, 4, True, 1, "copies"), (128, 3, True, 16, "copies")])
-def test_kernel_lowers_for_cuda(bn, steps, resident, chunk, walk):
+    (256, 3, False, 16, "copies"), (128, 4, True, 1, "copies"), (128, 3, True, 16, "copies")]] + [
+    (256, 3, False, 16, "copies", "ends")])
+def test_kernel_lowers_for_cuda(bn, steps, resident, chunk, walk, sizes):
     """Flash shapes (8 groups, k 512, o 1024): the Mosaic GPU lowering (layout inference, TMA
     shapes, and Mosaic's own shared-memory check against 227 KB) runs on CPU. The resident
     default (block_n 128, 4 slots) is the tightest budget (231,936 bytes by `smem_bytes`; the
     copies walk's fourth id row makes it 232,448, the budget itself); with 3 slots, which do not
     divide the 8 steps, the slot indices are computed in the loop. The copies walk's loops have
-    bounds read from shared memory."""
+    bounds read from shared memory (4 loops per half and step at chunk 16 sizes "ends")."""
     args, kw = rs.make_problem(jax.random.key(0), t=256)
-    cfg = rs.RestoreConfig(block_n=bn, steps=steps, resident=resident, chunk=chunk, walk=walk)
+    cfg = rs.RestoreConfig(block_n=bn, steps=steps, resident=resident, chunk=chunk, walk=walk, sizes=sizes)
     f = jax.jit(lambda *a: rs.restore(*a, **kw, config=cfg, interpret=False))
     text = f.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text
@@ -211,7 +259,7 @@ def test_kernel_lowers_for_cuda(bn, steps, resident, chunk, walk):
 def test_config_budget():
     """Shared memory: the resident form holds o_G [128, 512] (128 KB), so block_n 256 does not
     fit beside its weight slots and output rows; the defaults fit; a larger head dim is refused."""
-    assert rs.default_config(1024) == rs.RestoreConfig(block_n=256, steps=3)
+    assert rs.default_config(1024) == rs.RestoreConfig(block_n=256, steps=3, chunk=16, sizes="ends")
     res = rs.default_config(1024, resident=True)
     assert res == rs.RestoreConfig(block_n=128, steps=4, resident=True) and res.smem_bytes() <= rs.SMEM_LIMIT
     for steps in (2, 3, 4):
@@ -225,6 +273,13 @@ def test_config_budget():
         rs.RestoreConfig(walk="chunks")
     with pytest.raises(SystemExit):  # the benchmark's --walk, refused before anything runs
         rs.main(["--walk", "rows,chunks"])
+    with pytest.raises(ValueError, match="RestoreConfig.sizes: expected one of pow2, ends, got 'mid'"):
+        rs.RestoreConfig(chunk=16, sizes="mid")
+    with pytest.raises(SystemExit):
+        rs.main(["--sizes", "pow2,mid"])
+    # the benchmark times each kernel once: chunk 1 is one kernel whatever the sizes
+    got = rs.bench_configs(["tiled"], [256], [3], [1, 16], ["pow2", "ends"], ["copies"])
+    assert [(c.chunk, c.sizes) for c in got] == [(1, "pow2"), (16, "pow2"), (16, "ends")]
     # the copies walk's fourth row of ids: 512 bytes more, the resident default still fits
     copies = rs.RestoreConfig(block_n=128, steps=4, resident=True, walk="copies")
     rows = rs.RestoreConfig(block_n=128, steps=4, resident=True, walk="rows")
@@ -269,17 +324,19 @@ def _poisoned_run(f, *a, **k):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("walk", ["rows", "copies"])
-@pytest.mark.parametrize("seed,t,bn,steps,resident,runs,chunk", [
+@pytest.mark.parametrize("seed,t,bn,steps,resident,runs,chunk,sizes", [(*c, "pow2") for c in [
     (0, 4096, 256, 3, False, 0, 1), (1, 1000, 256, 2, False, 0, 16), (2, 64, 64, 2, False, 0, 1),
     (3, 4096, 128, 4, False, 0, 16), (4, 1000, 128, 3, False, 0, 1), (5, 4096, 256, 3, False, 32, 16),
     (6, 4096, 256, 3, False, 32, 1),
     (0, 4096, 128, 4, True, 0, 1), (1, 1000, 128, 2, True, 0, 16), (2, 64, 64, 2, True, 0, 1),
-    (3, 4096, 64, 3, True, 0, 16), (4, 1000, 128, 3, True, 0, 1), (5, 4096, 128, 4, True, 32, 16)])
-def test_kernel_matches_reference_gpu(seed, t, bn, steps, resident, runs, chunk, walk):
+    (3, 4096, 64, 3, True, 0, 16), (4, 1000, 128, 3, True, 0, 1), (5, 4096, 128, 4, True, 32, 16)]] + [
+    # chunk 16 with sizes "ends": 16-row copies or single rows (runs, tiled; scattered, resident)
+    (7, 4096, 256, 3, False, 32, 16, "ends"), (8, 1000, 128, 3, True, 0, 16, "ends")])
+def test_kernel_matches_reference_gpu(seed, t, bn, steps, resident, runs, chunk, sizes, walk):
     if jax.default_backend() != "gpu":
         pytest.skip("needs a GPU")
     args, kw = rs.make_problem(jax.random.key(seed), t=t, runs=runs)
-    cfg = rs.RestoreConfig(block_n=bn, steps=steps, resident=resident, chunk=chunk, walk=walk)
+    cfg = rs.RestoreConfig(block_n=bn, steps=steps, resident=resident, chunk=chunk, walk=walk, sizes=sizes)
     got = _poisoned_run(rs.restore, *args, **kw, config=cfg)
     want = rs.restore_reference(*args, **kw)
     assert bool(jnp.all(jnp.isfinite(got.astype(jnp.float32))))
