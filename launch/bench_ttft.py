@@ -22,6 +22,11 @@ is rejected (require_reuse).
     python launch/bench_ttft.py --lengths 65536 --repeats 1 --op-profile 3,4 --out ttft_64k_ops.json  # op level
     python launch/bench_ttft.py --lengths 65536 --repeats 1 --decode-steps 16 --out ttft_64k_decode.json
     python launch/bench_ttft.py --lengths 15872,16384 --repeats 1 --shape-buckets 0 --out ttft_buckets0.json
+    python launch/bench_ttft.py --lengths 65536 --repeats 2 --topk-stages 4,1 --out ttft_64k_stages.json
+
+--topk-stages N[,M..]: the CSA selection's entry prefixes (`indexer.select_topk_causal`; 1 scores
+every entry, the form before session 30); several are timed side by side, each under every
+kernel set, keyed 'SET/stagesN'.
 
 --shape-buckets N: the consumer's padded sizes per octave (`reuse.pool.Buckets`, default 8; 0: exact
 sizes). Each length's `warmup_*_s` is its first call: with two lengths in one bucket the second

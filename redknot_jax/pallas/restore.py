@@ -644,12 +644,13 @@ def main(argv=None):
     ap.add_argument("--runs", default="0,32",
                     help="protected-row layouts (make_problem's runs): 0 scattered, n runs of about n rows")
     ap.add_argument("--chunk", default="1,16", help="RestoreConfig.chunk variants: the longest addend copy (1: per row)")
-    ap.add_argument("--sizes", default="pow2",
+    ap.add_argument("--sizes", default="ends",
                     help="RestoreConfig.sizes variants: pow2 (copies of every power of two up to chunk rows), ends "
                          "(chunk rows or one row only); a config whose copies an earlier one already makes is not "
                          "timed twice (chunk 1 or 2: both the same)")
-    ap.add_argument("--walk", default="rows",
-                    help="RestoreConfig.walk variants: rows (the producer visits every row), copies (a compact list)")
+    ap.add_argument("--walk", default="copies",
+                    help="RestoreConfig.walk variants: copies (a compact list, the config's default), rows (the "
+                         "producer visits every row)")
     a = ap.parse_args(argv)
     forms, walks, sizes = a.form.split(","), a.walk.split(","), a.sizes.split(",")
     if any(f not in ("tiled", "resident") for f in forms):
