@@ -21,6 +21,8 @@ is rejected (require_reuse).
     python launch/bench_ttft.py --lengths 65536 --repeats 1 --layer-times --out ttft_64k_layers.json  # profile
     python launch/bench_ttft.py --lengths 65536 --repeats 1 --op-profile 3,4 --out ttft_64k_ops.json  # op level
     python launch/bench_ttft.py --lengths 65536 --repeats 1 --decode-steps 16 --out ttft_64k_decode.json
+    python launch/bench_ttft.py --lengths 32768 --repeats 1 --decode-steps 16 \
+        --kernels indexer+restore+ragged_dot+sparse_attention,indexer+restore+ragged_dot+sparse_attention+seg_attention
     python launch/bench_ttft.py --lengths 15872,16384 --repeats 1 --shape-buckets 0 --out ttft_buckets0.json
     python launch/bench_ttft.py --lengths 65536 --repeats 2 --topk-stages 4,1 --out ttft_64k_stages.json
 
@@ -37,7 +39,8 @@ compiles nothing, so its warm-up is about one timed run; with 0 it compiles its 
 seconds per token side by side (the first step, which compiles, apart), and the RedKnot state's
 device bytes (fence layers' native caches; reusable layers' compact rows, the documents' rows
 read from the pool, and the request's entries; the decode layout) against what per-row copies
-of every request row would hold.
+of every request row would hold. With several --kernels sets the RedKnot decode runs under each
+(`decode.by_kernels`): decode kernels ("seg_attention") side by side.
 
 --store DIR keeps the built artifacts in an artifact store (raw codec) and reads them back on a
 later run with the same records, profile and model (content ids): a run too long for one call
@@ -120,21 +123,30 @@ def profile_variant(prof, **over):
     return dataclasses.replace(prof, name=prof.name + "".join(f"-{k}={v}" for k, v in over.items()), **over)
 
 
-def decode_row(rt, req, pool, steps: int, out: dict, save=lambda: None) -> dict:
-    """Both arms: a prefill keeping a decode state, then `steps` greedy tokens, one row each
-    (`next_logits` -> `Consumer.decode_step`). The RedKnot state's device bytes by part,
-    after the steps (the first step adds the request's entries), against per-row copies. Fills
-    `out` and calls `save` after each arm."""
+def _decode(rt, req, pool, arm: str, steps: int):
+    """One prefill keeping a decode state, then `steps` greedy tokens: (state, tokens, seconds per step)."""
+    res = rt.prefill(req, arm, require_reuse=arm == "redknot", pool=pool, decode_rows=steps)
+    gen, secs = [int(np.argmax(res.logits[-1]))], []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        gen.append(int(np.argmax(rt.next_logits(req, res, gen))))
+        secs.append(time.perf_counter() - t0)
+    return res.decode, gen, secs
+
+
+def decode_row(rts: dict, req, pool, steps: int, out: dict, save=lambda: None) -> dict:
+    """Both arms under the first kernel set of `rts`: a prefill keeping a decode state, then
+    `steps` greedy tokens, one row each (`next_logits` -> `Consumer.decode_step`). The RedKnot
+    state's device bytes by part, after the steps (the first step adds the request's entries),
+    against per-row copies. Every further kernel set: the RedKnot arm's steps again
+    ("by_kernels"), so decode kernels are timed side by side. Fills `out` and calls `save` after
+    each run."""
+    rt = next(iter(rts.values()))
     out.update(steps=steps, request_rows=int(req.tokens.size))
+    med = lambda secs: statistics.median(secs[1:]) if steps > 1 else None
     for arm in ("redknot", "recompute"):
-        res = rt.prefill(req, arm, require_reuse=arm == "redknot", pool=pool, decode_rows=steps)
-        st, gen, secs = res.decode, [int(np.argmax(res.logits[-1]))], []
-        for _ in range(steps):
-            t0 = time.perf_counter()
-            gen.append(int(np.argmax(rt.next_logits(req, res, gen))))
-            secs.append(time.perf_counter() - t0)
-        med = statistics.median(secs[1:]) if steps > 1 else None
-        out[arm] = {"first_step_s": secs[0], "step_s": secs[1:], "step_median_s": med, "rows_after": st.rows,
+        st, gen, secs = _decode(rt, req, pool, arm, steps)
+        out[arm] = {"first_step_s": secs[0], "step_s": secs[1:], "step_median_s": med(secs), "rows_after": st.rows,
                     "state_gb": st.nbytes() / 1e9, "tokens": gen}
         if arm == "redknot":
             gb = lambda tree: sum(x.nbytes for x in jax.tree.leaves(tree)) / 1e9
@@ -150,6 +162,12 @@ def decode_row(rt, req, pool, steps: int, out: dict, save=lambda: None) -> dict:
         save()
     if steps > 1:
         out["recompute_over_redknot_step"] = out["recompute"]["step_median_s"] / out["redknot"]["step_median_s"]
+    for k, krt in list(rts.items())[1:]:
+        _, gen, secs = _decode(krt, req, pool, "redknot", steps)
+        out.setdefault("by_kernels", {})[k] = {"redknot": {
+            "first_step_s": secs[0], "step_s": secs[1:], "step_median_s": med(secs), "tokens": gen,
+            "kernels": krt.consumer.kernels, "decode_kernels": krt.consumer.decode_kernels}}
+        save()
     return out
 
 
@@ -373,7 +391,7 @@ def main(argv=None):
                    for arm in ("recompute", "redknot")}}
             save()
         if args.decode_steps:
-            decode_row(rt, req, pool, args.decode_steps, row.setdefault("decode", {}), save)
+            decode_row(rts, req, pool, args.decode_steps, row.setdefault("decode", {}), save)
             save()
         if args.cold:  # after the hot runs, with their pool gone: construction + admission + prefill
             del pool

@@ -5,11 +5,13 @@ JAX's Hopper kernel) and `sparse_attention` (gathered-key latent attention: the 
 window + top-k keys, natively and in the consumer's pass B). `KERNELS` names those the runtime chooses among (`resolve_kernels`, used by
 the consumer and `generate.Engine`); a resolved set is a comma list of them. "sparse_global" is
 the same gathered-key kernel at another call site, the consumer's pass A (the Global heads of
-every row, padded to the kernel's 64), so the two can be chosen and timed apart."""
+every row, padded to the kernel's 64), so the two can be chosen and timed apart. "seg_attention"
+runs in the RedKnot arm's decode steps, in HCA layers: the documents' entries read canonical
+from the pool, the queries turned per document."""
 
 import jax
 
-KERNELS = ("indexer", "restore", "ragged_dot", "sparse_attention", "sparse_global")
+KERNELS = ("indexer", "restore", "ragged_dot", "sparse_attention", "sparse_global", "seg_attention")
 FASTER = ("indexer", "restore", "ragged_dot", "sparse_attention", "sparse_global")  # measured faster than their XLA references on the H200 (docs/kernels.md)
 
 
@@ -22,13 +24,15 @@ def resolve_kernels(kernels: str, model, n_global: int | None = None) -> str:
     GPU none (interpret mode is for tests). A kernel named explicitly that the model cannot run
     (dtype, tiles, Global heads per group, no GPU) raises ValueError. n_global: the profile's
     Global heads per output group, for the restoration kernel; None outside the RedKnot consumer
-    (`generate.Engine`, `build_artifact`), where that kernel and "sparse_global" (pass A) have
+    (`generate.Engine`, `build_artifact`), where that kernel, "sparse_global" (pass A) and
+    "seg_attention" (RedKnot decode) have
     nothing to run and are left out of the set, so one `--kernels` value serves the consumer, the
     engine and the builds."""
-    from redknot_jax.config import CSA
+    from redknot_jax.config import CSA, HCA
     from redknot_jax.pallas.indexer_scores import scores_unsupported
     from redknot_jax.pallas.ragged_dot import ragged_dot_unsupported
     from redknot_jax.pallas.restore import restore_unsupported
+    from redknot_jax.pallas.seg_attention import seg_attention_unsupported
     from redknot_jax.pallas.sparse_attention import HEADS, sparse_attention_unsupported
 
     cfg, gpu = model.cfg, jax.default_backend() == "gpu"
@@ -44,6 +48,9 @@ def resolve_kernels(kernels: str, model, n_global: int | None = None) -> str:
     # pass A pads its Global heads to the kernel's 64: the head dim and dtype decide
     why["sparse_global"] = (sparse_attention_unsupported(HEADS, cfg.head_dim, model.dtype)
                             if CSA in cfg.layer_types else "no CSA layer")
+    # the RedKnot arm's decode steps, HCA layers
+    why["seg_attention"] = (seg_attention_unsupported(cfg.num_heads, cfg.head_dim, cfg.rope_dim, model.dtype, gpu)
+                            if HCA in cfg.layer_types else "no HCA layer")
     if kernels == "auto":
         names = [k for k in FASTER if why[k] is None] if gpu else []
     else:
@@ -54,7 +61,7 @@ def resolve_kernels(kernels: str, model, n_global: int | None = None) -> str:
     for k in names:
         if why[k]:
             raise ValueError(f"kernels={kernels!r}: the {k} kernel cannot run this model: {why[k]}")
-    consumer_only = ("restore", "sparse_global")
+    consumer_only = ("restore", "sparse_global", "seg_attention")
     return ",".join(k for k in KERNELS if k in names and (k not in consumer_only or n_global is not None))
 
 

@@ -197,6 +197,7 @@ def seg_attention_reference(q, keys, segments, seg_offset, row_lo, row_hi, sink,
     the sink once. gkeys: per-row gathered keys flattened [t * G, k] (segments with src=1).
     Returns (o [t, h, k] in q.dtype, lse [t, h] fp32)."""
     del config
+    freqs = jnp.asarray(freqs, jnp.float32)
     seg_offset = jnp.asarray(seg_offset, jnp.int32)
     _check(q, keys, gkeys, segments, seg_offset, row_lo, row_hi, sink, freqs)
     t = q.shape[0]
@@ -429,6 +430,18 @@ def _kernel_call(q, keys, gkeys, mats, row_lo, row_hi, *, segments, scale, cfg):
     )(*args)
 
 
+def seg_attention_unsupported(h: int, k: int, r: int, dtype, gpu: bool = True) -> str | None:
+    """Why the kernel cannot run q [t, h, k] with r RoPE dims in `dtype` (None: it can). `gpu`:
+    whether a GPU is there (the kernel has no interpret mode)."""
+    if (h, k, r) != (HEADS, HEAD_DIM, ROPE_DIM):
+        return f"supports (heads, head dim, rope dims) = {(HEADS, HEAD_DIM, ROPE_DIM)}, got {(h, k, r)}"
+    if isinstance(dtype, str) or jnp.dtype(dtype) != jnp.bfloat16:
+        return f"bf16 q / keys expected, got {dtype}"
+    if not gpu:
+        return "Mosaic GPU interpret mode cannot run it (register wgmma operands): it runs on a GPU only"
+    return None
+
+
 def seg_attention(q, keys, segments, seg_offset, row_lo, row_hi, sink, freqs, *, scale, gkeys=None,
                   config: SegAttentionConfig | None = None):
     """Mosaic GPU relocated segment attention; same signature as `seg_attention_reference`.
@@ -438,13 +451,14 @@ def seg_attention(q, keys, segments, seg_offset, row_lo, row_hi, sink, freqs, *,
     run it: its wgmma takes A operands from shared memory only, this kernel feeds the rotated
     query and the accumulator's RoPE slice from registers."""
     t, h, k = q.shape
+    freqs = jnp.asarray(freqs, jnp.float32)
     seg_offset = jnp.asarray(seg_offset, jnp.int32)
     _check(q, keys, gkeys, segments, seg_offset, row_lo, row_hi, sink, freqs)
-    if (h, k, 2 * freqs.shape[0]) != (HEADS, HEAD_DIM, ROPE_DIM):
-        raise ValueError(f"seg_attention kernel: supports (heads, head dim, rope dims) = "
-                         f"{(HEADS, HEAD_DIM, ROPE_DIM)}, got {(h, k, 2 * freqs.shape[0])}")
-    if q.dtype != jnp.bfloat16 or keys.dtype != jnp.bfloat16 or (gkeys is not None and gkeys.dtype != jnp.bfloat16):
-        raise ValueError(f"seg_attention kernel: bf16 q / keys expected, got {q.dtype}, {keys.dtype}")
+    why = seg_attention_unsupported(h, k, 2 * freqs.shape[0], q.dtype)
+    if why is None and (keys.dtype != jnp.bfloat16 or (gkeys is not None and gkeys.dtype != jnp.bfloat16)):
+        why = f"bf16 q / keys expected, got {q.dtype}, {keys.dtype}"
+    if why:
+        raise ValueError(f"seg_attention kernel: {why}")
     cfg = config or (DECODE_CONFIG if t <= 8 else PREFILL_CONFIG)
     row_lo = jnp.asarray(row_lo, jnp.int32)
     row_hi = jnp.asarray(row_hi, jnp.int32)

@@ -49,6 +49,7 @@ from redknot_jax.norms import rms_norm
 from redknot_jax.pallas import kernel_mode, resolve_kernels
 from redknot_jax.pallas.restore import restore_reference
 from redknot_jax.pallas.restore import restore as restore_kernel
+from redknot_jax.pallas.seg_attention import Segment, seg_attention
 from redknot_jax.pallas.sparse_attention import HEADS as SPARSE_HEADS
 from redknot_jax.pallas.sparse_attention import row_lists, sparse_attention
 from redknot_jax.reuse.artifact import local_head_mask
@@ -412,7 +413,39 @@ def decode_entries(attn, keys, tab, pool_layer, *, freqs) -> dict:
     return out
 
 
-def decode_attention(blk, x, tab, pool_layer, keys, t0, *, freqs):
+def _decode_segments(q, pos, wk, wvalid, on_ents, rt, pool_entries, sink, scale, freqs, m):
+    """A decode step's HCA attention by the relocated segment attention kernel
+    (`pallas/seg_attention.py`), for new rows at positions pos [g]: the documents' entries are
+    read canonical, in place in the pool, one segment per run of pool entries
+    (`layout.pool_runs`), each at its frame's offset D (the kernel turns the queries by R(-D)
+    and the partial output back); the run's visible entries are a prefix. The window rows wk
+    [g, W, k] (`wvalid` [g, W]) and the online entries on_ents [E_on, k], both in the absolute
+    frame already, enter per row as one gathered segment at offset 0, valid ones first. Returns
+    o [g, h, k] in the absolute frame, sink included (as `_pass_b`'s)."""
+    g, (W, k) = q.shape[0], wk.shape[1:]
+    E, oi = rt["src"].shape[0], rt["on_idx"]
+    on_valid = (oi[None] < E) & (rt["end"][jnp.minimum(oi, E - 1)][None] <= pos[:, None])  # [g, E_on]
+    gk = jnp.concatenate([wk, jnp.broadcast_to(on_ents[None].astype(wk.dtype), (g,) + on_ents.shape)], 1)
+    valid = jnp.concatenate([wvalid, on_valid], 1)
+    order = jnp.argsort(~valid, axis=1, stable=True)  # valid first: the segment is [0, count)
+    gk = jnp.take_along_axis(gk, order[..., None], 1)
+    count = jnp.sum(valid, 1).astype(jnp.int32)
+    G = gk.shape[1]
+    if pool_entries is None:  # no document entry at this rate: the runs are all empty
+        pool_entries = jnp.zeros((8, k), gk.dtype)
+    # entry w of a run is visible once its window closes: d + (w + 1) m - 1 <= pos
+    vis = jnp.clip((pos[:, None] - rt["run_d"][None] + 1) // m - rt["run_w"][None], 0, rt["run_n"][None])
+    first = jnp.arange(g, dtype=jnp.int32)[:, None] * G
+    lo = jnp.concatenate([jnp.broadcast_to(rt["run_src"][None], vis.shape), first], 1)
+    hi = jnp.concatenate([rt["run_src"][None] + vis, first + count[:, None]], 1)
+    segs = (Segment(0, pool_entries.shape[0]),) * vis.shape[1] + (Segment(0, g * G, src=1),)
+    offs = jnp.concatenate([rt["run_d"], jnp.zeros(1, jnp.int32)])
+    o, _ = seg_attention(q.astype(gk.dtype), pool_entries.astype(gk.dtype), segs, offs, lo, hi, sink, freqs,
+                         scale=scale, gkeys=gk.reshape(g * G, k))
+    return o
+
+
+def decode_attention(blk, x, tab, pool_layer, keys, t0, *, freqs, kernels: str = ""):
     """The attention half of a reusable layer for g new rows x [1, g, n, d] at request rows
     t0 .. t0+g-1 of a frozen plan (protected new rows of the last frame: every head, native
     key sets), reading the earlier rows' keys instead of recomputing them: a document row's
@@ -421,7 +454,9 @@ def decode_attention(blk, x, tab, pool_layer, keys, t0, *, freqs):
     rows and the rows online entries pool); the entries: the pool's, turned as they are read,
     and the online ones from `keys` (`decode_entries`; those of the new rows' windows pooled
     again). `tab`: the decode layout (the plan extended
-    to the state's capacity). Returns (x, keys with the new rows written in)."""
+    to the state's capacity). `kernels` naming "seg_attention": an HCA layer attends by that
+    kernel (`_decode_segments`: the pool's entries read canonical, the queries turned per
+    document) instead of turning every entry. Returns (x, keys with the new rows written in)."""
     attn = blk.attn
     g = x.shape[1]
     u, post, comb = blk.hc_attn.pre(x)
@@ -435,6 +470,7 @@ def decode_attention(blk, x, tab, pool_layer, keys, t0, *, freqs):
     put = lambda a, v: a.at[slots].set(v.astype(a.dtype), mode="drop")
     new = {**keys, "kv": put(keys["kv"], attn.latent(xa[None], cpos[None], freqs)[0])}
     ents = idx = None
+    segments = attn.kind == HCA and kernel_mode(kernels, "seg_attention") == "mosaic"
     if attn.kind in (CSA, HCA):
         new.update({n: put(keys[n], v) for n, v in _projections(attn, xa, cpos).items()})
         rt = tab["rates"]["csa" if attn.kind == CSA else "hca"]
@@ -442,6 +478,7 @@ def decode_attention(blk, x, tab, pool_layer, keys, t0, *, freqs):
                                                            freqs, own, e)
         E = rt["src"].shape[0]
         new["ents"] = renew(attn.compressor, "pk", "pg", "cmp", keys["ents"])
+    if attn.kind in (CSA, HCA) and not segments:
         ents = (_entries(pool_layer.get("entries"), rt, new["ents"], E, attn.compressor.dk, freqs)
                 .astype(new["ents"].dtype), rt["end"])
         if attn.kind == CSA:
@@ -458,8 +495,13 @@ def decode_attention(blk, x, tab, pool_layer, keys, t0, *, freqs):
         return apply_rope(kv, tab["d"][r], freqs)
 
     q = _queries(attn, cq, np.arange(attn.h), pos, freqs)
-    o = _pass_b(q, pos, window_keys, ents, idx, attn.attn_sink[...], attn.k ** -0.5, attn.kind, g, attn.window,
-                attn.indexer.topk if attn.kind == CSA else 0, stages=1)
+    if segments:
+        kp = pos[:, None] - attn.window + 1 + jnp.arange(attn.window)  # as `_pass_b`'s window
+        o = _decode_segments(q, pos, window_keys(kp), kp >= 0, new["ents"], rt, pool_layer.get("entries"),
+                             attn.attn_sink[...], attn.k ** -0.5, freqs, attn.compressor.m)
+    else:
+        o = _pass_b(q, pos, window_keys, ents, idx, attn.attn_sink[...], attn.k ** -0.5, attn.kind, g, attn.window,
+                    attn.indexer.topk if attn.kind == CSA else 0, stages=1)
     o = apply_rope(o, pos, freqs, inverse=True)
     y = attn.wo_b_apply(attn.wo_a_apply(o[None]))
     return HyperConnection.post(x, y.astype(x.dtype), post, comb), new
@@ -505,12 +547,12 @@ def _reusable_keys_jit(state, x, ids, tab, pool_layer, keep_rows, *, graphdef, f
     return x, hist, keys
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "freqs", "fan"), donate_argnames=("keys",))
-def _reusable_step_jit(state, x, ids, tab, pool_layer, keys, t0, *, graphdef, freqs, fan):
+@functools.partial(jax.jit, static_argnames=("graphdef", "freqs", "fan", "kernels"), donate_argnames=("keys",))
+def _reusable_step_jit(state, x, ids, tab, pool_layer, keys, t0, *, graphdef, freqs, fan, kernels=""):
     """A reusable layer for new rows over the cached keys (`decode_attention`, which writes
-    them in place), then the MoE."""
+    them in place), then the MoE (XLA: `kernels` reaches the attention only)."""
     blk = nnx.merge(graphdef, state)
-    x, keys = decode_attention(blk, x, tab, pool_layer, keys, t0, freqs=freqs)
+    x, keys = decode_attention(blk, x, tab, pool_layer, keys, t0, freqs=freqs, kernels=kernels)
     x, _ = reusable_ffn(blk, x, ids, jnp.ones(x.shape[1], bool), fan)
     return x, keys
 
@@ -651,6 +693,18 @@ class Consumer:
         attention half is vmapped over the batch."""
         return "ragged_dot" if "ragged_dot" in self.kernels.split(",") else ""
 
+    @property
+    def decode_kernels(self) -> str:
+        """The kernels of `self.kernels` that a RedKnot decode step's HCA layers run: the segment
+        attention ("seg_attention"); the rest of a step is XLA."""
+        return "seg_attention" if "seg_attention" in self.kernels.split(",") else ""
+
+    @property
+    def prefill_kernels(self) -> str:
+        """`self.kernels` less the decode-only ones, so kernel sets that differ only in those
+        share the prefill's compiled programs."""
+        return ",".join(k for k in self.kernels.split(",") if k != "seg_attention")
+
     def pool(self, artifacts, resident: str = "device", host_kind: str = "auto") -> DocPool:
         """The documents' artifacts packed for the RedKnot arm: "device" (hot: every layer on the
         device now) or "host" (prefetched: payloads stay in host memory, streamed per layer;
@@ -670,8 +724,8 @@ class Consumer:
         """Cache capacity (rows) for n rows: their bucket, whole HCA windows."""
         return ceil_to(self._rows(n), self.cfg.hca_rate)
 
-    def _layout(self, plan: Plan, pool: DocPool, pad_to: dict | None = None):
-        return build_layout(plan, pool, self.profile, self.cfg, self.block, pad_to, self.buckets)
+    def _layout(self, plan: Plan, pool: DocPool, pad_to: dict | None = None, runs: bool = False):
+        return build_layout(plan, pool, self.profile, self.cfg, self.block, pad_to, self.buckets, runs)
 
     def _pad(self, tokens):
         t_real = len(tokens)
@@ -685,7 +739,7 @@ class Consumer:
         cap = self._cap(t)
         return _native_jit(st, x, ids, jnp.asarray(np.reshape(t_real, -1), jnp.int32), graphdef=gd,
                            freqs=self.model.freqs(i), block=min(self.block, t), cap=cap,
-                           kernels=self.kernels if x.shape[0] == 1 else self.batch_kernels, topk_stages=self.topk_stages)
+                           kernels=self.prefill_kernels if x.shape[0] == 1 else self.batch_kernels, topk_stages=self.topk_stages)
 
     def _embed(self, ids):
         return _embed_jit(self.top_state, ids, graphdef=self.top_def)
@@ -703,7 +757,7 @@ class Consumer:
         gd, st = self.defs[i]
         x, state.layers[i] = _native_cache_jit(
             st, x, ids, jnp.full((1,), t_real, jnp.int32), graphdef=gd, freqs=self.model.freqs(i),
-            block=min(self.block, t), cap=max(state.cap, self._cap(t)), kernels=self.kernels,
+            block=min(self.block, t), cap=max(state.cap, self._cap(t)), kernels=self.prefill_kernels,
             topk_stages=self.topk_stages)
         return x
 
@@ -802,14 +856,14 @@ class Consumer:
                     kept = layout.own_rows(t_real)
                     state.own, state.own_cap = kept.size, self._rows(kept.size + decode_rows)
                     keep_rows = jnp.asarray(np.r_[kept, np.full(state.own_cap - kept.size, t)], jnp.int32)
-                    state.layout = self._layout(plan.extend(decode_rows), pool)
+                    state.layout = self._layout(plan.extend(decode_rows), pool, runs=True)
                     if not np.array_equal(state.layout.own_rows(t_real), kept):
                         raise AssertionError("decode layout: the prompt's compact rows changed")
                 if timings is not None:
                     timings["plan_s"] = time.perf_counter() - t0
             gd, st = self.defs[i]
             kw = dict(graphdef=gd, freqs=self.model.freqs(i), glob=self.glob, block=self.block, fan=self.fan,
-                      kernels=self.kernels, topk_stages=self.topk_stages)
+                      kernels=self.prefill_kernels, topk_stages=self.topk_stages)
             if state is None:
                 x, h = _reusable_jit(st, x, ids, layout.tables, pool_layer, **kw)
             else:
@@ -848,7 +902,8 @@ class Consumer:
                                                       freqs=self.model.freqs(i))
             x, state.layers[i] = _reusable_step_jit(st, x, ids, lay.tables, pool_layer, state.layers[i],
                                                     jnp.int32(t0), graphdef=gd, freqs=self.model.freqs(i),
-                                                    fan=self.fan)
+                                                    fan=self.fan,
+                                                    kernels=self.decode_kernels if cfg.layer_types[i] == HCA else "")
         state.rows += 1
         state.own += lay is not None
         state.stepped = True

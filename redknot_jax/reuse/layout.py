@@ -21,13 +21,30 @@ from redknot_jax.reuse.pool import ENTRY_PAD, EXACT, Buckets, DocPool, ceil_to
 NEVER = np.int32(2 ** 30)  # last position of a padding entry: never visible
 
 
+def pool_runs(src: np.ndarray, d: np.ndarray, w: np.ndarray, buckets: Buckets = EXACT) -> dict:
+    """The request's pool entries as runs: maximal stretches of request entries that are
+    consecutive pool entries of one frame (one offset D, consecutive windows), i.e. the
+    segments of canonical entries a relocated segment attention reads in place
+    (`pallas/seg_attention.py`). Per run: first pool entry "run_src", length "run_n", offset
+    "run_d", first canonical window "run_w"; padded with empty runs to `buckets.docs` of their count (at least one run)."""
+    e = np.flatnonzero(src >= 0)
+    brk = np.r_[True, (np.diff(e) != 1) | (np.diff(src[e]) != 1) | (np.diff(d[e]) != 0)] if e.size else \
+        np.zeros(0, bool)
+    first = np.flatnonzero(brk)
+    n = np.diff(np.r_[first, e.size])
+    n_runs = buckets.docs(max(first.size, 1))
+    pad = lambda a: np.r_[a, np.zeros(n_runs - a.size)].astype(np.int32)
+    return {"run_src": pad(src[e[first]]), "run_n": pad(n), "run_d": pad(d[e[first]]), "run_w": pad(w[e[first]])}
+
+
 def _entry_table(plan: Plan, pool: DocPool, m: int, overlap: bool, refresh: np.ndarray, t: int,
-                 frames, min_sizes: tuple[int, int] = (0, 0), buckets: Buckets = EXACT) -> dict:
+                 frames, min_sizes: tuple[int, int] = (0, 0), buckets: Buckets = EXACT, runs: bool = False) -> dict:
     """The request's entries at rate m: pool entry or online slots, offset, last position;
     per row `row_on`, the online index of the entry its window pools (what a decode step
     recomputes after writing the row; E_on if none). Entries pad to the t // m the rows can hold,
     online entries to `buckets` of ENTRY_PAD; `min_sizes` (entries, online entries): at least
-    this far (a batch's common shapes)."""
+    this far (a batch's common shapes). `runs`: the pool entries as runs too (`pool_runs`; their
+    count padded to `buckets.docs`)."""
     r = (2 if overlap else 1) * m
     src, on_slots, d_off, wcan, endpos = [], [], [], [], []
     ebase = np.zeros(t, np.int32)
@@ -68,7 +85,7 @@ def _entry_table(plan: Plan, pool: DocPool, m: int, overlap: bool, refresh: np.n
     pad = E - e
     on_of = np.full(e + 1, E_on)  # entry -> its online index (E_on: a pool entry, or none)
     on_of[online] = np.arange(online.size)
-    return {
+    table = {
         "src": np.r_[src, np.full(pad, -1)].astype(np.int32),
         "d": np.r_[d_off, np.zeros(pad)].astype(np.int32),
         "w": np.r_[wcan, np.zeros(pad)].astype(np.int32),
@@ -78,6 +95,9 @@ def _entry_table(plan: Plan, pool: DocPool, m: int, overlap: bool, refresh: np.n
         "ebase": ebase,
         "row_on": on_of[row_ent].astype(np.int32),
     }
+    if runs:
+        table.update(pool_runs(src, d_off, wcan, buckets))
+    return table
 
 
 @dataclasses.dataclass
@@ -120,11 +140,13 @@ def frame_rows(frames, pool: DocPool, t: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 def build_layout(plan: Plan, pool: DocPool, profile, cfg, block: int, pad_to: dict | None = None,
-                 buckets: Buckets = EXACT) -> Layout:
+                 buckets: Buckets = EXACT, runs: bool = False) -> Layout:
     """Index tables of a planned request, padded to `buckets` (rows and protected rows of the
     query block, entries of ENTRY_PAD). `pad_to` (`common_sizes` of a batch): pad rows,
     protected rows and entry tables at least that far, so a batch shares one program; padding
-    rows extend the last frame, padding entries are never visible, padding indices drop."""
+    rows extend the last frame, padding entries are never visible, padding indices drop.
+    `runs`: the HCA pool entries as runs too (`pool_runs`: a decode layout's, for the segment
+    attention kernel)."""
     t_real = plan.n_rows
     t = max(buckets(t_real, block), pad_to["t"] if pad_to else 0)
     prot = plan.protected
@@ -157,7 +179,7 @@ def build_layout(plan: Plan, pool: DocPool, profile, cfg, block: int, pad_to: di
                                     buckets)
     if HCA in cfg.layer_types:
         rates["hca"] = _entry_table(plan, pool, cfg.hca_rate, False, refresh, t, frames, mins.get("hca", (0, 0)),
-                                    buckets)
+                                    buckets, runs)
     tab["rates"] = rates
     # what a decode state keeps of a row (compact rows, in row order): the K=V and compressor
     # projections of rows the pool does not hold (own, refreshed) and of rows an online entry pools

@@ -77,7 +77,7 @@ class TPConsumer:
         check_tp(self.cfg, self.tp)
         # layouts, controller, embedding, head, and the resolved kernel set
         self.base = Consumer(model, profile, block, kernels=kernels, buckets=buckets)
-        self.kernels = self.base.kernels
+        self.kernels = self.base.prefill_kernels  # no decode here
         if "sparse_attention" in self.kernels.split(",") and self.tp > 1:
             # its wgmma takes a row's 64 heads at once; a rank holds num_heads / tp of them
             if "sparse_attention" in kernels.split(","):

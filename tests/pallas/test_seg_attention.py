@@ -130,3 +130,145 @@ def test_kernel_matches_reference(seed, kw, cfg):
     assert bool(jnp.all(jnp.isfinite(o.astype(jnp.float32)))) and bool(jnp.all(jnp.isfinite(lse)))
     assert rel_err(o.astype(jnp.float32), ro.astype(jnp.float32)) < KERNEL_TOL_O
     assert float(jnp.max(jnp.abs(lse - rl))) < KERNEL_TOL_LSE
+
+
+# ----------------------------------------------------------------------------- the runtime's use
+def test_pool_runs_are_the_segments_of_canonical_entries():
+    """`layout.pool_runs`: maximal stretches of consecutive pool entries with one offset and
+    consecutive windows; online entries (src -1), a jump in the pool or a new offset start a new
+    run; padded with empty runs to a power of two when bucketing."""
+    from redknot_jax.reuse.layout import pool_runs
+    from redknot_jax.reuse.pool import Buckets
+
+    src = np.array([10, 11, 12, -1, 14, 15, 16, 40, 41, -1, 50], np.int32)
+    d = np.array([5, 5, 5, 5, 5, 5, 90, 90, 90, 0, 0], np.int32)  # a new frame at entry 6
+    w = np.array([0, 1, 2, 3, 4, 5, 0, 1, 2, 0, 1], np.int32)
+    r = pool_runs(src, d, w, Buckets(8))
+    assert r["run_src"].tolist() == [10, 14, 16, 40, 50, 0, 0, 0]
+    assert r["run_n"].tolist() == [3, 2, 1, 2, 1, 0, 0, 0]
+    assert r["run_d"].tolist()[:4] == [5, 5, 90, 90] and r["run_w"].tolist()[:4] == [0, 4, 0, 1]
+    e = pool_runs(np.full(3, -1, np.int32), d[:3], w[:3])  # no pool entry: one empty run
+    assert e["run_n"].tolist() == [0]
+
+
+def _patch_seg_reference(monkeypatch):
+    """The reference in the kernel's place (any heads, dims, dtype), the segment count of each
+    call recorded."""
+    from redknot_jax.reuse import consumer
+
+    calls = []
+
+    def ref(q, keys, segments, *a, **kw):
+        calls.append(len(segments))
+        return sa.seg_attention_reference(q, keys, segments, *a, **kw)
+
+    monkeypatch.setattr(consumer, "seg_attention", ref)
+    return calls
+
+
+@pytest.mark.parametrize("kind,refresh", [("mixed", "none"), ("hca2", "protected")])
+def test_redknot_decode_hands_hca_layers_to_the_kernel(kind, refresh, monkeypatch):
+    """With "seg_attention" in the kernel set and the reference in the kernel's place (fp32), a
+    RedKnot decode step's HCA layers read the documents' entries canonical from the pool, one
+    segment per run at its frame's offset, and give the XLA path's logits (which turns every
+    entry into the absolute frame) over steps that close HCA windows, with and without latent
+    refresh (refreshed windows' entries are online entries, left out of the runs). Negative
+    control: runs placed at offset 0 (no query turn) change the logits."""
+    import dataclasses
+
+    from redknot_jax import config
+    from redknot_jax.init import random_model
+    from redknot_jax.reuse import layout as layout_mod
+    from redknot_jax.reuse.planner import Request
+    from redknot_jax.reuse.profile import tiny_profile
+    from redknot_jax.reuse.runtime import ReuseRuntime
+    from tests.reuse.test_consumer import _request
+
+    calls = _patch_seg_reference(monkeypatch)
+    cfg = config.tiny(kind)
+    model = random_model(cfg, seed=7, dtype=jnp.float32)
+    prof = dataclasses.replace(tiny_profile(cfg.num_layers), budget_override=0.2, tail_rows=8, latent_refresh=refresh)
+    req, arts = _request(cfg, prof, model, 3)
+    req = Request(req.segments)  # the last row is the query
+    xla, ker = ReuseRuntime(model, prof, "fp", kernels="xla"), ReuseRuntime(model, prof, "fp", kernels="xla")
+    ker.consumer.kernels = "seg_attention"  # the tiny model's 8 heads: the kernel itself would refuse
+    pool = xla.consumer.pool(arts)
+    steps = cfg.hca_rate + 3  # the new rows close an HCA window
+
+    def decode(rt):
+        res = rt.prefill(req, "redknot", require_reuse=True, pool=pool, decode_rows=steps)
+        gen, out = [], []
+        for s in range(steps):
+            gen.append(int(3 + 5 * s) % cfg.vocab_size)
+            out.append(rt.next_logits(req, res, gen))
+        return jnp.stack(out), res.decode
+
+    want, _ = decode(xla)
+    assert not calls
+    got, st = decode(ker)
+    assert calls  # traced once per step program
+    hca = st.layout.tables["rates"]["hca"]
+    assert int(jnp.sum(hca["run_n"])) == int(jnp.sum(hca["src"] >= 0))  # the runs cover the pool entries
+    assert rel_err(got, want) < 1e-5
+    if refresh == "protected":  # the relocated documents' few windows are all refreshed here
+        return
+    assert int(jnp.sum(hca["run_n"] > 0)) >= 3  # three documents at three offsets, a run each
+
+    real = layout_mod.pool_runs
+    monkeypatch.setattr(layout_mod, "pool_runs", lambda *a: {**real(*a), "run_d": 0 * real(*a)["run_d"]})
+    wrong, _ = decode(ker)
+    assert rel_err(wrong, want) > 1e-3
+
+
+@pytest.mark.gpu
+def test_redknot_decode_runs_the_kernel_gpu(monkeypatch):
+    """The kernel itself in a RedKnot decode: a bf16 model with the kernel's 64 heads x 512
+    dims x 64 RoPE dims, three documents at three offsets, 19 steps closing an HCA window.
+    `resolve_kernels` accepts it for this model. No discrete choice can flip on a last bit
+    (hash-routed experts, an indexer top-k wider than the entries), so the logits' distance to
+    the XLA decode is the attention's: within twice the bf16 floor measured here with the
+    reference in the kernel's place."""
+    if jax.default_backend() != "gpu":
+        pytest.skip("needs a GPU")
+    import dataclasses
+
+    from redknot_jax import config
+    from redknot_jax.init import random_model
+    from redknot_jax.pallas import resolve_kernels
+    from redknot_jax.reuse.planner import Request
+    from redknot_jax.reuse.profile import tiny_profile
+    from redknot_jax.reuse.runtime import ReuseRuntime
+    from tests.reuse.test_consumer import _request
+
+    base = config.tiny("mixed")
+    cfg = dataclasses.replace(base, num_heads=64, head_dim=512, rope_dim=64, index_head_dim=64, o_groups=8,
+                              o_lora_rank=32, index_topk=64, mlp_layer_types=("hash_moe",) * base.num_layers)
+    model = random_model(cfg, seed=4, dtype=jnp.bfloat16)
+    prof = dataclasses.replace(tiny_profile(cfg.num_layers), budget_override=0.2, tail_rows=8)
+    req, arts = _request(cfg, prof, model, 3)
+    req = Request(req.segments)
+    xla = ReuseRuntime(model, prof, "fp", kernels="xla")
+    ker = ReuseRuntime(model, prof, "fp", kernels="seg_attention")
+    assert ker.consumer.kernels == "seg_attention" == ker.consumer.decode_kernels
+    assert ker.consumer.prefill_kernels == ""
+    pool = xla.consumer.pool(arts)
+    steps = cfg.hca_rate + 3
+
+    def decode(rt):
+        res = rt.prefill(req, "redknot", require_reuse=True, pool=pool, decode_rows=steps)
+        gen, out = [], []
+        for s in range(steps):
+            gen.append(int(3 + 5 * s) % cfg.vocab_size)
+            out.append(rt.next_logits(req, res, gen).astype(jnp.float32))
+        return jnp.stack(out)
+
+    want, got = decode(xla), decode(ker)
+    assert bool(jnp.all(jnp.isfinite(got)))
+    calls = _patch_seg_reference(monkeypatch)
+    jax.clear_caches()  # the step programs traced with the kernel would be reused otherwise
+    floor = rel_err(decode(ReuseRuntime(model, prof, "fp", kernels="seg_attention")), want)
+    assert calls
+    assert 0 < floor < 0.05
+    assert rel_err(got, want) < 2 * floor, (rel_err(got, want), floor)
+    with pytest.raises(ValueError, match=r"seg_attention kernel cannot run.*\(64, 512, 64\)"):
+        resolve_kernels("seg_attention", random_model(base, seed=0, dtype=jnp.bfloat16), 1)

@@ -72,6 +72,11 @@ def test_bench_ttft_store_host_resident_cold_layers(monkeypatch, tmp_path):
     assert 0 < red["compact_gb"] < red["per_row_copy_gb"] and red["fence_cache_gb"] > 0 and red["entries_gb"] > 0
     assert red["state_gb"] == pytest.approx(red["compact_gb"] + red["entries_gb"] + red["fence_cache_gb"]
                                             + red["layout_gb"])
+    # the RedKnot decode again under every further variant, the same greedy tokens
+    assert set(dec["by_kernels"]) == names - {"xla/stages4"}
+    for v in dec["by_kernels"].values():
+        assert v["redknot"]["tokens"] == red["tokens"] and len(v["redknot"]["step_s"]) == 2
+        assert v["redknot"]["decode_kernels"] == ""
 
 
 @pytest.mark.parametrize("flags,named", [
