@@ -334,3 +334,23 @@ def test_requests_of_similar_sizes_share_compiled_programs():
             assert ring(bucketed) == ring(exact) // 3 * 4
         counts.append(compiled())
     assert counts[0] > 0 and counts[1] == counts[0]  # the second request compiled nothing
+
+
+def test_documents_narrower_than_the_top_k_pack_into_one_pool():
+    """A document with fewer CSA entries than the indexer's top-k keeps all of them as its picks,
+    so documents of different lengths store picks of different widths (here 16, 16 and 8 for
+    top-64). The pool pads them with -1 (no pick), and the consumer still equals the eager
+    reference. (Before, packing such documents failed in a concatenation.)"""
+    cfg = dataclasses.replace(config.tiny("mixed"), index_topk=64)
+    model = random_model(cfg, seed=7, dtype=jnp.float32)
+    prof = dataclasses.replace(tiny_profile(cfg.num_layers), budget_override=0.2, tail_rows=8)
+    req, arts = _request(cfg, prof, model, 3)
+    csa = next(i for i in range(cfg.num_layers) if cfg.layer_types[i] == CSA)
+    assert len({a.layers[csa]["topk"].shape[1] for a in arts}) == 2
+    rt = ReuseRuntime(model, prof, "fp")
+    pool = rt.consumer.pool(arts)
+    picks = np.asarray(pool.layers[csa]["topk"])
+    assert picks.shape[1] == max(a.layers[csa]["topk"].shape[1] for a in arts) and (picks == -1).any()
+    ref = rt.prefill(req, "redknot", require_reuse=True, path="reference")
+    fast = rt.prefill(req, "redknot", require_reuse=True, pool=pool)
+    assert rel_err(fast.logits, ref.logits) < TOL["consumer_vs_reference"][0]
