@@ -413,7 +413,7 @@ def decode_entries(attn, keys, tab, pool_layer, *, freqs) -> dict:
     return out
 
 
-def _decode_segments(q, pos, wk, wvalid, on_ents, rt, pool_entries, sink, scale, freqs, m):
+def _decode_segments(q, pos, wk, wvalid, on_ents, rt, pool_entries, sink, scale, freqs, m, config=None):
     """A decode step's HCA attention by the relocated segment attention kernel
     (`pallas/seg_attention.py`), for new rows at positions pos [g]: the documents' entries are
     read canonical, in place in the pool, one segment per run of pool entries
@@ -421,7 +421,8 @@ def _decode_segments(q, pos, wk, wvalid, on_ents, rt, pool_entries, sink, scale,
     and the partial output back); the run's visible entries are a prefix. The window rows wk
     [g, W, k] (`wvalid` [g, W]) and the online entries on_ents [E_on, k], both in the absolute
     frame already, enter per row as one gathered segment at offset 0, valid ones first. Returns
-    o [g, h, k] in the absolute frame, sink included (as `_pass_b`'s)."""
+    o [g, h, k] in the absolute frame, sink included (as `_pass_b`'s). `config`: the kernel's
+    (`SegAttentionConfig`; None: its decode default)."""
     g, (W, k) = q.shape[0], wk.shape[1:]
     E, oi = rt["src"].shape[0], rt["on_idx"]
     on_valid = (oi[None] < E) & (rt["end"][jnp.minimum(oi, E - 1)][None] <= pos[:, None])  # [g, E_on]
@@ -441,7 +442,7 @@ def _decode_segments(q, pos, wk, wvalid, on_ents, rt, pool_entries, sink, scale,
     segs = (Segment(0, pool_entries.shape[0]),) * vis.shape[1] + (Segment(0, g * G, src=1),)
     offs = jnp.concatenate([rt["run_d"], jnp.zeros(1, jnp.int32)])
     o, _ = seg_attention(q.astype(gk.dtype), pool_entries.astype(gk.dtype), segs, offs, lo, hi, sink, freqs,
-                         scale=scale, gkeys=gk.reshape(g * G, k))
+                         scale=scale, gkeys=gk.reshape(g * G, k), config=config)
     return o
 
 

@@ -264,11 +264,27 @@ def test_redknot_decode_runs_the_kernel_gpu(monkeypatch):
 
     want, got = decode(xla), decode(ker)
     assert bool(jnp.all(jnp.isfinite(got)))
+    from redknot_jax.reuse import consumer
+
     calls = _patch_seg_reference(monkeypatch)
-    jax.clear_caches()  # the step programs traced with the kernel would be reused otherwise
+    consumer._reusable_step_jit.clear_cache()  # the step programs traced with the kernel would be reused otherwise
     floor = rel_err(decode(ReuseRuntime(model, prof, "fp", kernels="seg_attention")), want)
     assert calls
     assert 0 < floor < 0.05
     assert rel_err(got, want) < 2 * floor, (rel_err(got, want), floor)
     with pytest.raises(ValueError, match=r"seg_attention kernel cannot run.*\(64, 512, 64\)"):
         resolve_kernels("seg_attention", random_model(base, seed=0, dtype=jnp.bfloat16), 1)
+
+
+def test_decode_layer_benchmark_compares_the_consumers_two_forms(monkeypatch):
+    """`main(--decode-layer)`'s two forms of a decode step's HCA attention at serving-like shapes
+    (4 documents, their entries in a pool, 512 own rows): with the reference in the kernel's place
+    the segment form equals the XLA form (which turns every entry) to bf16 rounding; runs at the
+    wrong offset do not."""
+    _patch_seg_reference(monkeypatch)
+    problem = sa.decode_layer_problem(jax.random.key(0), doc_len=512, n_docs=4, own=512)
+    kernel, xla, args = sa.decode_layer_forms(problem)
+    assert rel_err(kernel(*args), xla(*args)) < 1e-2
+    rt = {**problem[4], "run_d": 0 * problem[4]["run_d"]}
+    kernel, xla, args = sa.decode_layer_forms(problem[:4] + (rt,) + problem[5:])
+    assert rel_err(kernel(*args), xla(*args)) > 5e-2
