@@ -413,16 +413,9 @@ def decode_entries(attn, keys, tab, pool_layer, *, freqs) -> dict:
     return out
 
 
-def _decode_segments(q, pos, wk, wvalid, on_ents, rt, pool_entries, sink, scale, freqs, m, config=None):
-    """A decode step's HCA attention by the relocated segment attention kernel
-    (`pallas/seg_attention.py`), for new rows at positions pos [g]: the documents' entries are
-    read canonical, in place in the pool, one segment per run of pool entries
-    (`layout.pool_runs`), each at its frame's offset D (the kernel turns the queries by R(-D)
-    and the partial output back); the run's visible entries are a prefix. The window rows wk
-    [g, W, k] (`wvalid` [g, W]) and the online entries on_ents [E_on, k], both in the absolute
-    frame already, enter per row as one gathered segment at offset 0, valid ones first. Returns
-    o [g, h, k] in the absolute frame, sink included (as `_pass_b`'s). `config`: the kernel's
-    (`SegAttentionConfig`; None: its decode default)."""
+def _decode_segment_args(q, pos, wk, wvalid, on_ents, rt, pool_entries, sink, scale, freqs, m):
+    """The arguments of `pallas.seg_attention` for a decode step's HCA attention
+    (`_decode_segments`): (positional, keyword)."""
     g, (W, k) = q.shape[0], wk.shape[1:]
     E, oi = rt["src"].shape[0], rt["on_idx"]
     on_valid = (oi[None] < E) & (rt["end"][jnp.minimum(oi, E - 1)][None] <= pos[:, None])  # [g, E_on]
@@ -441,9 +434,22 @@ def _decode_segments(q, pos, wk, wvalid, on_ents, rt, pool_entries, sink, scale,
     hi = jnp.concatenate([rt["run_src"][None] + vis, first + count[:, None]], 1)
     segs = (Segment(0, pool_entries.shape[0]),) * vis.shape[1] + (Segment(0, g * G, src=1),)
     offs = jnp.concatenate([rt["run_d"], jnp.zeros(1, jnp.int32)])
-    o, _ = seg_attention(q.astype(gk.dtype), pool_entries.astype(gk.dtype), segs, offs, lo, hi, sink, freqs,
-                         scale=scale, gkeys=gk.reshape(g * G, k), config=config)
-    return o
+    return ((q.astype(gk.dtype), pool_entries.astype(gk.dtype), segs, offs, lo, hi, sink, freqs),
+            {"scale": scale, "gkeys": gk.reshape(g * G, k)})
+
+
+def _decode_segments(q, pos, wk, wvalid, on_ents, rt, pool_entries, sink, scale, freqs, m, config=None):
+    """A decode step's HCA attention by the relocated segment attention kernel
+    (`pallas/seg_attention.py`), for new rows at positions pos [g]: the documents' entries are
+    read canonical, in place in the pool, one segment per run of pool entries
+    (`layout.pool_runs`), each at its frame's offset D (the kernel turns the queries by R(-D)
+    and the partial output back); the run's visible entries are a prefix. The window rows wk
+    [g, W, k] (`wvalid` [g, W]) and the online entries on_ents [E_on, k], both in the absolute
+    frame already, enter per row as one gathered segment at offset 0, valid ones first. Returns
+    o [g, h, k] in the absolute frame, sink included (as `_pass_b`'s). `config`: the kernel's
+    (`SegAttentionConfig`; None: its decode default)."""
+    args, kw = _decode_segment_args(q, pos, wk, wvalid, on_ents, rt, pool_entries, sink, scale, freqs, m)
+    return seg_attention(*args, **kw, config=config)[0]
 
 
 def decode_attention(blk, x, tab, pool_layer, keys, t0, *, freqs, kernels: str = ""):

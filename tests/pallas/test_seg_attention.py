@@ -163,6 +163,7 @@ def _patch_seg_reference(monkeypatch):
         return sa.seg_attention_reference(q, keys, segments, *a, **kw)
 
     monkeypatch.setattr(consumer, "seg_attention", ref)
+    monkeypatch.setattr(sa, "seg_attention", ref)
     return calls
 
 
@@ -285,6 +286,8 @@ def test_decode_layer_benchmark_compares_the_consumers_two_forms(monkeypatch):
     problem = sa.decode_layer_problem(jax.random.key(0), doc_len=512, n_docs=4, own=512)
     kernel, xla, args = sa.decode_layer_forms(problem)
     assert rel_err(kernel(*args), xla(*args)) < 1e-2
+    alone, alone_args = sa.decode_layer_kernel_alone(problem)  # the form's kernel call on its prepared arguments
+    np.testing.assert_allclose(np.asarray(alone(*alone_args)), np.asarray(kernel(*args)), rtol=1e-6, atol=1e-6)
     rt = {**problem[4], "run_d": 0 * problem[4]["run_d"]}
     kernel, xla, args = sa.decode_layer_forms(problem[:4] + (rt,) + problem[5:])
     assert rel_err(kernel(*args), xla(*args)) > 5e-2
