@@ -92,6 +92,32 @@ def test_unsupported_shapes_raise():
         sa.SegAttentionConfig(num_splits=0)
 
 
+def test_the_runtime_refuses_the_kernel_where_it_cannot_run():
+    """`resolve_kernels("seg_attention")` names why: heads / dims / RoPE dims other than the
+    kernel's, another dtype, no HCA layer, no GPU (no interpret mode); "auto" never picks it
+    (slower than XLA at decode)."""
+    import dataclasses
+
+    from redknot_jax import config
+    from redknot_jax.init import random_model
+    from redknot_jax.pallas import FASTER, resolve_kernels
+
+    assert "seg_attention" not in FASTER
+    base = config.tiny("mixed")
+    wide = dataclasses.replace(base, num_heads=64, head_dim=512, rope_dim=64, index_head_dim=64, o_groups=8,
+                               o_lora_rank=32)
+    cases = [(random_model(base, seed=0, dtype=jnp.bfloat16), r"\(64, 512, 64\), got \(8, 32, 8\)"),
+             (random_model(wide, seed=0, dtype=jnp.float32), "bf16 q / keys expected"),
+             (random_model(dataclasses.replace(config.tiny("csa"), num_heads=64, head_dim=512, rope_dim=64,
+                                               index_head_dim=64, o_groups=8, o_lora_rank=32),
+                           seed=0, dtype=jnp.bfloat16), "no HCA layer")]
+    if jax.default_backend() != "gpu":
+        cases.append((random_model(wide, seed=0, dtype=jnp.bfloat16), "runs on a GPU only"))
+    for model, why in cases:
+        with pytest.raises(ValueError, match=r"seg_attention kernel cannot run this model: .*" + why):
+            resolve_kernels("seg_attention", model, 1)
+
+
 @pytest.mark.parametrize("cfg", [sa.DECODE_CONFIG, sa.PREFILL_CONFIG])
 def test_kernel_lowers_for_cuda(cfg):
     """Mosaic GPU lowering (layout inference, shared-memory budget, TMA shapes) runs on CPU."""
