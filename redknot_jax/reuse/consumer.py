@@ -67,13 +67,15 @@ def _pooled(comp, proj_kv, proj_gate, ring, slots, w, freqs, own_slot=None):
     """Canonical entries [n, dk] (zero where every slot is empty) pooled from slots [n, r]:
     request rows' projections (< t), then the artifact's boundary ring; window index w [n].
     `own_slot` (a layout's [t] table): the projections are a decode state's compact rows, not
-    the request's, so a request-row slot reads row own_slot[slot] of them."""
+    the request's, so a request-row slot reads row own_slot[slot] of them; a row with none (a
+    padding row, never written) is an empty slot."""
     srcs_kv = jnp.concatenate([proj_kv, ring["kv"]]) if ring is not None else proj_kv
     srcs_gate = jnp.concatenate([proj_gate, ring["gate"]]) if ring is not None else proj_gate
     ok = slots >= 0
     if own_slot is not None:  # request rows (< t) -> compact rows; ring slots follow those
         t = own_slot.shape[0]
         slots = jnp.where(slots >= t, slots - t + proj_kv.shape[0], own_slot[jnp.clip(slots, 0, t - 1)])
+        ok = ok & (slots >= 0)
     sk = srcs_kv[jnp.maximum(slots, 0)]  # [n, r, c*dk]
     sg = jnp.where(ok[..., None], srcs_gate[jnp.maximum(slots, 0)], -jnp.inf)
     m, dk = comp.m, comp.dk

@@ -187,6 +187,7 @@ def build_layout(plan: Plan, pool: DocPool, profile, cfg, block: int, pad_to: di
     for rt in rates.values():
         s = rt["on_slots"]
         kept[s[(s >= 0) & (s < t)]] = True
+    kept[t_real:] = False  # padding rows: never written, so no compact row (the state has room for real rows only)
     tab["own_slot"] = np.where(kept, np.cumsum(kept) - 1, -1).astype(np.int32)
     return Layout(tables=jax.tree.map(jnp.asarray, tab), t=t, n_real=t_real, n_prot=int(prot_idx.size),
                   own_slot=tab["own_slot"])
