@@ -26,7 +26,8 @@ def pool_runs(src: np.ndarray, d: np.ndarray, w: np.ndarray, buckets: Buckets = 
     consecutive pool entries of one frame (one offset D, consecutive windows), i.e. the
     segments of canonical entries a relocated segment attention reads in place
     (`pallas/seg_attention.py`). Per run: first pool entry "run_src", length "run_n", offset
-    "run_d", first canonical window "run_w"; padded with empty runs to `buckets.docs` of their count (at least one run)."""
+    "run_d", first canonical window "run_w"; padded with empty runs to `buckets.docs` of their
+    count (at least one run)."""
     e = np.flatnonzero(src >= 0)
     brk = np.r_[True, (np.diff(e) != 1) | (np.diff(src[e]) != 1) | (np.diff(d[e]) != 0)] if e.size else \
         np.zeros(0, bool)

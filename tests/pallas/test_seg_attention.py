@@ -143,7 +143,7 @@ def _poisoned_run(f, *a, **k):
     (0, dict(t=1, doc_len=1024, n_docs=3, gathered=512, query_pos="decode"), sa.DECODE_CONFIG),
     (1, dict(t=4, doc_len=700, n_docs=2, gathered=40, query_pos="decode"), sa.SegAttentionConfig(num_splits=5)),
     (2, dict(t=200, doc_len=1000, n_docs=2, gathered=512, query_pos="prefill"), sa.PREFILL_CONFIG),
-    # cases 0-2 passed on an H200 (2026-11-29); 3-4 were added after that run (not yet run on a GPU)
+    # cases 0-2 passed on an H200 (2026-11-29); all five on 2026-12-04 (kernels_seg_attention_gpu_tests_h200_s31.txt)
     (3, dict(t=96, doc_len=384, n_docs=1, gathered=0, query_pos="prefill"), sa.SegAttentionConfig(num_splits=2)),
     (4, dict(t=33, doc_len=520, n_docs=4, gathered=24, query_pos="prefill"), sa.PREFILL_CONFIG),
 ])
