@@ -12,6 +12,7 @@ from the pool, the queries turned per document."""
 import jax
 
 KERNELS = ("indexer", "restore", "ragged_dot", "sparse_attention", "sparse_global", "seg_attention")
+DECODE_ONLY = ("seg_attention",)  # run by decode steps only: prefill programs are compiled without them
 FASTER = ("indexer", "restore", "ragged_dot", "sparse_attention", "sparse_global")  # measured faster than their XLA references on the H200 (docs/kernels.md)
 
 

@@ -17,9 +17,10 @@ the fan-out rule.
 Relocation in this XLA path: a frame's canonical keys are turned by R(D) while they are read
 (the orthogonal twin of turning the query by R(-D): <R(-D) q, k> = <q, R(D) k>), so the
 output needs no phase restore before the native inverse output RoPE. The artifact itself is
-never written. (`pallas/seg_attention.py` rotates queries per segment instead; it is not used
-here, docs/kernels.md says why. Both are tested against the reference's rotated-query form.
-Pass B's CSA blocks run `pallas/sparse_attention.py` when the kernel set names it: per row
+never written. (`pallas/seg_attention.py` rotates queries per segment instead: a decode step's
+HCA layers run it when the kernel set names it, `_decode_segments`, reading the pool's entries
+in place; docs/kernels.md says why prefill turns keys. Both are tested against the
+reference's rotated-query form. Pass B's CSA blocks run `pallas/sparse_attention.py` when the kernel set names it: per row
 a list of key ids into one table of the request's absolute-frame latents and entries; pass A's
 too, when it names "sparse_global", its Global heads padded to the kernel's 64.)
 
@@ -46,7 +47,7 @@ from redknot_jax.config import CSA, HCA
 from redknot_jax.indexer import TOPK_STAGES, index_scores, score_function, select_topk_causal
 from redknot_jax.mhc import HyperConnection
 from redknot_jax.norms import rms_norm
-from redknot_jax.pallas import kernel_mode, resolve_kernels
+from redknot_jax.pallas import DECODE_ONLY, kernel_mode, resolve_kernels
 from redknot_jax.pallas.restore import restore_reference
 from redknot_jax.pallas.restore import restore as restore_kernel
 from redknot_jax.pallas.seg_attention import Segment, seg_attention
@@ -706,13 +707,13 @@ class Consumer:
     def decode_kernels(self) -> str:
         """The kernels of `self.kernels` that a RedKnot decode step's HCA layers run: the segment
         attention ("seg_attention"); the rest of a step is XLA."""
-        return "seg_attention" if "seg_attention" in self.kernels.split(",") else ""
+        return ",".join(k for k in self.kernels.split(",") if k in DECODE_ONLY)
 
     @property
     def prefill_kernels(self) -> str:
         """`self.kernels` less the decode-only ones, so kernel sets that differ only in those
         share the prefill's compiled programs."""
-        return ",".join(k for k in self.kernels.split(",") if k != "seg_attention")
+        return ",".join(k for k in self.kernels.split(",") if k not in DECODE_ONLY)
 
     def pool(self, artifacts, resident: str = "device", host_kind: str = "auto") -> DocPool:
         """The documents' artifacts packed for the RedKnot arm: "device" (hot: every layer on the
@@ -865,7 +866,7 @@ class Consumer:
                     kept = layout.own_rows(t_real)
                     state.own, state.own_cap = kept.size, self._rows(kept.size + decode_rows)
                     keep_rows = jnp.asarray(np.r_[kept, np.full(state.own_cap - kept.size, t)], jnp.int32)
-                    state.layout = self._layout(plan.extend(decode_rows), pool, runs=True)
+                    state.layout = self._layout(plan.extend(decode_rows), pool, runs=bool(self.decode_kernels))
                     if not np.array_equal(state.layout.own_rows(t_real), kept):
                         raise AssertionError("decode layout: the prompt's compact rows changed")
                 if timings is not None:

@@ -91,7 +91,7 @@ def _pack(per: list[dict], dtype, put=lambda x, dt: jnp.asarray(x, dt), buckets:
             ring = fs[0][state]["kv"].shape[0]
             d[state] = {s: _pad_rows(jnp.concatenate([f[state][s] for f in fs]), ring * buckets.docs(len(fs)))
                         for s in ("kv", "gate")}
-    if "topk" in fs[0]:  # a document with fewer entries than the top-k picks them all: narrower, padded with -1
+    if "topk" in fs[0]:  # a document with fewer entries than the top-k picks them all: narrower picks, -1 pads
         width = max(f["topk"].shape[1] for f in fs)
         d["topk"] = _pad_rows(jnp.concatenate([jnp.pad(f["topk"], ((0, 0), (0, width - f["topk"].shape[1])),
                                                        constant_values=-1) for f in fs]), rows)

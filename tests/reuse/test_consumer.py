@@ -334,4 +334,3 @@ def test_requests_of_similar_sizes_share_compiled_programs():
             assert ring(bucketed) == ring(exact) // 3 * 4
         counts.append(compiled())
     assert counts[0] > 0 and counts[1] == counts[0]  # the second request compiled nothing
-
