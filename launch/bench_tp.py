@@ -31,6 +31,7 @@ t(tp=1) / (tp * t(tp)).
 from __future__ import annotations
 
 import argparse
+import os
 import datetime
 import json
 import pathlib
@@ -39,6 +40,7 @@ import statistics
 import sys
 import time
 
+os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")  # flash-shaped weights + a long pool: JAX's 75 % is too little
 import numpy as np
 import jax
 import jax.numpy as jnp

@@ -55,11 +55,13 @@ import dataclasses
 import datetime
 import hashlib
 import json
+import os
 import pathlib
 import platform
 import statistics
 import time
 
+os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")  # flash-shaped weights + a long pool: JAX's 75 % is too little
 import numpy as np
 import jax
 
@@ -71,7 +73,8 @@ from redknot_jax.reuse import ledger as ledgers
 from redknot_jax.reuse.artifact import build_artifact
 from redknot_jax.reuse.planner import Request, Segment, plan_request
 from redknot_jax.reuse.pool import Buckets
-from redknot_jax.reuse.profile import flash_profile, tiny_profile
+from redknot_jax.reuse.prefix import prefix_arm
+from redknot_jax.reuse.profile import FANOUT_MODES, FFN_ROWS, flash_profile, tiny_profile
 from redknot_jax.reuse.runtime import ReuseFallback, ReuseRuntime
 from redknot_jax.store import ArtifactStore
 
@@ -121,6 +124,36 @@ def profile_variant(prof, **over):
     if not over:
         return prof
     return dataclasses.replace(prof, name=prof.name + "".join(f"-{k}={v}" for k, v in over.items()), **over)
+
+
+PROFILE_SPEC = "'default' or dash-joined fields: tailN (tail rows), bNN (budget %), omit|restore|run (ffn_rows), " \
+               "k3|tau|native (fan-out), e.g. 'tail0-b10-omit'"
+
+
+def parse_profile(base, spec: str):
+    """A --profiles entry: the base profile with the spec's fields overridden (`profile_variant`)."""
+    over = {}
+    for part in ([] if spec == "default" else spec.split("-")):
+        if part in FFN_ROWS:
+            over["ffn_rows"] = part
+        elif part in FANOUT_MODES:
+            over["fanout_mode"] = part
+        elif part.startswith("tail") and part[4:].isdigit():
+            over["tail_rows"] = int(part[4:])
+        elif part.startswith("b") and part[1:].isdigit() and 0 < int(part[1:]) <= 100:
+            over["budget_override"] = int(part[1:]) / 100
+        else:
+            raise ValueError(f"profile variant {spec!r}: cannot read {part!r}; expected {PROFILE_SPEC}")
+    return profile_variant(base, **over)
+
+
+def certify_for(arts, prof) -> None:
+    """Point the artifacts' certificates at `prof` (a --profiles sweep): what a producer writes
+    depends only on the fences, the Global head and whether FFN outputs are kept, which every
+    variant of one sweep shares (checked in main), so the arrays are the ones a build under
+    `prof` writes; the payload digest is unchanged."""
+    for a in arts:
+        a.certificate = dataclasses.replace(a.certificate, profile_digest=prof.digest())
 
 
 def _decode(rt, req, pool, arm: str, steps: int):
@@ -210,6 +243,10 @@ def main(argv=None):
     ap.add_argument("--build-only", action="store_true", help="with --store: build and publish, time nothing")
     ap.add_argument("--shape-buckets", type=int, default=8,
                     help="padded sizes per octave (Consumer(buckets=)): 8 by default, 0 for exact sizes")
+    ap.add_argument("--profiles", help="profile variants timed side by side (one kernel set): comma list, each "
+                                       + PROFILE_SPEC + "; the Recomputed and prefix arms run once per repeat")
+    ap.add_argument("--no-prefix-arm", action="store_true", help="do not time the prefix arm (the first document "
+                                                                 "read from its artifact in every layer, the rest native)")
     ap.add_argument("--decode-steps", type=int, default=0,
                     help="after the timed runs: one RedKnot prefill keeping a decode state, then this many greedy "
                          "tokens (the state's bytes, seconds per token)")
@@ -250,13 +287,29 @@ def main(argv=None):
     init_s = time.perf_counter() - t0
     prof = flash_profile() if cfg.num_layers == 43 else tiny_profile(cfg.num_layers)
     prof = profile_variant(prof, tail_rows=args.tail_rows, fanout_mode=args.fanout, budget_override=args.budget)
-    rts = {v: ReuseRuntime(model, prof, checkpoint_fingerprint=f"random-{args.preset}-seed-0", kernels=k.replace("+", ","),
-                           buckets=args.shape_buckets, topk_stages=n) for v, (k, n) in variants.items()}
+    profs = {v: prof for v in variants}
+    if args.profiles:
+        if len(variants) > 1:
+            ap.error("--profiles: time profile variants under one kernel set and one --topk-stages value")
+        try:
+            profs = {spec: parse_profile(prof, spec) for spec in args.profiles.split(",")}
+        except ValueError as e:
+            ap.error(f"--profiles: {e}")
+        variants = {spec: next(iter(variants.values())) for spec in profs}
+    producer = {(p.fence_first, p.fence_last, p.global_head) for p in profs.values()}
+    if len(producer) > 1:
+        ap.error("--profiles: the variants must share fences and Global head (one set of artifacts serves them)")
+    rts = {v: ReuseRuntime(model, profs[v], checkpoint_fingerprint=f"random-{args.preset}-seed-0",
+                           kernels=k.replace("+", ","), buckets=args.shape_buckets, topk_stages=n)
+           for v, (k, n) in variants.items()}
+    # the artifacts are built once, under the first variant that restores FFN outputs (they hold them) or the first
+    prof = next((p for p in profs.values() if p.ffn_rows == "restore"), next(iter(profs.values())))
     first = next(iter(variants))
     rt = rts[first]
     out = {"device": str(jax.devices()[0].device_kind), "date": datetime.date.today().isoformat(),
            "jax": jax.__version__, "python": platform.python_version(), "preset": args.preset,
-           "profile": prof.to_dict(), "resident": args.resident, "kernels": args.kernels,
+           "profile": prof.to_dict(), "profiles": {v: p.to_dict() for v, p in profs.items()},
+           "resident": args.resident, "kernels": args.kernels,
            "shape_buckets": args.shape_buckets, "topk_stages": stages,
            "kernels_resolved": {k: r.consumer.kernels for k, r in rts.items()}, "model_init_s": init_s, "command": "python launch/bench_ttft.py " +
            " ".join(argv if argv is not None else __import__("sys").argv[1:]), "lengths": []}
@@ -295,6 +348,7 @@ def main(argv=None):
             if args.resident == "device":
                 jax.block_until_ready(jax.tree.leaves(pool.layers))
             req = Request([Segment(d, a) for d, a in zip(docs, arts)] + [Segment(q)])
+            certify_for(arts, rt.profile)
             bad = rt.certify(req)  # admission: payload digests verified once
             if bad is not None:
                 raise ReuseFallback(f"admission: the freshly built artifacts failed certification: {bad}")
@@ -329,46 +383,70 @@ def main(argv=None):
             return time.perf_counter() - t0, tok
 
         def redknot(rt):
+            certify_for(arts, rt.profile)
             t0 = time.perf_counter()
             res = rt.prefill(req, "redknot", require_reuse=True, pool=pool)
             return time.perf_counter() - t0, int(np.argmax(res.logits[-1])), res
 
+        def prefix(rt):  # the prefix arm: what a prefix cache gives (the first document exact, the rest native)
+            t0 = time.perf_counter()
+            logits = prefix_arm(rt.consumer, arts[0], req.tokens, plan_request(req, prof).query_rows)
+            return time.perf_counter() - t0, int(np.argmax(np.asarray(logits)[-1]))
+
+        # under --profiles the Recomputed and prefix arms do not depend on the variant: timed once per repeat
+        rec_once = bool(args.profiles)
+        arms_of = lambda krt: (["recompute"] if krt is rt or not rec_once else []) + \
+            (["prefix"] if not args.no_prefix_arm and (krt is rt or not rec_once) else []) + ["redknot"]
+        run_arm = {"recompute": recompute, "prefix": prefix, "redknot": redknot}
         for k, krt in rts.items():  # warm-up (compilation) of every program timed below
-            t0 = time.perf_counter()
-            recompute(krt)
-            row["warmup_recompute_s" + ("" if krt is rt else f"_{k}")] = time.perf_counter() - t0
-            save()
-            t0 = time.perf_counter()
-            redknot(krt)
-            row["warmup_redknot_s" + ("" if krt is rt else f"_{k}")] = time.perf_counter() - t0
-            save()
-        times = {k: {"recompute_s": [], "redknot_s": [], "tokens": []} for k in rts}
-        for _ in range(args.repeats):  # each repeat: both arms under each kernel set, interleaved
+            for arm in arms_of(krt):
+                t0 = time.perf_counter()
+                run_arm[arm](krt)
+                row[f"warmup_{arm}_s" + ("" if krt is rt else f"_{k}")] = time.perf_counter() - t0
+                save()
+        times = {k: {**{f"{arm}_s": [] for arm in arms_of(krt)}, "tokens": []} for k, krt in rts.items()}
+        results = {}
+        for _ in range(args.repeats):  # each repeat: the arms under each variant, interleaved
             for k, krt in rts.items():
-                a, tok_rec = recompute(krt)
-                b, tok_red, res_k = redknot(krt)
-                times[k]["recompute_s"].append(a)
-                times[k]["redknot_s"].append(b)
-                times[k]["tokens"].append([tok_rec, tok_red])
-                if krt is rt:
-                    res = res_k
+                toks = []
+                for arm in arms_of(krt):
+                    got = run_arm[arm](krt)
+                    times[k][f"{arm}_s"].append(got[0])
+                    toks.append(got[1])
+                    if arm == "redknot":
+                        results[k] = got[2]
+                times[k]["tokens"].append(toks)
                 row["repeats_so_far"] = times  # a run cut off by a time limit keeps what it timed
                 save()
         row.pop("repeats_so_far")
+        res = results[first]
         rec_t, red_t = times[first]["recompute_s"], times[first]["redknot_s"]
         ratios = [a / b for a, b in zip(rec_t, red_t)]
-        tok_rec, tok_red = times[first]["tokens"][-1]
+        tok_rec, tok_red = times[first]["tokens"][-1][0], times[first]["tokens"][-1][-1]
+        if not args.no_prefix_arm:
+            row.update(prefix_s=times[first]["prefix_s"], prefix_median_s=statistics.median(times[first]["prefix_s"]))
         if len(rts) > 1:
-            row["by_kernels"] = {k: {**v, "recompute_median_s": statistics.median(v["recompute_s"]),
-                                     "redknot_median_s": statistics.median(v["redknot_s"]),
-                                     "speedup_median": statistics.median(
-                                         [a / b for a, b in zip(v["recompute_s"], v["redknot_s"])]),
-                                     "cert": rts[k].counters.snapshot()}
-                                 for k, v in times.items()}
+            rec_med = statistics.median(rec_t)
+            by = {}
+            for k, v in times.items():
+                r = results[k]
+                red_med = statistics.median(v["redknot_s"])
+                rec_k = statistics.median(v["recompute_s"]) if "recompute_s" in v else rec_med
+                total = r.ledgers.operator["total"]
+                by[k] = {**v, "recompute_median_s": rec_k, "redknot_median_s": red_med,
+                         "speedup_median": rec_k / red_med if rec_once else statistics.median(
+                             [a / b for a, b in zip(v["recompute_s"], v["redknot_s"])]),
+                         "protected_fraction": r.plan.fraction_protected(), "budget": r.plan.budget,
+                         "ffn_rows": rts[k].profile.ffn_rows, "operator_bound": total["recompute"] / total["redknot"],
+                         "token_row_saving": r.ledgers.token_row["saving"],
+                         "fanout_hist": [int(x) for x in r.fanout_hist], "cert": rts[k].counters.snapshot()}
+                if "prefix_median_s" in row:
+                    by[k]["over_prefix"] = row["prefix_median_s"] / red_med
+            row["by_profile" if rec_once else "by_kernels"] = by
         if args.layer_times:  # where the time goes: one more run per arm, each layer waited for
             rec_lt, red_lt = [], []
             rt.consumer.recompute(req.tokens, plan_request(req, prof).query_rows, layer_times=rec_lt)
-            rt.consumer.redknot(plan_request(req, prof), req.tokens, pool, layer_times=red_lt)
+            rt.consumer.redknot(plan_request(req, rt.profile), req.tokens, pool, layer_times=red_lt)
             n = cfg.num_layers
             row["layer_times"] = {
                 "kind": [str(k) for k in cfg.layer_types],
@@ -380,7 +458,7 @@ def main(argv=None):
             base = pathlib.Path(args.out + ".traces") / str(length)
             rt.consumer.recompute(req.tokens, plan_request(req, prof).query_rows, layer_times=[],
                                   layer_traces=(str(base / "recompute"), traced))
-            rt.consumer.redknot(plan_request(req, prof), req.tokens, pool, layer_times=[],
+            rt.consumer.redknot(plan_request(req, rt.profile), req.tokens, pool, layer_times=[],
                                 layer_traces=(str(base / "redknot"), traced))
             n = cfg.num_layers
             row["op_profile"] = {
@@ -413,6 +491,7 @@ def main(argv=None):
             "protected_fraction": res.plan.fraction_protected(), "protected_rows": int(res.plan.protected.sum()),
             "budget": res.plan.budget, "concentration": res.plan.concentration,
             "fanout_hist": [int(x) for x in res.fanout_hist], "ledgers": led.to_dict(),
+            "operator_bound": led.operator["total"]["recompute"] / led.operator["total"]["redknot"],
             "cert": rt.counters.snapshot()})
         save()
         print(json.dumps({k: row[k] for k in ("length", "recompute_median_s", "redknot_median_s", "speedup_median",

@@ -29,6 +29,7 @@ import argparse
 import datetime
 import json
 import os
+os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")  # flash-shaped weights + a long pool: JAX's 75 % is too little
 import platform
 import sys
 import time

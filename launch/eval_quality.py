@@ -118,7 +118,7 @@ def variants(names: list[str], reusable: range, n_layers: int, window: int = 128
 
 def recertify(art: Artifact, profile) -> Artifact:
     cert = dataclasses.replace(art.certificate, profile_digest=profile.digest())
-    return Artifact(tokens=art.tokens, layers=art.layers, certificate=cert)
+    return dataclasses.replace(art, certificate=cert)  # prefix_layers kept
 
 
 def greedy(rt: ReuseRuntime, req: Request, arm: str, max_new: int, pool=None):

@@ -8,9 +8,11 @@ HCA layer (Flash dimensions, 16 experts), time the attention half and the MoE ha
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 
+os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")  # flash-shaped weights + a long pool: JAX's 75 % is too little
 import jax
 import jax.numpy as jnp
 

@@ -42,24 +42,30 @@ class Block(nnx.Module):
         """x [b, t, n, d] streams -> (streams, cache[, trace]); see `Attention.__call__`.
         kernels: the Mosaic GPU kernels to run, a comma list of `redknot_jax.pallas.KERNELS`
         ("": the XLA references); the block uses "indexer", "sparse_attention" and "ragged_dot".
-        topk_stages: the CSA selection's entry prefixes (`indexer.select_topk_causal`)."""
+        topk_stages: the CSA selection's entry prefixes (`indexer.select_topk_causal`). The
+        trace (`Attention.__call__`'s) also holds `ffn`, the FFN sub-layer output [b, t, d]."""
         u, post, comb = self.hc_attn.pre(x)
         out = self.attn(self.attn_norm(u), pos0, n_new, cache, freqs, block, trace=trace,
                         kernels=kernel_mode(kernels, "indexer"), sparse=kernel_mode(kernels, "sparse_attention"),
                         topk_stages=topk_stages)
         a, cache = out[0], out[1]
         x = HyperConnection.post(x, a, post, comb)
-        x = self.ffn_residual(x, ids, keep_fn, kernels=kernels)
-        return (x, cache, out[2]) if trace else (x, cache)
+        if not trace:
+            return self.ffn_residual(x, ids, keep_fn, kernels=kernels), cache
+        x, y = self.ffn_residual(x, ids, keep_fn, kernels=kernels, with_out=True)
+        return x, cache, {**out[2], "ffn": y}
 
-    def ffn_residual(self, x, ids, keep_fn=None, with_keep: bool = False, kernels: str = ""):
+    def ffn_residual(self, x, ids, keep_fn=None, with_keep: bool = False, kernels: str = "",
+                     with_out: bool = False):
         """The MoE half of the block: mHC pre, ffn_norm, MoE (optional fan-out), mHC post.
-        With `with_keep`, also the expert keep mask [b, t, k] the MoE applied."""
+        With `with_keep`, also the expert keep mask [b, t, k] the MoE applied; with `with_out`
+        (last), the MoE output [b, t, d] entering mHC post, in the streams' dtype."""
         u, post, comb = self.hc_ffn.pre(x)
         y, keep = self.ffn(self.ffn_norm(u), ids, keep_fn=keep_fn, with_keep=True,
                            kernels=kernel_mode(kernels, "ragged_dot"))
         x = HyperConnection.post(x, y, post, comb)
-        return (x, keep) if with_keep else x
+        return (x,) + ((keep,) if with_keep else ()) + ((y.astype(x.dtype),) if with_out else ()) \
+            if with_keep or with_out else x
 
 
 def lm_head(hc_head, norm, table, x, rows):

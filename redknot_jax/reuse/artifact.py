@@ -7,8 +7,12 @@ output RoPE through the Local columns of each group's wo_a), the document-local 
 [L, K], the open-window compressor state at the document end (boundary metadata), and a
 per-row controller statistic `far` [L] (fp32): the Local heads' mean attention share on
 compressed entries, i.e. how much the row's cached Local contribution depends on context
-beyond its sliding window, which is what relocation changes. Held in memory here;
-persistence is the store's job.
+beyond its sliding window, which is what relocation changes; with a profile's
+`ffn_rows="restore"` also `ffn` [L, d], the row's canonical FFN sub-layer output (the MoE output
+entering mHC post). Per fence layer (`prefix_layers`): the native attention state the document
+leaves (K=V rows, entries, open compressor windows `cmp`, indexer keys and state), so the
+document can serve as an exact prefix (DESIGN §4; `reuse.prefix`). The certificate's `parts`
+name the optional parts held. Held in memory here; persistence is the store's job.
 """
 
 from __future__ import annotations
@@ -27,26 +31,61 @@ from redknot_jax.model import Model
 from redknot_jax.reuse.certificate import FORMAT_VERSION, Certificate, TPGeometry, payload_digest, token_digest
 from redknot_jax.reuse.profile import RedKnotProfile
 
+PREFIX = "prefix"  # a fence layer's key in `Artifact.stored_layers()`
+
 
 @dataclasses.dataclass
 class Artifact:
-    """One document's reusable state, by reusable layer (immutable once built)."""
+    """One document's reusable state, by reusable layer (immutable once built); `prefix_layers`:
+    by fence layer, its native attention state (empty for artifacts without the "prefix" part)."""
 
     tokens: np.ndarray
     layers: dict[int, dict]
     certificate: Certificate
+    prefix_layers: dict[int, dict] = dataclasses.field(default_factory=dict)
 
     @property
     def length(self) -> int:
         return int(self.tokens.shape[0])
 
+    def native_state(self, layer: int) -> dict:
+        """Layer `layer`'s native attention state (kv, and entries / cmp / idx_entries / idx
+        where the layer has them): a fence layer's from `prefix_layers`, a reusable layer's
+        from `layers`. KeyError if the artifact holds neither."""
+        if layer in self.prefix_layers:
+            return self.prefix_layers[layer]
+        d = self.layers[layer]
+        return {k: d[k] for k in ("kv", "entries", "cmp", "idx_entries", "idx") if k in d}
+
+    def stored_layers(self) -> dict[int, dict]:
+        """Every layer's arrays as persisted and hashed: reusable layers as they are, a fence
+        layer's native state under the key "prefix"."""
+        out = {i: self.layers[i] for i in self.layers}
+        for i, d in self.prefix_layers.items():
+            if i in out:
+                raise ValueError(f"Artifact: layer {i} is both reusable and a prefix (fence) layer")
+            out[i] = {PREFIX: d}
+        return dict(sorted(out.items()))
+
+    @classmethod
+    def from_stored(cls, tokens, stored: dict[int, dict], certificate) -> "Artifact":
+        """The inverse of `stored_layers`."""
+        layers = {i: d for i, d in stored.items() if PREFIX not in d}
+        prefix = {i: d[PREFIX] for i, d in stored.items() if PREFIX in d}
+        return cls(tokens=tokens, layers=layers, certificate=certificate, prefix_layers=prefix)
+
     def payload(self) -> dict[str, np.ndarray]:
-        """Flat name -> array view used for the checksum."""
+        """Flat name -> array view used for the checksum (a fence layer's: "0/['prefix']['kv']")."""
         out = {}
-        for layer, d in self.layers.items():
+        for layer, d in self.stored_layers().items():
             for name, v in jax.tree_util.tree_flatten_with_path(d)[0]:
                 out[f"{layer}/{jax.tree_util.keystr(name)}"] = np.asarray(v)
         return out
+
+
+def profile_parts(profile: RedKnotProfile) -> tuple[str, ...]:
+    """The optional artifact parts (`certificate.PARTS`) a consumer of `profile` needs."""
+    return ("ffn",) if profile.ffn_rows == "restore" else ()
 
 
 def single_rank() -> TPGeometry:
@@ -65,32 +104,42 @@ def project_heads(attn, o: jax.Array, heads: np.ndarray) -> jax.Array:
     return attn.wo_a_apply((o * jnp.asarray(heads, o.dtype)[None, :, None])[None])[0]
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "freqs", "block", "cap", "local", "keep", "kernels"))
-def _layer(state, x, ids, n_new, *, graphdef, freqs, block, cap, local, keep, kernels):
-    """One layer of the document's native run; for a reusable layer also what it keeps."""
+@functools.partial(jax.jit, static_argnames=("graphdef", "freqs", "block", "cap", "local", "keep", "ffn",
+                                             "kernels"))
+def _layer(state, x, ids, n_new, *, graphdef, freqs, block, cap, local, keep, ffn, kernels):
+    """One layer of the document's native run and what it keeps: keep "reusable" (K=V, z_L,
+    far, entries, states, top-k; with `ffn` the FFN output), "fence" (the native attention
+    state only) or "" (nothing)."""
     blk = nnx.merge(graphdef, state)
     cache = blk.attn.init_cache(1, cap, x.dtype)
-    x, c, tr = blk(x, ids, jnp.zeros((1,), jnp.int32), n_new, cache, freqs, block, trace=True, kernels=kernels)
     if not keep:
-        return x, None
+        return blk(x, ids, jnp.zeros((1,), jnp.int32), n_new, cache, freqs, block, kernels=kernels)[0], None
+    x, c, tr = blk(x, ids, jnp.zeros((1,), jnp.int32), n_new, cache, freqs, block, trace=True, kernels=kernels)
     heads = np.asarray(local)
-    d = {"kv": tr["kv"][0], "zl": project_heads(blk.attn, tr["o"][0], heads),
-         "far": jnp.mean(tr["far"][0][:, heads], axis=-1).astype(jnp.float32)}
+    d = {"kv": tr["kv"][0]}
+    if keep == "reusable":
+        d["zl"] = project_heads(blk.attn, tr["o"][0], heads)
+        d["far"] = jnp.mean(tr["far"][0][:, heads], axis=-1).astype(jnp.float32)
+    if ffn:
+        d["ffn"] = tr["ffn"][0]
     if blk.attn.compressor is not None:
         d["entries"] = c["entries"][0]
         d["cmp"] = jax.tree.map(lambda a: a[0], c["cmp"])
     if blk.attn.indexer is not None:
         d["idx_entries"] = c["idx_entries"][0]
         d["idx"] = jax.tree.map(lambda a: a[0], c["idx"])
-        d["topk"] = tr["topk"][0]
+        if keep == "reusable":
+            d["topk"] = tr["topk"][0]
     return x, d
 
 
 def build_artifact(model: Model, profile: RedKnotProfile, tokens, *, checkpoint_fingerprint: str,
                    generation: int = 1, tp: TPGeometry | None = None, kernels: str = "auto") -> Artifact:
-    """Run `tokens` alone at position 0 and keep what reusable layers need. kernels: the Mosaic
-    GPU kernels the run uses (`redknot_jax.pallas.resolve_kernels`; "auto": on a GPU those
-    measured faster than XLA, as the Recomputed arm runs)."""
+    """Run `tokens` alone at position 0 and keep what reusable layers need, and every fence
+    layer's native attention state (the "prefix" part; with `profile.ffn_rows == "restore"`
+    the "ffn" part too). kernels: the Mosaic GPU kernels the run uses
+    (`redknot_jax.pallas.resolve_kernels`; "auto": on a GPU those measured faster than XLA, as
+    the Recomputed arm runs)."""
     cfg = model.cfg
     kernels = resolve_kernels(kernels, model)
     tokens = np.asarray(tokens, np.int32)
@@ -104,22 +153,23 @@ def build_artifact(model: Model, profile: RedKnotProfile, tokens, *, checkpoint_
     n_new = jnp.full((1,), n, jnp.int32)
     local = tuple(bool(v) for v in local_head_mask(model, profile))
     reusable = set(profile.reusable_layers(cfg.num_layers))
-    layers = {}
+    parts = ("prefix",) + profile_parts(profile)
+    layers, prefix = {}, {}
     for i, blk in enumerate(model.layers):  # one jitted program per distinct layer structure
         graphdef, state = nnx.split(blk)
+        keep = "reusable" if i in reusable else "fence"
         x, d = _layer(state, x, ids, n_new, graphdef=graphdef, freqs=model.freqs(i), block=min(256, width),
-                      cap=cap, local=local, keep=i in reusable, kernels=kernels)
-        if d is None:
-            continue
+                      cap=cap, local=local, keep=keep, ffn=keep == "reusable" and "ffn" in parts, kernels=kernels)
         m = blk.attn.compressor.m if blk.attn.compressor is not None else 1
-        cut = {"kv": n, "zl": n, "far": n, "topk": n, "entries": n // m}
+        cut = {"kv": n, "zl": n, "far": n, "topk": n, "ffn": n, "entries": n // m}
         if blk.attn.indexer is not None:
             cut["idx_entries"] = n // blk.attn.indexer.m
-        layers[i] = {k: (v[: cut[k]] if k in cut else v) for k, v in d.items()}
+        (layers if keep == "reusable" else prefix)[i] = {k: (v[: cut[k]] if k in cut else v) for k, v in d.items()}
     tp = tp or single_rank()
-    art = Artifact(tokens=tokens, layers=layers, certificate=None)
+    art = Artifact(tokens=tokens, layers=layers, certificate=None, prefix_layers=prefix)
     art.certificate = Certificate(
         checkpoint_fingerprint=checkpoint_fingerprint, token_digest=token_digest(tokens),
         profile_digest=profile.digest(), model_digest=cfg.fingerprint(), tp=tp, generation=generation,
-        format_version=FORMAT_VERSION, layers=tuple(sorted(layers)), payload_digest=payload_digest(art.payload()))
+        format_version=FORMAT_VERSION, layers=tuple(sorted(art.stored_layers())), parts=tuple(sorted(parts)),
+        payload_digest=payload_digest(art.payload()))
     return art

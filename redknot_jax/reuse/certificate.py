@@ -2,8 +2,8 @@
 
 A certificate binds an artifact slice to everything its contents depend on: the checkpoint,
 the document's token ids, the profile, the model config, the TP geometry of the rank that
-reads it, the artifact generation and format, the layers it holds and a checksum of its
-arrays. A consumer calls `validate` with what *it* expects; any difference is a
+reads it, the artifact generation and format, the layers it holds, the optional parts it holds
+(format 4: `PARTS`) and a checksum of its arrays. A consumer calls `validate` with what *it* expects; any difference is a
 `FallbackReason` and the request falls back to full recomputation before any reuse-specific
 collective (cross-rank agreement on (verdict, `Certificate.digest()`) lives in
 `redknot_jax/sharding/`, which reports `RANK_DISAGREEMENT`).
@@ -26,8 +26,16 @@ from typing import Any, Iterable, Mapping
 
 import numpy as np
 
-# Bump when the artifact layout changes; a certificate of another version is never trusted.
-FORMAT_VERSION = 3  # 2: per-row controller statistic `far` in every reusable layer; 3: chunked payload digest
+# Bump when the artifact layout changes. 2: per-row controller statistic `far` in every reusable
+# layer; 3: chunked payload digest; 4: optional parts (`PARTS`) named in the certificate.
+FORMAT_VERSION = 4
+# Formats a consumer still reads: a format-3 artifact relocates, but holds no optional part (so it
+# cannot serve as an exact prefix, `can_prefix`).
+READABLE_VERSIONS = (3, 4)
+# Optional parts of an artifact (format >= 4): "prefix" = every fence layer's native attention
+# state (the document can be an exact prefix, DESIGN §4); "ffn" = each reusable layer's
+# canonical FFN sub-layer output (profile ffn_rows="restore").
+PARTS = ("prefix", "ffn")
 
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
 
@@ -172,6 +180,7 @@ class Certificate:
     format_version: int
     layers: tuple[int, ...]
     payload_digest: str
+    parts: tuple[str, ...] = ()  # optional parts held (sorted, of PARTS); format >= 4 only
 
     def __post_init__(self):
         if not isinstance(self.checkpoint_fingerprint, str) or not self.checkpoint_fingerprint:
@@ -192,21 +201,35 @@ class Certificate:
         if list(layers) != sorted(set(layers)):
             raise CertificateError(f"Certificate.layers: expected strictly increasing layer ids, got {layers}")
         object.__setattr__(self, "layers", layers)
+        if isinstance(self.parts, str) or not all(isinstance(p, str) for p in self.parts):
+            raise CertificateError(f"Certificate.parts: expected a sequence of str, got {self.parts!r}")
+        parts = tuple(self.parts)
+        if list(parts) != sorted(set(parts)) or set(parts) - set(PARTS):
+            raise CertificateError(f"Certificate.parts: expected sorted, distinct names of {PARTS}, got {parts}")
+        if parts and self.format_version < 4:
+            raise CertificateError(f"Certificate.parts: format {self.format_version} holds no optional part, got {parts}")
+        object.__setattr__(self, "parts", parts)
 
     def to_dict(self) -> dict:
-        """Plain JSON-able form (stored beside the artifact; also what `digest` hashes)."""
+        """Plain JSON-able form (stored beside the artifact; also what `digest` hashes). Before
+        format 4 there is no `parts` field (so older certificates keep their digests)."""
         d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         d["tp"] = self.tp.to_dict()
         d["layers"] = list(self.layers)
+        d["parts"] = list(self.parts)
+        if self.format_version < 4:
+            del d["parts"]
         return d
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "Certificate":
         names = {f.name for f in dataclasses.fields(cls)}
-        if set(d) != names:
+        need = names - ({"parts"} if d.get("format_version", FORMAT_VERSION) < 4 else set())
+        if not need <= set(d) <= names:
             raise CertificateError(f"Certificate.from_dict: unknown fields {sorted(set(d) - names)}, "
-                                   f"missing fields {sorted(names - set(d))}")
-        return cls(**{**d, "tp": TPGeometry.from_dict(d["tp"]), "layers": tuple(d["layers"])})
+                                   f"missing fields {sorted(need - set(d))}")
+        return cls(**{**d, "tp": TPGeometry.from_dict(d["tp"]), "layers": tuple(d["layers"]),
+                      "parts": tuple(d.get("parts", ()))})
 
     def digest(self) -> str:
         """SHA-256 of the canonical JSON of every field (what ranks agree on)."""
@@ -227,19 +250,27 @@ class FallbackReason(enum.Enum):
     CHECKSUM = "checksum"
     RANK_DISAGREEMENT = "rank_disagreement"
     UNKNOWN_ARTIFACT = "unknown_artifact"
+    MISSING_PART = "missing_part"  # an optional part the profile needs (e.g. "ffn") is absent
+    NO_PREFIX_STATE = "no_prefix_state"  # asked to be an exact prefix, the artifact cannot (`can_prefix`)
+
+
+def can_prefix(cert) -> bool:
+    """Whether the artifact holds every layer's native state, i.e. can serve as an exact prefix
+    (format >= 4 and the "prefix" part)."""
+    return isinstance(cert, Certificate) and cert.format_version >= 4 and "prefix" in cert.parts
 
 
 def explain(cert, *, expected_tokens_digest: str, profile_digest: str, model_digest: str,
             checkpoint_fingerprint: str, tp: TPGeometry, min_generation: int,
-            required_layers: Iterable[int], actual_payload_digest: str
+            required_layers: Iterable[int], actual_payload_digest: str, required_parts: Iterable[str] = ()
             ) -> tuple[FallbackReason, str] | None:
     """Like `validate`, but also returns a message with the offending values (for logs)."""
-    # Anything that is not a certificate of this format cannot be read field by field.
+    # Anything that is not a certificate of a readable format cannot be read field by field.
     if not isinstance(cert, Certificate):
         return FallbackReason.UNKNOWN_ARTIFACT, f"not a Certificate: {type(cert).__name__}"
-    if cert.format_version != FORMAT_VERSION:
+    if cert.format_version not in READABLE_VERSIONS:
         return (FallbackReason.UNKNOWN_ARTIFACT,
-                f"format_version: expected {FORMAT_VERSION}, got {cert.format_version}")
+                f"format_version: expected one of {READABLE_VERSIONS}, got {cert.format_version}")
     required = sorted(set(required_layers))
     checks = (
         (FallbackReason.TOKEN_MISMATCH, "token_digest", expected_tokens_digest, cert.token_digest),
@@ -257,6 +288,10 @@ def explain(cert, *, expected_tokens_digest: str, profile_digest: str, model_dig
     missing = sorted(set(required) - set(cert.layers))
     if missing:
         return FallbackReason.MISSING_LAYERS, f"layers: missing {missing} (certificate holds {list(cert.layers)})"
+    absent = sorted(set(required_parts) - set(cert.parts))
+    if absent:
+        return (FallbackReason.MISSING_PART, f"parts: missing {absent} (certificate of format "
+                                             f"{cert.format_version} holds {list(cert.parts)})")
     if actual_payload_digest != cert.payload_digest:
         return (FallbackReason.CHECKSUM,
                 f"payload_digest: certificate says {cert.payload_digest}, data hashes to {actual_payload_digest}")
@@ -265,18 +300,19 @@ def explain(cert, *, expected_tokens_digest: str, profile_digest: str, model_dig
 
 def validate(cert, *, expected_tokens_digest: str, profile_digest: str, model_digest: str,
              checkpoint_fingerprint: str, tp: TPGeometry, min_generation: int,
-             required_layers: Iterable[int], actual_payload_digest: str) -> FallbackReason | None:
+             required_layers: Iterable[int], actual_payload_digest: str,
+             required_parts: Iterable[str] = ()) -> FallbackReason | None:
     """None if `cert` may be consumed by this rank, else the first failing check's reason.
 
-    Order: format (UNKNOWN_ARTIFACT), tokens, profile, model config, checkpoint, TP geometry,
-    generation (stale iff `cert.generation < min_generation`), required layers, payload
-    checksum. The checksum is last because it is the one check that needs the data read.
+    Order: format (UNKNOWN_ARTIFACT unless in READABLE_VERSIONS), tokens, profile, model config,
+    checkpoint, TP geometry, generation (stale iff `cert.generation < min_generation`), required
+    layers, required optional parts (MISSING_PART), payload checksum. The checksum is last because it is the one check that needs the data read.
     `RANK_DISAGREEMENT` is never returned here: it comes from the cross-rank agreement.
     """
     r = explain(cert, expected_tokens_digest=expected_tokens_digest, profile_digest=profile_digest,
                 model_digest=model_digest, checkpoint_fingerprint=checkpoint_fingerprint, tp=tp,
                 min_generation=min_generation, required_layers=required_layers,
-                actual_payload_digest=actual_payload_digest)
+                actual_payload_digest=actual_payload_digest, required_parts=required_parts)
     return None if r is None else r[0]
 
 

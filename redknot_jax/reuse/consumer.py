@@ -235,28 +235,68 @@ def _pass_b(q, pos, window_keys, ents, idx, sink, scale, kind, block, window, to
 
 
 def reusable_layer(blk, x, ids, tab, pool_layer, *, freqs, glob, block, fan, reduce=None, ffn=None,
-                   kernels: str = "", topk_stages: int = TOPK_STAGES):
+                   kernels: str = "", topk_stages: int = TOPK_STAGES, ffn_rows: str = "run"):
     """One reusable layer of the RedKnot arm over the request rows (see the module doc).
 
     Under tensor parallelism (`redknot_jax.sharding.consumer_tp`) the block holds a rank's
     heads / groups / experts, `reduce` sums the row-parallel `wo_b` output over ranks and
-    `ffn(x, ids, keep_fn) -> (x, keep)` is the rank's MoE half; by default both are local."""
+    `ffn(x, ids, keep_fn) -> (x, keep)` is the rank's MoE half; by default both are local.
+    `ffn_rows`: the profile's; "omit" / "restore" run the MoE over the protected rows only
+    (`ffn_args`)."""
     x = reusable_attention(blk, x, tab, pool_layer, freqs=freqs, glob=glob, block=block, reduce=reduce,
                            kernels=kernels, topk_stages=topk_stages)
-    return reusable_ffn(blk, x, ids, tab["pos"] < tab["n_real"], fan, ffn, kernels)
+    return reusable_ffn(blk, x, ids, tab["pos"] < tab["n_real"], fan, ffn, kernels,
+                        **ffn_args(ffn_rows, tab, pool_layer))
 
 
-def reusable_ffn(blk, x, ids, real, fan, ffn=None, kernels: str = ""):
+def ffn_args(ffn_rows: str, tab, pool_layer) -> dict:
+    """`reusable_ffn`'s row arguments for the profile's `ffn_rows` over a layout `tab` (one
+    request's, or a batch's stacked on a leading axis): "run" none (every row runs the MoE);
+    "omit" rows = the protected rows; "restore" also the artifact's canonical FFN outputs of
+    the restored rows (`zl_row`: unprotected document rows; zero elsewhere)."""
+    if ffn_rows == "run":
+        return {}
+    if ffn_rows == "omit":
+        return {"rows": tab["prot_idx"]}
+    if "ffn" not in pool_layer:
+        raise ValueError("ffn_rows='restore': the pool holds no canonical FFN outputs (artifacts built "
+                         "under a profile without ffn_rows='restore')")
+    zr = tab["zl_row"]
+    y = pool_layer["ffn"][jnp.maximum(zr, 0)]
+    return {"rows": tab["prot_idx"], "restored": jnp.where((zr >= 0)[..., None], y, 0)}
+
+
+def reusable_ffn(blk, x, ids, real, fan, ffn=None, kernels: str = "", rows=None, restored=None,
+                 per_request: bool = False):
     """The MoE half of a reusable layer with the fan-out rule: (x, histogram of kept experts
-    over the `real` rows [.., t]). `kernels`: the resolved set (its "ragged_dot"), local MoE only."""
+    over the `real` rows [.., t] that ran it). `kernels`: the resolved set (its "ragged_dot"),
+    local MoE only. `rows` ([P] or [b, P] row indices, padded with t; `ffn_args`): only those
+    rows run the MoE, gathered (physical token-row omission); every other row's streams pass
+    the FFN sub-layer unchanged ("omit") or, given `restored` ([.., t, d]: the artifact's
+    canonical FFN outputs), take them through the native mHC post/comb ("restore").
+    `per_request`: the histogram per request of a batch x [b, t, ...], [b, k+1]."""
     keep_fn = lambda sel, wts, scores: fanout_keep(wts, fan[0], fan[1], fan[2])
-    if ffn is None:
-        x, keep = blk.ffn_residual(x, ids, keep_fn, with_keep=True, kernels=kernels)
+    run = (lambda xx, ii: blk.ffn_residual(xx, ii, keep_fn, with_keep=True, kernels=kernels)) if ffn is None \
+        else (lambda xx, ii: ffn(xx, ii, keep_fn))
+    real = jnp.broadcast_to(real, x.shape[:2])
+    if rows is None:
+        x, keep = run(x, ids)
     else:
-        x, keep = ffn(x, ids, keep_fn)
+        b, t = x.shape[:2]
+        rows = jnp.broadcast_to(rows, (b, rows.shape[-1]))
+        rc = jnp.minimum(rows, t - 1)
+        xs, keep = run(jnp.take_along_axis(x, rc[:, :, None, None], 1), jnp.take_along_axis(ids, rc, 1))
+        if restored is not None:
+            _, post, comb = blk.hc_ffn.pre(x)
+            x = HyperConnection.post(x, jnp.broadcast_to(restored, x.shape[:2] + x.shape[-1:]).astype(x.dtype),
+                                     post, comb)
+        x = x.at[jnp.arange(b)[:, None], rows].set(xs, mode="drop")
+        real = jnp.take_along_axis(real, rc, 1) & (rows < t)
+    count = lambda kk, rr: jnp.zeros((keep.shape[-1] + 1,), jnp.int32).at[kk].add(rr.astype(jnp.int32))
     kept = jnp.sum(keep, -1)
-    hist = jnp.zeros((keep.shape[-1] + 1,), jnp.int32).at[kept.reshape(-1)].add(real.reshape(-1).astype(jnp.int32))
-    return x, hist
+    if per_request:
+        return x, jax.vmap(count)(kept.reshape(kept.shape[0], -1), real)
+    return x, count(kept.reshape(-1), real.reshape(-1))
 
 
 def _queries(attn, cq, heads, pos, freqs):
@@ -545,15 +585,17 @@ def _native_step_jit(state, x, ids, pos0, cache, *, graphdef, freqs):
     return blk(x, ids, pos0[None], jnp.full((1,), g, jnp.int32), cache, freqs, g)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "freqs", "glob", "block", "fan", "kernels", "topk_stages"))
+@functools.partial(jax.jit, static_argnames=("graphdef", "freqs", "glob", "block", "fan", "kernels", "topk_stages",
+                                             "ffn_rows"))
 def _reusable_keys_jit(state, x, ids, tab, pool_layer, keep_rows, *, graphdef, freqs, glob, block, fan, kernels,
-                       topk_stages=TOPK_STAGES):
+                       topk_stages=TOPK_STAGES, ffn_rows="run"):
     """`_reusable_jit` that also returns what decoding reads of rows `keep_rows` (see
     `reusable_attention`)."""
     blk = nnx.merge(graphdef, state)
     x, keys = reusable_attention(blk, x, tab, pool_layer, freqs=freqs, glob=np.asarray(glob), block=block,
                                  keep_rows=keep_rows, kernels=kernels, topk_stages=topk_stages)
-    x, hist = reusable_ffn(blk, x, ids, tab["pos"] < tab["n_real"], fan, kernels=kernels)
+    x, hist = reusable_ffn(blk, x, ids, tab["pos"] < tab["n_real"], fan, kernels=kernels,
+                           **ffn_args(ffn_rows, tab, pool_layer))
     return x, hist, keys
 
 
@@ -572,30 +614,27 @@ def _decode_entries_jit(state, keys, tab, pool_layer, *, graphdef, freqs):
     return decode_entries(nnx.merge(graphdef, state).attn, keys, tab, pool_layer, freqs=freqs)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "freqs", "glob", "block", "fan", "kernels"))
-def _reusable_batch_jit(state, x, ids, tab, pool_layer, *, graphdef, freqs, glob, block, fan, kernels=""):
+@functools.partial(jax.jit, static_argnames=("graphdef", "freqs", "glob", "block", "fan", "kernels", "ffn_rows"))
+def _reusable_batch_jit(state, x, ids, tab, pool_layer, *, graphdef, freqs, glob, block, fan, kernels="",
+                        ffn_rows="run"):
     """A reusable layer over a batch x [b, t, n, d]: the attention half vmapped over the
-    requests (tables stacked on a leading axis, one shared pool), the MoE half once over all
-    rows of the batch (tokens are independent there). Returns (x, histogram per request)."""
+    requests (tables stacked on a leading axis, one shared pool), the MoE half once over the
+    batch's rows that run it (tokens are independent there). Returns (x, histogram per request)."""
     blk = nnx.merge(graphdef, state)
     one = lambda xx, tt: reusable_attention(blk, xx[None], tt, pool_layer, freqs=freqs, glob=np.asarray(glob),
                                             block=block, topk_stages=1)[0]  # vmapped: no switch
     x = jax.vmap(one)(x, tab)
-    keep_fn = lambda sel, wts, scores: fanout_keep(wts, fan[0], fan[1], fan[2])
-    x, keep = blk.ffn_residual(x, ids, keep_fn, with_keep=True, kernels=kernels)  # keep [b, t, k]
-    real = tab["pos"] < tab["n_real"][:, None]
-    kept = jnp.sum(keep, -1)
-    hist = jax.vmap(lambda kk, rr: jnp.zeros((keep.shape[-1] + 1,), jnp.int32).at[kk].add(rr.astype(jnp.int32)))(
-        kept, real)
-    return x, hist
+    return reusable_ffn(blk, x, ids, tab["pos"] < tab["n_real"][:, None], fan, kernels=kernels, per_request=True,
+                        **ffn_args(ffn_rows, tab, pool_layer))
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "freqs", "glob", "block", "fan", "kernels", "topk_stages"))
+@functools.partial(jax.jit, static_argnames=("graphdef", "freqs", "glob", "block", "fan", "kernels", "topk_stages",
+                                             "ffn_rows"))
 def _reusable_jit(state, x, ids, tab, pool_layer, *, graphdef, freqs, glob, block, fan, kernels,
-                  topk_stages=TOPK_STAGES):
+                  topk_stages=TOPK_STAGES, ffn_rows="run"):
     blk = nnx.merge(graphdef, state)
     return reusable_layer(blk, x, ids, tab, pool_layer, freqs=freqs, glob=np.asarray(glob), block=block, fan=fan,
-                          kernels=kernels, topk_stages=topk_stages)
+                          kernels=kernels, topk_stages=topk_stages, ffn_rows=ffn_rows)
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef",))
@@ -690,6 +729,7 @@ class Consumer:
         self.glob = tuple(int(i) for i in np.flatnonzero(~local))
         self.reusable = list(profile.reusable_layers(self.cfg.num_layers))
         self.fan = (profile.fanout_mode, float(profile.tau), int(profile.fanout_min))
+        self.ffn_rows = profile.ffn_rows
         self.kernels = resolve_kernels(kernels, model, len(self.glob) // self.cfg.o_groups)
         if not isinstance(topk_stages, int) or topk_stages < 1:
             raise ValueError(f"Consumer: topk_stages must be an int >= 1, got {topk_stages!r}")
@@ -873,7 +913,7 @@ class Consumer:
                     timings["plan_s"] = time.perf_counter() - t0
             gd, st = self.defs[i]
             kw = dict(graphdef=gd, freqs=self.model.freqs(i), glob=self.glob, block=self.block, fan=self.fan,
-                      kernels=self.prefill_kernels, topk_stages=self.topk_stages)
+                      kernels=self.prefill_kernels, topk_stages=self.topk_stages, ffn_rows=self.ffn_rows)
             if state is None:
                 x, h = _reusable_jit(st, x, ids, layout.tables, pool_layer, **kw)
             else:
@@ -965,7 +1005,8 @@ class Consumer:
                 tabs = jax.tree.map(lambda *a: jnp.stack(a), *[self._layout(plan, pool, sizes).tables for plan in plans])
             gd, st = self.defs[i]
             x, hb = _reusable_batch_jit(st, x, ids, tabs, pool_layer, graphdef=gd, freqs=self.model.freqs(i),
-                                        glob=self.glob, block=self.block, fan=self.fan, kernels=self.batch_kernels)
+                                        glob=self.glob, block=self.block, fan=self.fan, kernels=self.batch_kernels,
+                                        ffn_rows=self.ffn_rows)
             hist = hb if hist is None else hist + hb
         logits = self._logits_batch(x, [p.query_rows for p in plans])
         return [(lg, None if hist is None else hist[b]) for b, lg in enumerate(logits)]

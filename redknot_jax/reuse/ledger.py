@@ -81,20 +81,31 @@ def head_row_ledger(cfg: ModelConfig, profile: RedKnotProfile, n_rows: int,
 
 
 # ------------------------------------------------------------------------------ 2. token-row
-def token_row_ledger(cfg: ModelConfig, profile: RedKnotProfile, candidate_rows: int,
-                     protected_candidate_rows: int | Sequence[int]) -> dict:
-    """Physical token-row saving, counted in (row, reusable layer) pairs.
+def token_row_ledger(cfg: ModelConfig, profile: RedKnotProfile, n_rows: int, candidate_rows: int,
+                     protected_candidate_rows: int | Sequence[int], prefix_rows: int = 0) -> dict:
+    """Physical token-row saving (DESIGN §6): (row, layer) pairs whose token-wide work is not
+    done, over all num_layers x n_rows pairs.
 
-    restored_rows = sum over reusable layers l of (candidate_rows - protected_candidate_rows[l]),
-    total_rows    = reusable layers x candidate_rows,   saving = restored / total.
-    Candidate rows are the rows of relocated and prefix documents (new rows never are).
+    omitted_rows = prefix_rows x num_layers (an exact prefix is computed in no layer)
+                 + sum over reusable layers l of (candidate_rows - protected_candidate_rows[l])
+                   when the profile's ffn_rows is "omit" or "restore" (the unprotected document
+                   rows run neither their Local heads nor their FFN); 0 under "run";
+    saving = omitted_rows / (num_layers x n_rows). Candidate rows are the rows of relocated
+    documents (not the prefix's, not new rows).
     """
+    _check_count("n_rows", n_rows)
     _check_count("candidate_rows", candidate_rows)
+    _check_count("prefix_rows", prefix_rows)
+    if candidate_rows + prefix_rows > n_rows:
+        raise ValueError(f"candidate_rows {candidate_rows} + prefix_rows {prefix_rows} exceed n_rows {n_rows}")
     layers = profile.reusable_layers(cfg.num_layers)
     prot = _rows_per_layer("protected_candidate_rows", protected_candidate_rows, layers, candidate_rows)
-    restored = sum(candidate_rows - prot[l] for l in layers)
-    total = len(layers) * candidate_rows
-    return {"restored_rows": restored, "total_rows": total, "saving": _ratio(restored, total)}
+    omitted = prefix_rows * cfg.num_layers
+    if profile.ffn_rows != "run":
+        omitted += sum(candidate_rows - prot[l] for l in layers)
+    total = cfg.num_layers * n_rows
+    return {"omitted_rows": omitted, "total_rows": total, "prefix_rows": prefix_rows, "ffn_rows": profile.ffn_rows,
+            "saving": _ratio(omitted, total)}
 
 
 # ------------------------------------------------------------------------------ 3. operators
@@ -127,12 +138,13 @@ def _key_sum(cfg: ModelConfig, layer: int, x: int) -> int:
 
 
 def _layer_flops(cfg: ModelConfig, layer: int, n: int, heads_all: int, heads_prot: int, prot: int,
-                 index_rows: int, latent_rows: int, experts: float) -> dict[str, float]:
+                 index_rows: int, latent_rows: int, experts: float, ffn_rows: int | None = None) -> dict[str, float]:
     """FLOPs of one layer (2*m*n*k per matmul; elementwise work ignored).
 
     heads_all heads run for all n rows; heads_prot more heads run for the `prot` protected
     rows only; the indexer query side runs for `index_rows` rows; latents (wkv, compressors)
-    are computed for `latent_rows` rows; `experts` routed experts per row. Rows that run a
+    are computed for `latent_rows` rows; `experts` routed experts per row; the router and
+    experts run for `ffn_rows` rows (default all n). Rows that run a
     subset are charged as the LATEST rows (the ones that see the most keys and entries): a
     row's cost never decreases with its position, so this bounds the RedKnot arm from above
     and its saving from below.
@@ -155,6 +167,7 @@ def _layer_flops(cfg: ModelConfig, layer: int, n: int, heads_all: int, heads_pro
         index_score = 2 * HI * dI * visible
     else:
         index_proj = index_score = 0
+    ffn = n if ffn_rows is None else ffn_rows
     keys_all = _key_sum(cfg, layer, n)
     keys_prot = keys_all - _key_sum(cfg, layer, n - prot)
     return {
@@ -168,9 +181,9 @@ def _layer_flops(cfg: ModelConfig, layer: int, n: int, heads_all: int, heads_pro
         # per (head, key): q.k (2k) and p.v (2k); V = K so both use the 512-d latent
         "attention": 4.0 * k * (heads_all * keys_all + heads_prot * keys_prot),
         "indexer_scoring": float(index_score),
-        "router": 2.0 * D * cfg.n_routed_experts * n,
-        "moe_routed": 3 * 2.0 * D * f * experts * n,             # w1, w3 [D, f] and w2 [f, D]
-        "moe_shared": 3 * 2.0 * D * f * n,
+        "router": 2.0 * D * cfg.n_routed_experts * ffn,
+        "moe_routed": 3 * 2.0 * D * f * experts * ffn,           # w1, w3 [D, f] and w2 [f, D]
+        "moe_shared": 3 * 2.0 * D * f * ffn,
     }
 
 
@@ -194,7 +207,8 @@ def operator_flops(cfg: ModelConfig, profile: RedKnotProfile, n_rows: int,
       * latents (wkv, compressor and indexer compressor) are computed for `latent_rows` rows
         (default all rows: conservative; with canonical latents from the artifact the
         planner may pass new rows + refreshed rows);
-      * `kept_experts_per_row` routed experts per row (the measured fan-out mean).
+      * `kept_experts_per_row` routed experts per row (the measured fan-out mean); with the
+        profile's ffn_rows "omit" / "restore" the router and experts run for protected rows only.
     Global-head keys of unprotected rows are charged as native (their segment-local window
     and document-local top-k are never larger).
     """
@@ -214,7 +228,7 @@ def operator_flops(cfg: ModelConfig, profile: RedKnotProfile, n_rows: int,
         if arm == "redknot" and layer in layers:
             per = _layer_flops(cfg, layer, n_rows, heads_all=cfg.num_heads - n_local, heads_prot=n_local,
                                prot=prot[layer], index_rows=prot[layer], latent_rows=latent[layer],
-                               experts=kept)
+                               experts=kept, ffn_rows=None if profile.ffn_rows == "run" else prot[layer])
         else:
             per = _layer_flops(cfg, layer, n_rows, heads_all=cfg.num_heads, heads_prot=0, prot=0,
                                index_rows=n_rows, latent_rows=n_rows, experts=cfg.experts_per_tok)

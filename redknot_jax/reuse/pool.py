@@ -74,6 +74,8 @@ def _fields(p: dict, dtype, conv) -> dict:
             d[state] = {s: conv(p[state][s], jnp.float32) for s in ("kv", "gate")}
     if "topk" in p:
         d["topk"] = conv(p["topk"], jnp.int32)
+    if "ffn" in p:  # canonical FFN outputs (profiles with ffn_rows="restore")
+        d["ffn"] = conv(p["ffn"], dtype)
     return d
 
 
@@ -84,7 +86,7 @@ def _pack(per: list[dict], dtype, put=lambda x, dt: jnp.asarray(x, dt), buckets:
     fs = [_fields(p, dtype, put) for p in per]
     cat = lambda name: jnp.concatenate([f[name] for f in fs])
     rows = buckets(sum(f["kv"].shape[0] for f in fs), POOL_ROW_PAD)
-    d = {"kv": _pad_rows(cat("kv"), rows), "zl": _pad_rows(cat("zl"), rows)}
+    d = {name: _pad_rows(cat(name), rows) for name in ("kv", "zl", "ffn") if name in fs[0]}
     for name, state in (("entries", "cmp"), ("idx_entries", "idx")):
         if name in fs[0]:
             d[name] = _pad_rows(cat(name), buckets(sum(f[name].shape[0] for f in fs), ENTRY_PAD))

@@ -9,7 +9,11 @@ A profile fixes the execution roles and the online policy of the RedKnot arm:
 * protection sizes: `boundary_rows` at both ends of each relocated segment, `tail_rows`;
 * how the budget's rows are ranked (`itop_rank`): by the native indexer's score for the query
   rows (the DESIGN's Itop), or by latent deviation (CacheBlend's rule, see the class doc);
-* the budget controller (`choose_budget`) and the MoE fan-out rule (`fanout_*`, `tau`).
+* the budget controller (`choose_budget`) and the MoE fan-out rule (`fanout_*`, `tau`);
+* what the FFN sub-layer of an unprotected document row of a reusable layer does (`ffn_rows`):
+  "omit" (no router, no expert: the row's streams pass it unchanged), "restore" (the
+  artifact's canonical FFN output enters through the native mHC post/comb) or "run" (the
+  native MoE with the fan-out rule, the control).
 
 Profiles are frozen, serialise to plain JSON (`to_dict` / `from_dict`), and their `digest()`
 is hashed into artifact certificates.
@@ -28,6 +32,7 @@ from redknot_jax.reuse.certificate import json_digest
 LATENT_REFRESH = ("none", "protected")
 ITOP_RANKS = ("indexer", "deviation")
 FANOUT_MODES = ("tau", "k3", "native")
+FFN_ROWS = ("omit", "restore", "run")
 
 
 class ProfileError(ValueError):
@@ -89,6 +94,7 @@ class RedKnotProfile:
     tau: float = 0.9
     fanout_min: int = 3
     budget_override: float | None = None
+    ffn_rows: str = "run"
 
     def __post_init__(self):
         if not isinstance(self.name, str) or not self.name:
@@ -100,6 +106,8 @@ class RedKnotProfile:
             raise ProfileError(f"latent_refresh: expected one of {LATENT_REFRESH}, got {self.latent_refresh!r}")
         if self.itop_rank not in ITOP_RANKS:
             raise ProfileError(f"itop_rank: expected one of {ITOP_RANKS}, got {self.itop_rank!r}")
+        if self.ffn_rows not in FFN_ROWS:
+            raise ProfileError(f"ffn_rows: expected one of {FFN_ROWS}, got {self.ffn_rows!r}")
         if self.fanout_mode not in FANOUT_MODES:
             raise ProfileError(f"fanout_mode: expected one of {FANOUT_MODES}, got {self.fanout_mode!r}")
 

@@ -30,17 +30,21 @@ from redknot_jax.indexer import TOPK_STAGES, index_scores
 from redknot_jax.mhc import HyperConnection
 from redknot_jax.model import Model
 from redknot_jax.reuse import ledger as ledgers
-from redknot_jax.reuse.artifact import local_head_mask, project_heads, single_rank
+from redknot_jax.reuse.artifact import local_head_mask, profile_parts, project_heads, single_rank
 from redknot_jax.reuse.consumer import Consumer, DecodeState
 from redknot_jax.reuse.pool import DocPool
-from redknot_jax.reuse.certificate import (CertCounters, FallbackReason, TPGeometry, explain, payload_digest,
-                                           token_digest)
+from redknot_jax.reuse.certificate import (CertCounters, FallbackReason, TPGeometry, can_prefix, explain,
+                                           payload_digest, token_digest)
 from redknot_jax.reuse.fanout import fanout_histogram, fanout_keep, mean_kept
 from redknot_jax.reuse.planner import (Plan, Request, concentration, fill_itop, latent_deviation, plan_request,
                                        row_risk)
+from redknot_jax.reuse.prefix import prefix_arm
 from redknot_jax.reuse.profile import RedKnotProfile
 from redknot_jax.reuse.relocation import merge_partials, partial_attention, rotate
 from redknot_jax.rope import apply_rope
+
+
+ARMS = ("recompute", "redknot", "prefix")
 
 
 class ReuseFallback(RuntimeError):
@@ -89,7 +93,8 @@ class ReuseRuntime:
             bad = explain(art.certificate, expected_tokens_digest=token_digest(seg.tokens),
                           profile_digest=self.profile.digest(), model_digest=self.cfg.fingerprint(),
                           checkpoint_fingerprint=self.fingerprint, tp=self.tp, min_generation=self.min_generation,
-                          required_layers=self.reusable, actual_payload_digest=self.hot_payload_digest(art))
+                          required_layers=self.reusable, actual_payload_digest=self.hot_payload_digest(art),
+                          required_parts=profile_parts(self.profile))
             if bad is not None:
                 return bad[0], f"segment {i}: {bad[1]}"
         return None
@@ -114,12 +119,32 @@ class ReuseRuntime:
         artifacts, packed from the request's own when None); `path="reference"` the eager
         reference below, which the consumer is tested against. `decode_rows` > 0 (jit path,
         either arm, a fallback included): keep a decode state for that many generated rows, so
-        `next_logits` runs one new row per step over cached keys instead of the whole request."""
-        if arm not in ("recompute", "redknot"):
-            raise ValueError(f"arm: expected 'recompute' or 'redknot', got {arm!r}")
+        `next_logits` runs one new row per step over cached keys instead of the whole request.
+        `arm="prefix"` (jit path): the first segment's document is an exact prefix computed in no
+        layer, every later row native (`reuse.prefix.prefix_arm`, what a prefix cache gives);
+        certified as the RedKnot arm, and a request whose first segment is not a document, or
+        whose first artifact cannot be a prefix (`can_prefix`), falls back, counted
+        (NO_PREFIX_STATE)."""
+        if arm not in ARMS:
+            raise ValueError(f"arm must be one of {list(ARMS)}, got {arm!r}")
         if path not in ("jit", "reference"):
             raise ValueError(f"path: expected 'jit' or 'reference', got {path!r}")
+        if arm == "prefix" and path != "jit":
+            raise ValueError("arm='prefix' runs on the jit path only")
         t0 = time.perf_counter()
+        if arm == "prefix":
+            bad = self.certify(req) or self._prefix_verdict(req)
+            if bad is None:
+                self.counters.record_ok()
+                plan = plan_request(req, self.profile)
+                out = prefix_arm(self.consumer, req.segments[0].artifact, req.tokens, plan.query_rows,
+                                 decode_rows=decode_rows)
+                logits, state = (out[0], out[1]) if decode_rows else (out, None)
+                return PrefillResult(np.asarray(logits), "prefix", None, "", None, plan, time.perf_counter() - t0,
+                                     decode=state)
+            self.counters.record_fallback(bad[0])  # before any reuse-specific work
+            if require_reuse:
+                raise ReuseFallback(f"prefix arm fell back to recomputation: {bad[0].value}: {bad[1]}")
         if arm == "redknot":
             bad = self.certify(req)
             if bad is None:
@@ -147,9 +172,28 @@ class ReuseRuntime:
             logits, state = self.consumer.recompute(req.tokens, plan.query_rows, decode_rows=decode_rows)
         else:
             logits = self.consumer.recompute(req.tokens, plan.query_rows)
-        reason, detail = (bad if arm == "redknot" else (None, ""))
+        reason, detail = (bad if arm != "recompute" else (None, ""))
         return PrefillResult(np.asarray(logits), "recompute", reason, detail, None, plan, time.perf_counter() - t0,
                              decode=state)
+
+    def _prefix_verdict(self, req: Request) -> tuple[FallbackReason, str] | None:
+        """Why the request's first segment cannot be an exact prefix, or None."""
+        first = req.segments[0] if req.segments else None
+        if first is None or first.artifact is None:
+            return FallbackReason.NO_PREFIX_STATE, "segment 0: not a document (no artifact)"
+        if not can_prefix(first.artifact.certificate):
+            cert = first.artifact.certificate
+            return FallbackReason.NO_PREFIX_STATE, (f"segment 0: artifact of format {cert.format_version}, parts "
+                                                    f"{list(cert.parts)}: holds no prefix state")
+        absent = sorted(set(range(self.cfg.num_layers)) - set(first.artifact.layers) - set(first.artifact.prefix_layers))
+        if absent:
+            return FallbackReason.MISSING_LAYERS, f"segment 0: artifact lacks the native state of layers {absent}"
+        n, L = sum(len(s.tokens) for s in req.segments), first.artifact.length
+        if n == L:
+            return FallbackReason.NO_PREFIX_STATE, "no rows after the prefix"
+        if any(int(r) % n < L for r in req.query_rows):
+            return FallbackReason.NO_PREFIX_STATE, f"query rows {list(req.query_rows)} inside the prefix ({L} rows)"
+        return None
 
     def prefill_batch(self, reqs: list[Request], arm: str = "redknot", require_reuse: bool = False,
                       pool: DocPool | None = None) -> list[PrefillResult]:
@@ -223,6 +267,8 @@ class ReuseRuntime:
             return np.asarray(self.consumer.decode_step(int(gen[-1]), st))  # one row (RedKnot: the prefill's pool)
         if first.arm == "recompute":
             return np.asarray(self.consumer.recompute(full, [full.size - 1]))[-1]
+        if first.arm == "prefix":
+            return np.asarray(prefix_arm(self.consumer, req.segments[0].artifact, full, [full.size - 1]))[-1]
         if pool is None:  # the prefill's pool when it kept one; packing is per call otherwise
             pool = st.pool if st is not None else self.consumer.pool(
                 [s.artifact for s in req.segments if s.artifact is not None])
@@ -244,7 +290,8 @@ class ReuseRuntime:
         kept = mean_kept(hist) if hist is not None else float(cfg.experts_per_tok)
         return ledgers.Ledgers(
             head_row=ledgers.head_row_ledger(cfg, prof, plan.n_rows, prot),
-            token_row=ledgers.token_row_ledger(cfg, prof, plan.candidates, int((plan.protected & plan.doc_row).sum())),
+            token_row=ledgers.token_row_ledger(cfg, prof, plan.n_rows, plan.candidates,
+                                               int((plan.protected & plan.doc_row).sum())),
             operator=ledgers.operator_ledger(cfg, prof, plan.n_rows, prot, kept),
             wallclock=None, cert=self.counters)
 
@@ -267,10 +314,30 @@ class ReuseRuntime:
                 self._plan_itop(plan, x)
                 planned = True
             x = self._reusable_layer(i, blk, x, plan)
-            x, keep = blk.ffn_residual(x, ids, keep_fn, with_keep=True)
-            keeps.append(np.asarray(keep[0]))
+            x, keep, ran = self._ffn_sublayer(i, blk, x, ids, plan, keep_fn)
+            keeps.append(np.asarray(keep[0])[ran])
         h = model.logits(x, jnp.asarray(plan.query_rows)[None])
         return np.asarray(h[0]), plan, fanout_histogram(np.concatenate(keeps)) if keeps else None
+
+    def _ffn_sublayer(self, layer: int, blk, x, ids, plan: Plan, keep_fn):
+        """The FFN sub-layer of a reusable layer as the profile's `ffn_rows` says: (x, keep mask,
+        rows that ran the MoE [t]). "run": every row runs it. "omit" / "restore": the MoE runs
+        (here: is kept) for protected rows and rows without an artifact only; an unprotected
+        document row's streams pass unchanged ("omit") or take its artifact's canonical FFN
+        output through the native mHC post/comb ("restore")."""
+        y, keep = blk.ffn_residual(x, ids, keep_fn, with_keep=True)
+        skip = plan.doc_row & ~plan.protected
+        if self.profile.ffn_rows == "run" or not skip.any():
+            return y, keep, np.ones(plan.n_rows, bool)
+        alt = x
+        if self.profile.ffn_rows == "restore":
+            canon = np.zeros((plan.n_rows, x.shape[-1]), np.float32)
+            for f in plan.frames:
+                if f.artifact is not None and f.doc_len:
+                    canon[f.start:f.start + f.doc_len] = np.asarray(f.artifact.layers[layer]["ffn"], np.float32)
+            _, post, comb = blk.hc_ffn.pre(x)
+            alt = HyperConnection.post(x, jnp.asarray(canon, x.dtype)[None], post, comb)
+        return jnp.where(jnp.asarray(skip)[None, :, None, None], alt, y), keep, ~skip
 
     def _frames_collapse(self, plan: Plan) -> bool:
         """latent_refresh='protected' with every candidate row protected: every latent is

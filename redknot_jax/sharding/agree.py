@@ -31,7 +31,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from redknot_jax.config import ModelConfig
-from redknot_jax.reuse.artifact import Artifact
+from redknot_jax.reuse.artifact import Artifact, profile_parts
 from redknot_jax.reuse.certificate import (FORMAT_VERSION, CertCounters, Certificate, FallbackReason, TPGeometry,
                                            explain, json_digest, payload_digest, token_digest)
 from redknot_jax.sharding.table import AXIS, DP_AXIS, check_tp
@@ -82,7 +82,7 @@ def reslice(slices: Sequence[Artifact], cfg: ModelConfig, tp: int) -> list[Artif
     first = slices[0]
     whole = {i: {**d, "zl": np.concatenate([np.asarray(s.layers[i]["zl"]) for s in slices], axis=1)}
              for i, d in first.layers.items()}
-    merged = Artifact(first.tokens, whole, None)
+    merged = Artifact(first.tokens, whole, None, prefix_layers=dict(first.prefix_layers))
     merged.certificate = dataclasses.replace(first.certificate, tp=tp_geometry(cfg, 1, 0),
                                              payload_digest=payload_digest(merged.payload()))
     return split_tp(merged, tp)
@@ -107,12 +107,13 @@ class Expectation:
     checkpoint_fingerprint: str
     min_generation: int
     required_layers: tuple[int, ...]
+    required_parts: tuple[str, ...] = ()  # optional artifact parts the profile needs
 
     @classmethod
     def of_runtime(cls, rt) -> "Expectation":
         """From a `reuse.runtime.ReuseRuntime` (its profile, config, fingerprint, generation)."""
         return cls(rt.profile.digest(), rt.cfg.fingerprint(), rt.fingerprint, rt.min_generation,
-                   tuple(rt.reusable))
+                   tuple(rt.reusable), profile_parts(rt.profile))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -150,7 +151,7 @@ def rank_verdict(segments: Iterable, expect: Expectation, geometry: TPGeometry,
         bad = explain(cert, expected_tokens_digest=token_digest(seg.tokens), profile_digest=expect.profile_digest,
                       model_digest=expect.model_digest, checkpoint_fingerprint=expect.checkpoint_fingerprint,
                       tp=geometry, min_generation=expect.min_generation, required_layers=expect.required_layers,
-                      actual_payload_digest=digest(art) if digest else payload_digest(art.payload()))
+                      required_parts=expect.required_parts, actual_payload_digest=digest(art) if digest else payload_digest(art.payload()))
         if bad is not None:
             return RankVerdict(bad[0], f"segment {i}: {bad[1]}", NO_DIGEST)
     return RankVerdict(None, "", json_digest({"format": FORMAT_VERSION, "segments": idents}))

@@ -161,7 +161,7 @@ class TPConsumer:
                 return reusable_layer(blk, x, ids, tab, pool_layer, freqs=freqs, glob=glob, block=self.block,
                                       fan=fan, reduce=_psum if tp > 1 else None,
                                       ffn=functools.partial(_ffn_tp, blk, tp, kernels=self.kernels),
-                                      kernels=self.kernels)
+                                      kernels=self.kernels, ffn_rows=self.base.ffn_rows)
 
             f = jax.shard_map(body, mesh=self.mesh, check_vma=False,
                               in_specs=(spec_tree, P(), P(), jax.tree.map(lambda _: P(), tab),

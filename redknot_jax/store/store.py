@@ -249,7 +249,7 @@ class SliceMeta:
             for k in e["keys"][:-1]:
                 d = d.setdefault(k, {})
             d[e["keys"][-1]] = a
-        return Artifact(tokens=self.tokens.copy(), layers=dict(sorted(layers.items())), certificate=self.certificate)
+        return Artifact.from_stored(self.tokens.copy(), dict(sorted(layers.items())), self.certificate)
 
 
 @dataclasses.dataclass
@@ -420,7 +420,9 @@ class ArtifactStore:
         cert = art.certificate
         if not isinstance(cert, Certificate):
             raise PublishError(f"artifact certificate: expected a Certificate, got {type(cert).__name__}")
-        tiles = flatten_layers(art.layers)
+        # Artifact.stored_layers: fence layers' native state under "prefix" (plain objects with
+        # `layers` only, e.g. a builder's that imports no jax, store those)
+        tiles = flatten_layers(art.stored_layers() if hasattr(art, "stored_layers") else art.layers)
         have = sorted({layer for layer, _, _ in tiles.values()})
         if have != list(cert.layers):
             raise PublishError(f"artifact layers {have} differ from its certificate's {list(cert.layers)}")
@@ -908,7 +910,8 @@ class ArtifactStore:
 def split_tp(artifact, tp_size: int) -> list:
     """Rank slices of a single-rank artifact for TP over output groups (DESIGN §7): rank r
     keeps z_L's groups [r g/T, (r+1) g/T) -- projected output channels [r g o/T, (r+1) g o/T)
-    -- and everything else (the shared K=V latent is one head, replicated per rank). Each
+    -- and everything else (the shared K=V latent is one head, replicated per rank; so are the
+    fence layers' native states, `prefix_layers`). Each
     slice gets its own certificate (TP geometry and payload digest of its own arrays)."""
     from redknot_jax.reuse.artifact import Artifact
 
@@ -928,7 +931,8 @@ def split_tp(artifact, tp_size: int) -> list:
             layers[layer] = {**d, "zl": zl[:, r * per:(r + 1) * per]}
         per = g // tp_size
         tp = TPGeometry(tp_size, r, ((r * per * o, (r + 1) * per * o),))
-        art = Artifact(tokens=np.asarray(artifact.tokens), layers=layers, certificate=None)
+        art = Artifact(tokens=np.asarray(artifact.tokens), layers=layers, certificate=None,
+                       prefix_layers=dict(artifact.prefix_layers))
         art.certificate = dataclasses.replace(artifact.certificate, tp=tp, payload_digest=payload_digest(art.payload()))
         out.append(art)
     return out

@@ -76,6 +76,7 @@ def test_tiny_profile():
     ("concentration_thresholds", (0.5, 0.8), r"concentration_thresholds.*\(0.5, 0.8\)"),
     ("concentration_thresholds", (1.2, 0.5), "concentration_thresholds.*1.2"),
     ("fanout_mode", "top2", "fanout_mode.*'top2'"),
+    ("ffn_rows", "skip", "ffn_rows.*'skip'"),
     ("tau", 0.0, "tau.*0.0"),
     ("tau", 1.5, "tau.*1.5"),
     ("tau", float("nan"), "tau.*nan"),
@@ -100,7 +101,7 @@ def test_profile_layer_errors():
 PROFILE_ALTERNATIVES = dict(
     name="other", fence_first=2, fence_last=4, global_head=3, latent_refresh="protected", itop_rank="deviation",
     boundary_rows=64, tail_rows=4096, budgets=(0.05, 0.20, 0.25), concentration_thresholds=(0.9, 0.5),
-    fanout_mode="k3", tau=0.8, fanout_min=4, budget_override=1.0)
+    fanout_mode="k3", tau=0.8, fanout_min=4, budget_override=1.0, ffn_rows="omit")
 
 
 def test_profile_round_trip():
@@ -276,6 +277,8 @@ def test_certificate_accepts_matching():
     assert validate(_cert(), **_expect()) is None
     assert validate(_cert(generation=9), **_expect()) is None          # newer than required
     assert validate(_cert(), **_expect(required_layers=[4])) is None    # a subset suffices
+    assert validate(_cert(format_version=3), **_expect()) is None       # an older format still relocates
+    assert validate(_cert(parts=("ffn", "prefix")), **_expect(required_parts=["ffn"])) is None
 
 
 @pytest.mark.parametrize("cert_over,expect_over,reason", [
@@ -290,6 +293,9 @@ def test_certificate_accepts_matching():
     ({}, dict(required_layers=[3, 4, 5, 6]), FallbackReason.MISSING_LAYERS),
     ({}, dict(actual_payload_digest=H("b")), FallbackReason.CHECKSUM),
     (dict(format_version=FORMAT_VERSION + 1), {}, FallbackReason.UNKNOWN_ARTIFACT),
+    (dict(format_version=2), {}, FallbackReason.UNKNOWN_ARTIFACT),
+    (dict(parts=("prefix",)), dict(required_parts=["ffn"]), FallbackReason.MISSING_PART),
+    (dict(format_version=3), dict(required_parts=["ffn"]), FallbackReason.MISSING_PART),
 ])
 def test_certificate_each_check(cert_over, expect_over, reason):
     assert validate(_cert(**cert_over), **_expect(**expect_over)) is reason
@@ -312,7 +318,7 @@ def test_certificate_check_order_and_messages():
 CERT_ALTERNATIVES = dict(
     checkpoint_fingerprint="ckpt-B", token_digest=token_digest([5, 6]), profile_digest=H("1"),
     model_digest=H("2"), tp=TPGeometry(8, 3, ((3072, 4095),)), generation=5,
-    format_version=FORMAT_VERSION + 1, layers=(3, 4), payload_digest=H("3"))
+    format_version=FORMAT_VERSION + 1, layers=(3, 4), payload_digest=H("3"), parts=("prefix",))
 
 
 def test_certificate_digest_stable_and_sensitive():
@@ -339,6 +345,9 @@ def test_certificate_digest_stable_and_sensitive():
     (dict(format_version=0), "format_version.*0"),
     (dict(layers=(4, 3)), r"layers.*\(4, 3\)"),
     (dict(tp=(8, 3)), "tp"),
+    (dict(parts=("zl",)), "parts"),
+    (dict(parts=("prefix", "ffn")), "parts"),  # sorted
+    (dict(format_version=3, parts=("prefix",)), "format 3"),
 ])
 def test_certificate_malformed(over, match):
     with pytest.raises(CertificateError, match=match):
@@ -501,8 +510,18 @@ def test_ledgers_hand_computed_plan():
     # head-row: 4 reusable layers x 6 Local x (16 - 4) = 288 of 6 x 8 x 16 = 768 pairs
     assert ledger.head_row_ledger(cfg, prof, 16, 4) == {
         "restored_pairs": 288, "total_pairs": 768, "saving": 288 / 768, "ceiling": 0.5}
-    # token-row: 14 candidate rows (2 new rows), 2 of them protected: 4 x 12 = 48 of 4 x 14 = 56
-    assert ledger.token_row_ledger(cfg, prof, 14, 2) == {"restored_rows": 48, "total_rows": 56, "saving": 48 / 56}
+    # token-row: 16 rows, 14 candidate rows, 2 of them protected. Under ffn_rows="run" only an
+    # exact prefix saves rows (3 rows x 6 layers = 18 of 6 x 16 = 96 pairs); under "omit" also
+    # 4 reusable layers x 12 unprotected rows = 48
+    run = ledger.token_row_ledger(cfg, prof, 16, 14, 2)
+    assert (run["omitted_rows"], run["total_rows"], run["saving"]) == (0, 96, 0.0)
+    assert ledger.token_row_ledger(cfg, prof, 16, 10, 2, prefix_rows=3)["omitted_rows"] == 18
+    omit = ledger.token_row_ledger(cfg, dataclasses.replace(prof, ffn_rows="omit"), 16, 10, 2, prefix_rows=3)
+    assert (omit["omitted_rows"], omit["saving"]) == (18 + 4 * 8, (18 + 32) / 96)
+    # omission takes the router and experts of the unprotected rows out of the operator ledger
+    omit_ops = ledger.operator_flops(cfg, dataclasses.replace(prof, ffn_rows="omit"), 16, 4, 2.0, "redknot")
+    run_ops = ledger.operator_flops(cfg, prof, 16, 4, 2.0, "redknot")
+    assert omit_ops["wq_b"] == run_ops["wq_b"] and omit_ops["moe_shared"] < run_ops["moe_shared"]
 
     ops = ledger.operator_ledger(cfg, prof, 16, 4, 2.0)
     assert ops["recompute"] == pytest.approx(RECOMPUTE, rel=1e-12)
@@ -560,7 +579,8 @@ def test_operator_ledger_monotone_and_per_layer():
 @pytest.mark.parametrize("call,match", [
     (lambda c, p: ledger.head_row_ledger(c, p, 16, 17), r"protected_rows.*\[0, 16\].*17"),
     (lambda c, p: ledger.head_row_ledger(c, p, 16, [1, 2]), "protected_rows.*4 entries.*got 2"),
-    (lambda c, p: ledger.token_row_ledger(c, p, -1, 0), "candidate_rows.*-1"),
+    (lambda c, p: ledger.token_row_ledger(c, p, 16, -1, 0), "candidate_rows.*-1"),
+    (lambda c, p: ledger.token_row_ledger(c, p, 16, 14, 0, prefix_rows=3), "exceed n_rows 16"),
     (lambda c, p: ledger.operator_flops(c, p, 16, 4, 2.0, "fast"), "arm.*'fast'"),
     (lambda c, p: ledger.operator_flops(c, p, 16, 4, 3.5, "redknot"), r"kept_experts_per_row.*\[0, 3\].*3.5"),
     (lambda c, p: ledger.wallclock_ledger(0.0, 1.0), "ttft_recompute_s.*0.0"),
@@ -579,7 +599,7 @@ def test_wallclock_and_bundle_keep_ledgers_apart():
     counters.record_ok()
     counters.record_fallback(FallbackReason.STALE_GENERATION)
     head = ledger.head_row_ledger(cfg, prof, 16, 4)
-    bundle = ledger.Ledgers(head_row=head, token_row=ledger.token_row_ledger(cfg, prof, 14, 2),
+    bundle = ledger.Ledgers(head_row=head, token_row=ledger.token_row_ledger(cfg, prof, 16, 14, 2),
                             operator=ledger.operator_ledger(cfg, prof, 16, 4, 2.0), wallclock=wc,
                             cert=counters)
     counters.record_ok()      # later activity does not leak into a built bundle
