@@ -51,7 +51,8 @@ def variants(names: list[str], reusable: range, n_layers: int, window: int = 128
     redknot_profile.json, `profile_of`). Every other name says all of its protection rule, so
     it means the same whatever the shipped profile is: the budget (the controller's, or bNN's),
     the rows' order (the indexer's unless `-dev`) and the latents (canonical unless
-    `-refresh`); it takes the rest (fences unless `reuse-a-b`, window, boundary and tail rows,
+    `-refresh`) and the FFN of unprotected rows (the shipped profile's unless `-omit`, `-restore`,
+    `-run`: `ffn_rows`); it takes the rest (fences unless `reuse-a-b`, window, boundary and tail rows,
     Global head) from the shipped profile.
     `reusable`: the shipped profile's reusable layers, cut into bands of two for `reuse-a-b`
     (only that band reused, every other layer fenced, i.e. native). Names outside the grid:
@@ -61,7 +62,8 @@ def variants(names: list[str], reusable: range, n_layers: int, window: int = 128
     followed by `-dev`: the same with the budget's rows ranked by latent deviation
     (`itop_rank="deviation"`); and any of these followed by `-refresh`: the same with the
     protected rows' latents recomputed (`latent_refresh="protected"`; b100-native-refresh must
-    give the Recomputed answers)."""
+    give the Recomputed answers); any of these followed by `-omit`, `-restore` or `-run`: the same with
+    that `ffn_rows`."""
     modes = {"native": "fan-out off", "tau": "fan-out on", "k3": "K3"}
     plain = {"itop_rank": "indexer", "latent_refresh": "none"}  # until -dev / -refresh say otherwise
     controller = {"budget_override": None, "fanout_mode": "tau", **plain}
@@ -102,6 +104,10 @@ def variants(names: list[str], reusable: range, n_layers: int, window: int = 128
             return refreshed(base)
         if n.endswith("-dev") and (base := parse(n[:-len("-dev")])):
             return deviated(base)
+        for mode in ("omit", "restore", "run"):
+            if n.endswith(f"-{mode}") and (base := parse(n[:-len(mode) - 1])):
+                return (n, {**base[1], "ffn_rows": mode, "_label": base[1].get("_label", "controller, fan-out on")
+                            + f", unprotected rows' FFN {mode}"})
         if (m := re.fullmatch(r"reuse-(\d+)-(\d+)", n)) and int(m[1]) <= int(m[2]) < n_layers:
             return band(int(m[1]), int(m[2]))
         if (m := re.fullmatch(r"b(\d+)-(native|tau|k3)", n)) and 1 <= int(m[1]) <= 100:
@@ -112,7 +118,7 @@ def variants(names: list[str], reusable: range, n_layers: int, window: int = 128
     bad = [n for n, v in found.items() if v is None]
     if bad:
         raise SystemExit(f"--variants: unknown {bad}; known: all, {', '.join(known)}, and the forms reuse-A-B "
-                         f"(layers 0-{n_layers - 1}), bNN-MODE (NN 1-100, MODE native / tau / k3), NAME-dev, NAME-refresh")
+                         f"(layers 0-{n_layers - 1}), bNN-MODE (NN 1-100, MODE native / tau / k3), NAME-dev, NAME-refresh, NAME-omit / -restore / -run")
     return [found[n] for n in names]
 
 
@@ -267,7 +273,7 @@ def main(argv=None):
         per_variant = {}  # the world's artifacts certified for each variant, packed once
         for name, _ in vs:
             prof = runtimes[name].profile
-            key = (prof.fence_first, prof.fence_last, prof.global_head)
+            key = (prof.fence_first, prof.fence_last, prof.global_head, prof.ffn_rows == "restore")
             if key not in built:
                 built[key] = [build_artifact(model, prof, np.asarray(d), checkpoint_fingerprint=fingerprint)
                               for d in ep.docs]

@@ -419,6 +419,9 @@ def test_eval_quality_variant_names():
     assert {k: got["b25-native-dev-refresh"][k] for k in ("budget_override", "itop_rank", "latent_refresh")} == \
         {"budget_override": 0.25, "itop_rank": "deviation", "latent_refresh": "protected"}
     assert got["b25-k3"] == dict(ev.variants(["all"], range(3, 9), 12))["b25-k3"]  # a grid name: the grid's entry
+    (_, omit), (_, restore) = ev.variants(["b10-k3-omit", "default-restore"], range(3, 9), 12)
+    assert (omit["budget_override"], omit["fanout_mode"], omit["ffn_rows"]) == (0.1, "k3", "omit")
+    assert restore["ffn_rows"] == "restore" and "budget_override" not in restore
     # bands anywhere in the model, e.g. the reference 3F-6R-3F beside a shipped 5F-4R-3F
     (_, band), = ev.variants(["reuse-3-8"], range(5, 9), 12)
     assert (band["fence_first"], band["fence_last"]) == (3, 3)
@@ -432,7 +435,8 @@ def test_eval_quality_variant_names():
         (_, ov), = ev.variants([name], range(5, 9), 12)
         p = dataclasses.replace(shipped, **{k: v for k, v in ov.items() if not k.startswith("_")})
         assert (p.budget_override, p.itop_rank, p.latent_refresh) == want, name
-    for bad in ("b0-tau", "b101-native", "b50-x", "x-refresh", "reuse-2-12-refresh", "reuse-5-4", "refresh", "x-dev", "dev"):
+    for bad in ("b0-tau", "b101-native", "b50-x", "x-refresh", "reuse-2-12-refresh", "reuse-5-4", "refresh", "x-dev", "dev", "omit",
+                "x-omit"):
         with pytest.raises(SystemExit, match=f"unknown \\['{bad}'\\]"):
             ev.variants([bad], range(3, 9), 12)
 
