@@ -225,7 +225,9 @@ def test_document_reuse_first_token_equals_recompute(server):
     assert 0 < cached < len(DOC) and er["cached_tokens"] == cached
     assert rec.usage.prompt_tokens_details.cached_tokens == 0
     assert red.usage.prompt_tokens == len(DOC) + len(QUESTION) == rec.usage.prompt_tokens
-    assert 0 < er["ledgers"]["token_row"]["saving"] < 1
+    assert 0 < er["ledgers"]["head_row"]["saving"] < 1  # Local heads restored
+    # the profile's ffn_rows="run" and no exact prefix: every row's token-wide work runs (DESIGN §6)
+    assert er["ledgers"]["token_row"]["ffn_rows"] == "run" and er["ledgers"]["token_row"]["saving"] == 0.0
     assert server.metric("redknot_cert_validated_total") >= 1
     assert server.metric("redknot_requests_total", 'arm="redknot",endpoint="completions"') >= 1
     assert server.metric("redknot_cached_tokens_last") == cached
