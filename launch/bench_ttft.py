@@ -73,7 +73,6 @@ from redknot_jax.reuse import ledger as ledgers
 from redknot_jax.reuse.artifact import build_artifact
 from redknot_jax.reuse.planner import Request, Segment, plan_request
 from redknot_jax.reuse.pool import Buckets
-from redknot_jax.reuse.prefix import prefix_arm
 from redknot_jax.reuse.profile import FANOUT_MODES, FFN_ROWS, flash_profile, tiny_profile
 from redknot_jax.reuse.runtime import ReuseFallback, ReuseRuntime
 from redknot_jax.store import ArtifactStore
@@ -390,7 +389,7 @@ def main(argv=None):
 
         def prefix(rt):  # the prefix arm: what a prefix cache gives (the first document exact, the rest native)
             t0 = time.perf_counter()
-            logits = prefix_arm(rt.consumer, arts[0], req.tokens, plan_request(req, prof).query_rows)
+            logits = rt.consumer.prefix(arts[0], req.tokens, plan_request(req, prof).query_rows)
             return time.perf_counter() - t0, int(np.argmax(np.asarray(logits)[-1]))
 
         # under --profiles the Recomputed and prefix arms do not depend on the variant: timed once per repeat

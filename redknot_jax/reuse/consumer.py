@@ -24,15 +24,21 @@ reference's rotated-query form. Pass B's CSA blocks run `pallas/sparse_attention
 a list of key ids into one table of the request's absolute-frame latents and entries; pass A's
 too, when it names "sparse_global", its Global heads padded to the kernel's 64.)
 
+An exact prefix (`Plan.prefix`, DESIGN §4) is computed in no layer of the RedKnot arm: only the
+rows after it are embedded and run; a fence reads the prefix's native cache from its artifact
+(`prefix.native_cache`) and runs those rows as one chunk after it; a reusable layer reads the
+prefix's keys, entries and open windows from the pool like any document's.
+
 Sections below: layer math (pass A / pass B, restoration, decode attention), jitted layers,
-and `Consumer`: pieces, the arms (`recompute`, `redknot`, `decode_step`; `layer_times` /
-`layer_traces` profile runs through `_LayerClock`), batches.
+and `Consumer`: pieces, the arms (`recompute`, `prefix`, `redknot`, `decode_step`; `layer_times`
+/ `layer_traces` profile runs through `_LayerClock`), batches.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import os
 import time
 from collections.abc import Sequence
@@ -58,6 +64,7 @@ from redknot_jax.reuse.fanout import fanout_keep
 from redknot_jax.reuse.layout import NEVER, build_layout, common_sizes, frame_rows
 from redknot_jax.reuse.planner import Plan, concentration, fill_itop, latent_deviation, row_risk
 from redknot_jax.reuse.pool import ENTRY_PAD, Buckets, DocPool, HostPool, ceil_to
+from redknot_jax.reuse.prefix import chunk_jit, native_cache, prefix_check
 from redknot_jax.rope import apply_rope
 
 HIGHEST = jax.lax.Precision.HIGHEST
@@ -131,15 +138,16 @@ def _pass_a(q, tab, kv_abs, ents, sink, scale, kind, block, window, csa_ids, spa
         return _pass_a_sparse(q, tab, kv_abs, ents, sink, scale, block, window, csa_ids)
     pad = jnp.zeros((window, kv_abs.shape[1]), kv_abs.dtype)
     ext = jnp.concatenate([pad, kv_abs])
-    ext_frame = jnp.concatenate([jnp.full((window,), -1, jnp.int32), tab["frame"]])
+    ext_frame = jnp.concatenate([jnp.full((window,), -1, jnp.int32), tab["key_frame"]])
+    p0 = tab["pos"][0]  # the computed rows are key rows p0 .. p0 + t - 1
 
     def run(start):
         qb = jax.lax.dynamic_slice_in_dim(q, start, block)
-        pb = start + jnp.arange(block)
+        pb = p0 + start + jnp.arange(block)
         fb = jax.lax.dynamic_slice_in_dim(tab["frame"], start, block)
-        wk = jax.lax.dynamic_slice_in_dim(ext, start, block + window)
-        wf = jax.lax.dynamic_slice_in_dim(ext_frame, start, block + window)
-        wp = start - window + jnp.arange(block + window)
+        wk = jax.lax.dynamic_slice_in_dim(ext, p0 + start, block + window)
+        wf = jax.lax.dynamic_slice_in_dim(ext_frame, p0 + start, block + window)
+        wp = p0 + start - window + jnp.arange(block + window)
         wm = (wp[None] <= pb[:, None]) & (wp[None] > pb[:, None] - window) & (wf[None] == fb[:, None])
         sets = [(wk[None], wm[None, :, None, :], "bthk,bsk->bths")]
         if kind == HCA:
@@ -159,31 +167,27 @@ def _pass_a(q, tab, kv_abs, ents, sink, scale, kind, block, window, csa_ids, spa
     return o
 
 
-def _frame_first(frame):
-    """Each row's frame's first row, from the layout's frame index per row (nondecreasing)."""
-    return jnp.searchsorted(frame, frame, side="left").astype(jnp.int32)
-
-
 def _pass_a_sparse(q, tab, kv_abs, ents, sink, scale, block, window, csa_ids):
     """`_pass_a` of a CSA layer by the gathered-key kernel. Per row its key list: the window rows
     of its own frame (positions p - j, j < min(window, p - frame start + 1), nearest first),
     then its document-local top-k entries (valid first, as the artifact's picks are stored)."""
     t, nh, _ = q.shape
+    T = kv_abs.shape[0]
     table = jnp.concatenate([kv_abs, ents[0].astype(kv_abs.dtype)])
     end = ents[1]
-    first = _frame_first(tab["frame"])
+    first = jnp.searchsorted(tab["key_frame"], tab["frame"], side="left").astype(jnp.int32)  # frames' first rows
     qp = jnp.pad(q, ((0, 0), (0, SPARSE_HEADS - nh), (0, 0)))
     sp = jnp.pad(sink, (0, SPARSE_HEADS - nh))
 
     def run(start):
         qb = jax.lax.dynamic_slice_in_dim(qp, start, block)
-        pb = start + jnp.arange(block)
+        pb = jax.lax.dynamic_slice_in_dim(tab["pos"], start, block)
         fb = jax.lax.dynamic_slice_in_dim(first, start, block)
         ids = jax.lax.dynamic_slice_in_dim(csa_ids, start, block)
         safe = jnp.maximum(ids, 0)
         ok = (ids >= 0) & (end[safe] <= pb[:, None])
         win = pb[:, None] - jnp.arange(window)[None, :]
-        idx, count = row_lists(win, jnp.clip(pb - fb + 1, 0, window), t + safe, jnp.sum(ok, -1))
+        idx, count = row_lists(win, jnp.clip(pb - fb + 1, 0, window), T + safe, jnp.sum(ok, -1))
         return sparse_attention(qb, table, idx, count, sp, scale=scale)[0][:, :nh]
 
     n = t // block
@@ -307,15 +311,16 @@ def _queries(attn, cq, heads, pos, freqs):
 
 
 def _request_entries(attn, proj, tab, pool_layer, freqs):
-    """The request's compressed entries (and for CSA its indexer keys) from the rows'
-    compressor projections `proj` {"pk", "pg"[, "ik", "ig"]} ([t, .] each), the pool and the
+    """The request's compressed entries (and for CSA its indexer keys) from the computed rows'
+    compressor projections `proj` {"pk", "pg"[, "ik", "ig"]} ([C, .] each), the pool and the
     entry table: ((entries [E, k], last positions [E]), indexer keys [E, .] or None)."""
     kind = attn.kind
     rt = tab["rates"]["csa" if kind == CSA else "hca"]
     E = rt["src"].shape[0]
+    x_row = tab["x_row"] if tab["x_row"].shape[0] != tab["pos"].shape[0] else None  # an exact prefix: C < T
     full = lambda comp, a, b, ring, pool_name: _entries(
-        pool_layer.get(pool_name), rt, _online(comp, proj[a], proj[b], pool_layer.get(ring), rt, freqs), E, comp.dk,
-        freqs)
+        pool_layer.get(pool_name), rt, _online(comp, proj[a], proj[b], pool_layer.get(ring), rt, freqs, x_row), E,
+        comp.dk, freqs)
     ents = (full(attn.compressor, "pk", "pg", "cmp", "entries"), rt["end"])
     idx_keys = full(attn.indexer.compressor, "ik", "ig", "idx", "idx_entries") if kind == CSA else None
     return ents, idx_keys
@@ -334,9 +339,11 @@ def _projections(attn, xa, cpos) -> dict:
 def reusable_attention(blk, x, tab, pool_layer, *, freqs, glob, block, reduce=None, keep_rows=None,
                        kernels: str = "", topk_stages: int = TOPK_STAGES):
     """The attention half of a reusable layer (passes A and B, z_L restore, `wo_b` once, mHC
-    post) over one request's rows x [1, t, n, d]. With `keep_rows` ([C] request rows, padded
-    with t) also what decoding reads later of those rows (`DecodeState`): their canonical K=V
-    and compressor projections, C rows (a row past the request reads its last). `kernels`: which
+    post) over one request's computed rows x [1, C, n, d] (the rows after its exact prefix,
+    `tab["pos"]`; the prefix's keys, entries and open windows are the pool's). With `keep_rows`
+    ([K] computed rows, padded with C) also what decoding reads later of those rows
+    (`DecodeState`): their canonical K=V and compressor projections, K rows (a row past the
+    request reads its last). `kernels`: which
     Mosaic GPU kernels run instead of their references ("restore", "indexer" for pass B's scores;
     `Consumer`'s resolved set). `topk_stages`: pass B's CSA selection over entry prefixes
     (`indexer.select_topk_causal`; 1 under `vmap`)."""
@@ -350,11 +357,14 @@ def reusable_attention(blk, x, tab, pool_layer, *, freqs, glob, block, reduce=No
     cq = attn.q_norm(jnp.einsum("td,qd->tq", xa, attn.wq_a[...], precision=HIGHEST))
     queries = lambda c, heads, p: _queries(attn, c, heads, p, freqs)
 
-    # keys: canonical pool latent or online latent at the canonical position, turned by R(D)
+    # keys (every key row): canonical pool latent or the computed rows' online latent at the
+    # canonical position, turned by R(D)
     kv_on = attn.latent(xa[None], cpos[None], freqs)[0]
     ar = tab["art_row"]
-    kv = jnp.where((ar >= 0)[:, None], pool_layer["kv"][jnp.maximum(ar, 0)].astype(kv_on.dtype), kv_on)
-    kv_abs = apply_rope(kv, d_row, freqs)
+    T = ar.shape[0]
+    on = kv_on if T == t else jnp.zeros((T,) + kv_on.shape[1:], kv_on.dtype).at[pos].set(kv_on)
+    kv = jnp.where((ar >= 0)[:, None], pool_layer["kv"][jnp.maximum(ar, 0)].astype(kv_on.dtype), on)
+    kv_abs = apply_rope(kv, tab["key_d"], freqs)
 
     kind = attn.kind
     ents = idx_keys = proj = None
@@ -369,7 +379,7 @@ def reusable_attention(blk, x, tab, pool_layer, *, freqs, glob, block, reduce=No
     if kind == CSA:
         local_ids = pool_layer["topk"][jnp.maximum(zr, 0)]  # document-local entry ids [t, K]
         rt = tab["rates"]["csa"]
-        csa_ids = jnp.where((zr >= 0)[:, None] & (local_ids >= 0), rt["ebase"][:, None] + local_ids, -1)
+        csa_ids = jnp.where((zr >= 0)[:, None] & (local_ids >= 0), rt["ebase"][pos][:, None] + local_ids, -1)
     q_g = queries(cq, glob, pos)
     o_g = _pass_a(q_g, tab, kv_abs, ents, sink[glob], scale, kind, block, w, csa_ids,
                   sparse=kernel_mode(kernels, "sparse_global") == "mosaic")
@@ -384,7 +394,7 @@ def reusable_attention(blk, x, tab, pool_layer, *, freqs, glob, block, reduce=No
     if kind == CSA:
         iq, iw = attn.indexer.queries(xa[pic][None], cq[pic][None], pp[None], freqs)
         idx = (iq[0], iw[0], idx_keys)
-    o_p = _pass_b(q_p, pp, lambda kp: kv_abs[jnp.clip(kp, 0, t - 1)], ents, idx, sink, scale, kind, block, w,
+    o_p = _pass_b(q_p, pp, lambda kp: kv_abs[jnp.clip(kp, 0, T - 1)], ents, idx, sink, scale, kind, block, w,
                   attn.indexer.topk if kind == CSA else 0, score_function(kernel_mode(kernels, "indexer")),
                   kv_abs=kv_abs if kernel_mode(kernels, "sparse_attention") == "mosaic" else None,
                   stages=topk_stages)
@@ -512,7 +522,7 @@ def decode_attention(blk, x, tab, pool_layer, keys, t0, *, freqs, kernels: str =
     u, post, comb = blk.hc_attn.pre(x)
     xa = blk.attn_norm(u)[0]  # [g, d]
     rows = t0 + jnp.arange(g)
-    pos, d_row = tab["pos"][rows], tab["d"][rows]
+    pos, d_row = rows, tab["key_d"][rows]  # request rows are positions
     cpos = pos - d_row
     own = tab["own_slot"]
     slots = own[rows]  # the new rows' compact rows (>= 0: new rows are the request's own)
@@ -542,7 +552,7 @@ def decode_attention(blk, x, tab, pool_layer, keys, t0, *, freqs, kernels: str =
         ar = tab["art_row"][r]
         kv = jnp.where((ar >= 0)[..., None], pool_layer["kv"][jnp.maximum(ar, 0)].astype(new["kv"].dtype),
                        new["kv"][jnp.maximum(own[r], 0)])
-        return apply_rope(kv, tab["d"][r], freqs)
+        return apply_rope(kv, tab["key_d"][r], freqs)
 
     q = _queries(attn, cq, np.arange(attn.h), pos, freqs)
     if segments:
@@ -811,6 +821,30 @@ class Consumer:
             topk_stages=self.topk_stages)
         return x
 
+    def _prefix_cap(self, L: int, c: int, n: int) -> int:
+        """Cache capacity of a request of n rows (decode rows included) whose exact prefix of L
+        rows is followed by c padded computed rows: whole windows of both compression rates."""
+        return ceil_to(max(self._cap(n), L + c), math.lcm(self.cfg.hca_rate, self.cfg.csa_rate))
+
+    def _prefix_fence(self, i, x, ids, pos0, n_real, cap, artifacts, state: "DecodeState | None" = None):
+        """Native layer i over computed rows x [b, C, ...] after each request's exact prefix
+        (`artifacts`: one per request, None for a request without one; its pos0 is then 0), the
+        layer's cache rebuilt from the artifact (`prefix.native_cache`); with `state` (one
+        request) the cache is kept for decoding."""
+        gd, st = self.defs[i]
+        attn = self.model.layers[i].attn
+        caches = [native_cache(attn, a.native_state(i), cap, self.model.dtype) if a is not None
+                  else attn.init_cache(1, cap, self.model.dtype) for a in artifacts]
+        cache = caches[0] if len(caches) == 1 else jax.tree.map(lambda *c: jnp.concatenate(c), *caches)
+        x, cache = chunk_jit(st, x, ids, jnp.asarray(pos0, jnp.int32).reshape(-1),
+                             jnp.asarray(n_real, jnp.int32).reshape(-1), cache, graphdef=gd, freqs=self.model.freqs(i),
+                             block=min(self.block, x.shape[1]),
+                             kernels=self.prefill_kernels if x.shape[0] == 1 else self.batch_kernels,
+                             topk_stages=self.topk_stages)
+        if state is not None:
+            state.layers[i] = cache
+        return x
+
     def recompute(self, tokens, query_rows, layer_times: list | None = None,
                   layer_traces: tuple[str, Sequence[int]] | None = None, decode_rows: int = 0):
         """The Recomputed arm: every layer native over the whole request (logits [q, vocab]),
@@ -829,15 +863,42 @@ class Consumer:
         logits = self._logits(x, query_rows)
         return (logits, state) if decode_rows else logits
 
+    def prefix(self, artifact, tokens, query_rows, decode_rows: int = 0, layer_times: list | None = None):
+        """The prefix arm (what a prefix cache gives): `artifact`'s document (tokens[:L]) computed
+        in no layer, every layer's cache rebuilt from it (`prefix.native_cache`), the rows
+        tokens[L:] run natively as one chunk at pos0 = L. query_rows: request rows (>= L).
+        Returns logits [q, vocab] fp32, and with `decode_rows` > 0 also a native `DecodeState`
+        (rows = the request length) that `decode_step` continues. `layer_times`: as
+        `recompute`'s."""
+        tokens = np.asarray(tokens, np.int32)
+        prefix_check(artifact, tokens, self.cfg.num_layers)
+        n, L = int(tokens.size), artifact.length
+        q = np.asarray(query_rows, np.int64).reshape(-1)
+        if q.size == 0 or (q < L).any() or (q >= n).any():
+            raise ValueError(f"prefix arm: query rows must lie in [{L}, {n}) (after the prefix), got {q.tolist()}")
+        ids, t, t_real = self._pad(tokens[L:])
+        cap = self._prefix_cap(L, t, n + decode_rows)
+        x = self._embed(ids)
+        clock = _LayerClock(layer_times, x)
+        state = DecodeState(n, cap, None, native=True)
+        for i in range(self.cfg.num_layers):
+            x = self._prefix_fence(i, x, ids, L, t_real, cap, [artifact], state)
+            clock.lap(x)
+        logits = self._logits(x, q - L)
+        return (logits, state) if decode_rows else logits
+
     def controller(self, plan: Plan, x, pool: DocPool, pool_layer: dict) -> None:
         """Fill Itop and the budget (profile rule) from the native indexer for the query rows;
         with `itop_rank="deviation"` the budget's rows are those of largest `latent_deviation` at
-        x, the first reusable layer's input (`pool_layer`: that layer of `pool`)."""
+        x, the first reusable layer's input (`pool_layer`: that layer of `pool`). x holds the
+        computed rows (after the exact prefix, whose rows are no candidates)."""
         cfg, prof = self.cfg, self.profile
         csa = [i for i in self.reusable if cfg.layer_types[i] == CSA]
         scores = np.full(plan.n_rows, -np.inf)
         conc = 1.0
-        docs = [f for f in plan.frames if f.artifact is not None and f.doc_len >= cfg.csa_rate]
+        L = plan.prefix
+        docs = [f for k, f in enumerate(plan.frames)
+                if f.artifact is not None and f.doc_len >= cfg.csa_rate and not (k == 0 and L)]
         if csa and docs:
             li, m = csa[0], cfg.csa_rate
             keys = jnp.concatenate([jnp.asarray(f.artifact.layers[li]["idx_entries"]) for f in docs])
@@ -852,7 +913,7 @@ class Consumer:
             qr = np.r_[qr, np.full(self.buckets(qr.size, 8) - qr.size, qr[-1])]
             pd, ps = self.defs[self.reusable[0]]
             cd, cs = self.defs[li]
-            s = np.asarray(_controller_jit(ps, cs, x[:, qr], jnp.asarray(qr), keys, jnp.asarray(d_e, jnp.int32),
+            s = np.asarray(_controller_jit(ps, cs, x[:, qr - L], jnp.asarray(qr), keys, jnp.asarray(d_e, jnp.int32),
                                            jnp.asarray(end_e, jnp.int32), pre_def=pd, csa_def=cd,
                                            freqs=self.model.freqs(li), m=m))[:n_e]
             off = 0
@@ -865,13 +926,14 @@ class Consumer:
         budget = prof.budget_override if prof.budget_override is not None else prof.choose_budget(conc)
         dev = None
         if prof.itop_rank == "deviation":
-            t = x.shape[1]
-            d_row, pool_row = frame_rows(plan.frames, pool, t)
+            rows = L + np.arange(x.shape[1])
+            d_row, pool_row = frame_rows(plan.frames, pool, rows[-1] + 1)
             gd, st = self.defs[self.reusable[0]]
             kv = jax.device_put(pool_layer["kv"], x.sharding)  # TP: the controller runs on one device
-            dev = np.asarray(_deviation_jit(st, x, kv, jnp.asarray(pool_row, jnp.int32),
-                                            jnp.asarray(np.arange(t) - d_row, jnp.int32), graphdef=gd,
-                                            freqs=self.model.freqs(self.reusable[0])))[:plan.n_rows]
+            dev = np.zeros(plan.n_rows)
+            dev[L:] = np.asarray(_deviation_jit(st, x, kv, jnp.asarray(pool_row[rows], jnp.int32),
+                                                jnp.asarray(rows - d_row[rows], jnp.int32), graphdef=gd,
+                                                freqs=self.model.freqs(self.reusable[0])))[:plan.n_rows - L]
         fill_itop(plan, scores, budget, row_risk(plan, self.reusable), dev)
 
     def redknot(self, plan: Plan, tokens, pool: DocPool, timings: dict | None = None, frozen: bool = False,
@@ -882,18 +944,25 @@ class Consumer:
         Returns (logits [q, vocab], fan-out histogram [k+1] over reusable layers and rows), and
         with `decode_rows` > 0 a `DecodeState` for that many generated rows (`decode_step`).
         `layer_times`: a profile; each layer is waited for and its seconds appended (the first
-        reusable layer's include the controller and the layout); `layer_traces` (directory,
-        layers): those layers traced on their own (`_LayerClock`)."""
+        reusable layer's include the controller and the layout); `layer_times` (directory,
+        layers): those layers traced on their own (`_LayerClock`). An exact prefix
+        (`plan.prefix` rows) is computed in no layer (module doc)."""
         cfg, prof = self.cfg, self.profile
-        ids, t, t_real = self._pad(tokens)
+        L, n = plan.prefix, plan.n_rows
+        ids, t, t_real = self._pad(np.asarray(tokens)[L:])  # the computed rows
         x = self._embed(ids)
         clock = _LayerClock(layer_times, x, layer_traces)
         hist, layout = None, None
-        state = DecodeState(t_real, self._cap(t_real + decode_rows), pool) if decode_rows else None
+        cap = self._prefix_cap(L, t, n + decode_rows) if L else self._cap(n + decode_rows)
+        state = DecodeState(n, cap, pool) if decode_rows else None
         for i in range(cfg.num_layers):
             if prof.is_fence(i, cfg.num_layers):
-                x = self._native(i, x, ids, t_real, t) if state is None else self._native_cache(i, x, ids, t_real, t,
-                                                                                                 state)
+                if L:
+                    x = self._prefix_fence(i, x, ids, L, t_real, cap, [plan.frames[0].artifact], state)
+                elif state is None:
+                    x = self._native(i, x, ids, t_real, t)
+                else:
+                    x = self._native_cache(i, x, ids, t_real, t, state)
                 clock.lap(x)
                 continue
             pool_layer = pool.layers[i]  # read once: a HostPool streams each layer once
@@ -902,12 +971,14 @@ class Consumer:
                 if not frozen:
                     self.controller(plan, x, pool, pool_layer)
                 layout = self._layout(plan, pool)
+                if layout.c != t:
+                    raise AssertionError(f"layout of {layout.c} computed rows for {t} embedded rows")
                 if state is not None:  # the compact rows decoding keeps, then room for the new rows
-                    kept = layout.own_rows(t_real)
+                    kept = layout.own_rows(n)
                     state.own, state.own_cap = kept.size, self._rows(kept.size + decode_rows)
-                    keep_rows = jnp.asarray(np.r_[kept, np.full(state.own_cap - kept.size, t)], jnp.int32)
+                    keep_rows = jnp.asarray(np.r_[kept - L, np.full(state.own_cap - kept.size, t)], jnp.int32)
                     state.layout = self._layout(plan.extend(decode_rows), pool, runs=bool(self.decode_kernels))
-                    if not np.array_equal(state.layout.own_rows(t_real), kept):
+                    if not np.array_equal(state.layout.own_rows(n), kept):
                         raise AssertionError("decode layout: the prompt's compact rows changed")
                 if timings is not None:
                     timings["plan_s"] = time.perf_counter() - t0
@@ -920,7 +991,7 @@ class Consumer:
                 x, h, state.layers[i] = _reusable_keys_jit(st, x, ids, layout.tables, pool_layer, keep_rows, **kw)
             hist = h if hist is None else hist + h
             clock.lap(x)
-        logits = self._logits(x, plan.query_rows)
+        logits = self._logits(x, plan.query_rows - L)
         return (logits, hist, state) if decode_rows else (logits, hist)
 
     def decode_step(self, token: int, state: "DecodeState") -> jax.Array:
@@ -986,21 +1057,25 @@ class Consumer:
         """The RedKnot arm for several planned requests whose artifacts are all in `pool`, in
         one jitted call per layer: fences natively over the batch, the controller per request
         (its query rows only), layouts padded to the batch's common sizes, reusable layers
-        vmapped. Returns [(logits [q, vocab], fan-out histogram)] per request, equal to
-        `redknot` request by request."""
+        vmapped; each request's exact prefix computed in no layer (`redknot`). Returns [(logits
+        [q, vocab], fan-out histogram)] per request, equal to `redknot` request by request."""
         cfg, prof = self.cfg, self.profile
-        ids, t, t_real = self._pad_batch(token_lists)
+        Ls = [p.prefix for p in plans]
+        ids, t, t_real = self._pad_batch([np.asarray(tk)[L:] for tk, L in zip(token_lists, Ls)])
         x = self._embed(ids)
         hist, tabs = None, None
+        cap = max(self._prefix_cap(L, t, p.n_rows) for L, p in zip(Ls, plans))
+        firsts = [p.frames[0].artifact if p.prefix else None for p in plans]
         for i in range(cfg.num_layers):
             if prof.is_fence(i, cfg.num_layers):
-                x = self._native(i, x, ids, t_real, t)
+                x = self._prefix_fence(i, x, ids, Ls, t_real, cap, firsts) if any(Ls) else \
+                    self._native(i, x, ids, t_real, t)
                 continue
             pool_layer = pool.layers[i]
             if tabs is None:
                 for b, plan in enumerate(plans):
                     self.controller(plan, x[b:b + 1], pool, pool_layer)
-                first = [self._layout(plan, pool, {"t": t, "P": 0, "rates": {}}) for plan in plans]
+                first = [self._layout(plan, pool, {"t": 0, "C": t, "P": 0, "rates": {}}) for plan in plans]
                 sizes = common_sizes(first)
                 tabs = jax.tree.map(lambda *a: jnp.stack(a), *[self._layout(plan, pool, sizes).tables for plan in plans])
             gd, st = self.defs[i]
@@ -1008,5 +1083,5 @@ class Consumer:
                                         glob=self.glob, block=self.block, fan=self.fan, kernels=self.batch_kernels,
                                         ffn_rows=self.ffn_rows)
             hist = hb if hist is None else hist + hb
-        logits = self._logits_batch(x, [p.query_rows for p in plans])
+        logits = self._logits_batch(x, [p.query_rows - p.prefix for p in plans])
         return [(lg, None if hist is None else hist[b]) for b, lg in enumerate(logits)]

@@ -1,9 +1,16 @@
 """A planned request's layout (DESIGN §4, §7): index tables that say where each row's keys come
-from, built on the host (numpy), then put on the device. Per row its frame offset D, canonical
-position, pool row; per compressed rate the request's entry table (pool entry, or the slots an
-online entry pools, its offset and last position); the protected rows. Shapes are padded (rows
-and protected rows to buckets of the query block, entries to buckets of ENTRY_PAD: `pool.Buckets`)
-so requests of similar sizes share their compiled programs.
+from, built on the host (numpy), then put on the device. Two row spaces:
+
+* key rows (every request row, T padded): per row its frame offset "key_d" and frame
+  "key_frame", pool row "art_row", decode slot "own_slot"; per compressed rate the request's
+  entry table (pool entry, or the slots an online entry pools, its offset and last position);
+* computed rows (the C rows after the exact prefix, `Plan.prefix`; every row without one):
+  position "pos" (prefix + 0 .. C-1), offset "d", frame "frame", z_L row "zl_row", and the
+  protected rows "prot_idx" as computed-row indices; "x_row" maps a key row to its computed
+  row (-1: a prefix or padding row).
+
+Shapes are padded (rows and protected rows to buckets of the query block, entries to buckets of
+ENTRY_PAD: `pool.Buckets`) so requests of similar sizes share their compiled programs.
 """
 
 from __future__ import annotations
@@ -15,7 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from redknot_jax.config import CSA, HCA
-from redknot_jax.reuse.planner import Plan
+from redknot_jax.reuse.planner import Plan, online_frames
 from redknot_jax.reuse.pool import ENTRY_PAD, EXACT, Buckets, DocPool, ceil_to
 
 NEVER = np.int32(2 ** 30)  # last position of a padding entry: never visible
@@ -68,7 +75,8 @@ def _entry_table(plan: Plan, pool: DocPool, m: int, overlap: bool, refresh: np.n
         src.append(np.where(from_pool, pbase + w, -1))
         lo = (w - 1) * m if overlap else w * m
         c = lo[:, None] + np.arange(r)[None, :]  # canonical slot positions [nw, r]
-        art_slot = (c < L) & ~ref_rows[:, None]
+        # an exact prefix's slots are canonical whether refreshed or not: read from its ring
+        art_slot = (c < L) & (~ref_rows[:, None] | (f.start < plan.prefix))
         if np.any(art_slot & ~from_pool[:, None] & (c >= 0) & (c < L - r)):
             raise AssertionError("entry table: a continuation slot lies before the artifact's boundary ring")
         slots = np.where(c < 0, -1, np.where(art_slot, t + ring0 + np.mod(c, r), f.start + c))
@@ -106,10 +114,16 @@ class Layout:
     """Index tables of one planned request (device arrays) and its static sizes."""
 
     tables: dict
-    t: int  # padded rows
+    t: int  # padded key rows (T)
     n_real: int
     n_prot: int  # real protected rows
     own_slot: np.ndarray  # tables["own_slot"] on the host
+    prefix: int = 0  # rows of the exact prefix (not computed)
+
+    @property
+    def c(self) -> int:
+        """Padded computed rows (C)."""
+        return int(self.tables["pos"].shape[0])
 
     def own_rows(self, n: int) -> np.ndarray:
         """The rows among the first n that a decode state keeps (own_slot >= 0), in slot order."""
@@ -117,7 +131,7 @@ class Layout:
 
     def sizes(self) -> dict:
         """The padded shapes that decide the compiled program (equal across a batch)."""
-        return {"t": self.t, "P": int(self.tables["prot_idx"].shape[0]),
+        return {"t": self.t, "C": self.c, "P": int(self.tables["prot_idx"].shape[0]),
                 "rates": {k: (int(v["src"].shape[0]), int(v["on_idx"].shape[0]))
                           for k, v in self.tables["rates"].items()}}
 
@@ -125,7 +139,8 @@ class Layout:
 def common_sizes(layouts) -> dict:
     """The smallest sizes every layout of a batch pads to."""
     rates = {k for lay in layouts for k in lay.sizes()["rates"]}
-    return {"t": max(lay.t for lay in layouts), "P": max(lay.sizes()["P"] for lay in layouts),
+    top = lambda key: max(lay.sizes()[key] for lay in layouts)
+    return {"t": top("t"), "C": top("C"), "P": top("P"),
             "rates": {k: tuple(max(lay.sizes()["rates"][k][j] for lay in layouts) for j in (0, 1)) for k in rates}}
 
 
@@ -140,26 +155,35 @@ def frame_rows(frames, pool: DocPool, t: int) -> tuple[np.ndarray, np.ndarray]:
     return d_row, pool_row
 
 
+def computed_rows(plan: Plan, block: int, buckets: Buckets = EXACT, pad_to: dict | None = None) -> tuple[int, int]:
+    """(C, T): the padded computed rows (after the exact prefix) and key rows of a request."""
+    c = max(buckets(plan.n_rows - plan.prefix, block), pad_to["C"] if pad_to else 0)
+    t = max(buckets(plan.prefix + c, block), pad_to["t"] if pad_to else 0)
+    return c, t
+
+
 def build_layout(plan: Plan, pool: DocPool, profile, cfg, block: int, pad_to: dict | None = None,
                  buckets: Buckets = EXACT, runs: bool = False) -> Layout:
     """Index tables of a planned request, padded to `buckets` (rows and protected rows of the
-    query block, entries of ENTRY_PAD). `pad_to` (`common_sizes` of a batch): pad rows,
-    protected rows and entry tables at least that far, so a batch shares one program; padding
-    rows extend the last frame, padding entries are never visible, padding indices drop.
-    `runs`: the HCA pool entries as runs too (`pool_runs`: a decode layout's, for the segment
-    attention kernel)."""
-    t_real = plan.n_rows
-    t = max(buckets(t_real, block), pad_to["t"] if pad_to else 0)
+    query block, entries of ENTRY_PAD). `pad_to` (`common_sizes` of a batch): pad key rows,
+    computed rows, protected rows and entry tables at least that far, so a batch shares one
+    program; padding rows extend the last frame, padding entries are never visible, padding
+    indices drop. `runs`: the HCA pool entries as runs too (`pool_runs`: a decode layout's, for
+    the segment attention kernel)."""
+    t_real, L = plan.n_rows, plan.prefix
+    c, t = computed_rows(plan, block, buckets, pad_to)
     prot = plan.protected
     collapse = profile.latent_refresh == "protected" and bool((prot | ~plan.doc_row).all())
-    if collapse:  # every latent refreshed: one online frame at 0, the native computation
-        frames = [dataclasses.replace(plan.frames[0], offset=0, start=0, end=t, doc_len=0, artifact=None)]
+    if collapse:  # every latent refreshed: one online frame at 0 (after the prefix), the native computation
+        frames = online_frames(plan, t)
         doc_row = np.zeros(t, bool)
     else:
         frames = list(plan.frames)
         frames[-1] = dataclasses.replace(frames[-1], end=t)  # padding rows extend the last frame
         doc_row = np.r_[plan.doc_row, np.zeros(t - t_real, bool)]
     prot_t = np.r_[prot, np.zeros(t - t_real, bool)]
+    if prot_t[:L].any():
+        raise AssertionError("layout: a protected row inside the exact prefix")
     refresh = prot_t if profile.latent_refresh == "protected" else np.zeros(t, bool)
     d_row, pool_row = frame_rows(frames, pool, t)
     frame = np.zeros(t, np.int32)
@@ -167,11 +191,15 @@ def build_layout(plan: Plan, pool: DocPool, profile, cfg, block: int, pad_to: di
         frame[f.start:f.end] = fi
     art_row = np.where(refresh, -1, pool_row)  # canonical latent read from the pool
     zl_row = np.where(doc_row & ~prot_t, pool_row, -1)  # z_L restored (and top-k read) from the pool
-    prot_idx = np.flatnonzero(prot_t)
+    prot_idx = np.flatnonzero(prot_t) - L  # computed rows
     P = max(buckets(prot_idx.size, block), pad_to["P"] if pad_to else 0)
-    tab = {"pos": np.arange(t, dtype=np.int32), "d": d_row, "frame": frame,
-           "art_row": art_row.astype(np.int32), "zl_row": zl_row.astype(np.int32),
-           "prot_idx": np.r_[prot_idx, np.full(P - prot_idx.size, t)].astype(np.int32),
+    rows = L + np.arange(c)  # the computed rows' request rows
+    x_row = np.full(t, -1, np.int32)
+    x_row[rows] = np.arange(c)
+    tab = {"pos": rows.astype(np.int32), "d": d_row[rows], "frame": frame[rows],
+           "zl_row": zl_row[rows].astype(np.int32),
+           "prot_idx": np.r_[prot_idx, np.full(P - prot_idx.size, c)].astype(np.int32),
+           "key_d": d_row, "key_frame": frame, "art_row": art_row.astype(np.int32), "x_row": x_row,
            "n_real": np.int32(t_real)}
     rates = {}
     mins = (pad_to or {}).get("rates", {})
@@ -188,7 +216,9 @@ def build_layout(plan: Plan, pool: DocPool, profile, cfg, block: int, pad_to: di
     for rt in rates.values():
         s = rt["on_slots"]
         kept[s[(s >= 0) & (s < t)]] = True
+    if (kept[:L] | (art_row[:L] < 0)).any():
+        raise AssertionError("layout: an exact prefix row is read from this request, not from its artifact")
     kept[t_real:] = False  # padding rows: never written, so no compact row (the state has room for real rows only)
     tab["own_slot"] = np.where(kept, np.cumsum(kept) - 1, -1).astype(np.int32)
     return Layout(tables=jax.tree.map(jnp.asarray, tab), t=t, n_real=t_real, n_prot=int(prot_idx.size),
-                  own_slot=tab["own_slot"])
+                  own_slot=tab["own_slot"], prefix=L)

@@ -189,7 +189,7 @@ def _layer_flops(cfg: ModelConfig, layer: int, n: int, heads_all: int, heads_pro
 
 def operator_flops(cfg: ModelConfig, profile: RedKnotProfile, n_rows: int,
                    protected_rows: int | Sequence[int], kept_experts_per_row: float, arm: str,
-                   latent_rows: int | Sequence[int] | None = None) -> dict[str, float]:
+                   latent_rows: int | Sequence[int] | None = None, prefix_rows: int = 0) -> dict[str, float]:
     """Analytic FLOPs per operator (`OPS`), summed over all layers, for one prefill of
     `n_rows` rows (positions 0..n_rows-1).
 
@@ -210,7 +210,10 @@ def operator_flops(cfg: ModelConfig, profile: RedKnotProfile, n_rows: int,
       * `kept_experts_per_row` routed experts per row (the measured fan-out mean); with the
         profile's ffn_rows "omit" / "restore" the router and experts run for protected rows only.
     Global-head keys of unprotected rows are charged as native (their segment-local window
-    and document-local top-k are never larger).
+    and document-local top-k are never larger). An exact prefix of `prefix_rows` rows (RedKnot
+    arm) is computed in no layer: each layer is charged for rows prefix_rows .. n_rows-1 only
+    (its count with all rows less the prefix's own, which depends only on the positions), the
+    protected rows being among those.
     """
     if arm not in ARMS:
         raise ValueError(f"arm: expected one of {ARMS}, got {arm!r}")
@@ -219,32 +222,37 @@ def operator_flops(cfg: ModelConfig, profile: RedKnotProfile, n_rows: int,
     if not 0.0 <= kept <= cfg.experts_per_tok:
         raise ValueError(f"kept_experts_per_row: expected in [0, {cfg.experts_per_tok}], "
                          f"got {kept_experts_per_row!r}")
+    _check_count("prefix_rows", prefix_rows)
+    L = prefix_rows if arm == "redknot" else 0
+    if L > n_rows:
+        raise ValueError(f"prefix_rows {prefix_rows} exceed n_rows {n_rows}")
     layers = profile.reusable_layers(cfg.num_layers)
-    prot = _rows_per_layer("protected_rows", protected_rows, layers, n_rows)
+    prot = _rows_per_layer("protected_rows", protected_rows, layers, n_rows - L)
     latent = _rows_per_layer("latent_rows", n_rows if latent_rows is None else latent_rows, layers, n_rows)
     n_local = cfg.o_groups * len(profile.local_heads(cfg.heads_per_group))
     total = dict.fromkeys(OPS, 0.0)
     for layer in range(cfg.num_layers):
         if arm == "redknot" and layer in layers:
-            per = _layer_flops(cfg, layer, n_rows, heads_all=cfg.num_heads - n_local, heads_prot=n_local,
-                               prot=prot[layer], index_rows=prot[layer], latent_rows=latent[layer],
-                               experts=kept, ffn_rows=None if profile.ffn_rows == "run" else prot[layer])
+            ffn = lambda n: None if profile.ffn_rows == "run" else (prot[layer] if n == n_rows else 0)
+            per = [_layer_flops(cfg, layer, n, heads_all=cfg.num_heads - n_local, heads_prot=n_local,
+                                prot=p, index_rows=p, latent_rows=lat, experts=kept, ffn_rows=ffn(n))
+                   for n, p, lat in ((n_rows, prot[layer], latent[layer]), (L, 0, L if latent_rows is None else 0))]
         else:
-            per = _layer_flops(cfg, layer, n_rows, heads_all=cfg.num_heads, heads_prot=0, prot=0,
-                               index_rows=n_rows, latent_rows=n_rows, experts=cfg.experts_per_tok)
-        for op, v in per.items():
-            total[op] += v
+            per = [_layer_flops(cfg, layer, n, heads_all=cfg.num_heads, heads_prot=0, prot=0, index_rows=n,
+                                latent_rows=n, experts=cfg.experts_per_tok) for n in (n_rows, L)]
+        for op in per[0]:
+            total[op] += per[0][op] - (per[1][op] if L else 0.0)
     return total
 
 
 def operator_ledger(cfg: ModelConfig, profile: RedKnotProfile, n_rows: int,
                     protected_rows: int | Sequence[int], kept_experts_per_row: float,
-                    latent_rows: int | Sequence[int] | None = None) -> dict:
+                    latent_rows: int | Sequence[int] | None = None, prefix_rows: int = 0) -> dict:
     """Both arms of `operator_flops`, and the saving 1 - redknot / recompute per operator,
     per DESIGN.md §6 group (`OP_GROUPS`) and over all operators (FLOPs add within this one
     ledger; the saving is 0 for an operator the model does not have)."""
     arms = {arm: operator_flops(cfg, profile, n_rows, protected_rows, kept_experts_per_row, arm,
-                                latent_rows=latent_rows) for arm in ARMS}
+                                latent_rows=latent_rows, prefix_rows=prefix_rows) for arm in ARMS}
 
     def entry(ops):
         rec = sum(arms["recompute"][op] for op in ops)

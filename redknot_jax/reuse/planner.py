@@ -12,7 +12,12 @@ last `boundary_rows` of every relocated document), T tail rows, I budget rows (s
 by `fill_itop`, filling the budget: ranked by the native indexer's scores for the query rows, ties
 within a compressed window by the artifacts' per-row statistic `far` (`row_risk`); or, with the
 profile's `itop_rank="deviation"`, by `latent_deviation`).
-Candidate rows are the document rows; protected = union of the classes.
+Candidate rows are the relocated documents' rows; protected = union of the classes.
+
+**The exact prefix** (`Plan.prefix`): a first document at offset 0 whose artifact holds every
+layer's native state (`certificate.can_prefix`), with no dirty row and every query row after it,
+is the request's state in every layer already, so its rows are computed in no layer: they are
+no candidates and in no class. Any other first document is relocated at offset 0 like the rest.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from redknot_jax.reuse.artifact import Artifact
+from redknot_jax.reuse.certificate import can_prefix
 from redknot_jax.reuse.profile import RedKnotProfile
 
 
@@ -74,6 +80,7 @@ class Plan:
     budget: float = 0.0
     concentration: float = float("nan")
     deviation: np.ndarray | None = None  # [T] `latent_deviation` when the profile ranks by it
+    prefix: int = 0  # rows of the exact prefix (computed in no layer); 0: none
 
     @property
     def protected(self) -> np.ndarray:
@@ -105,8 +112,24 @@ class Plan:
         return float((self.protected & self.doc_row).sum() / max(1, self.candidates))
 
 
-def plan_request(req: Request, profile: RedKnotProfile) -> Plan:
-    """Offsets, frames and every row class except I (which needs the model's indexer)."""
+def exact_prefix(req: Request) -> int:
+    """Rows of the request's exact prefix (module doc), or 0 when its first segment cannot be
+    one: no document, an artifact without every layer's native state (a format-3 artifact
+    relocates), dirty rows, no row after it, or a query row inside it."""
+    first = req.segments[0]
+    if first.artifact is None or first.dirty or not can_prefix(first.artifact.certificate):
+        return 0
+    L = first.artifact.length
+    n = sum(len(s.tokens) for s in req.segments)
+    if n <= L or any(int(r) < L for r in req.query_rows or (n - 1,)):
+        return 0
+    return L
+
+
+def plan_request(req: Request, profile: RedKnotProfile, prefix: bool = True) -> Plan:
+    """Offsets, frames and every row class except I (which needs the model's indexer).
+    `prefix`: take the first document as an exact prefix where it can be one (`exact_prefix`);
+    False relocates it at offset 0 like any document (every row computed)."""
     if not req.segments:
         raise RequestError("request: no segments")
     frames, fr, doc = [], [], []
@@ -151,8 +174,21 @@ def plan_request(req: Request, profile: RedKnotProfile) -> Plan:
     cl["Q"][q] = True
     cl["T"] = np.arange(t) >= t - profile.tail_rows
     cl["I"] = np.zeros(t, bool)
-    return Plan(n_rows=t, frames=frames, frame_of_row=np.asarray(fr), doc_row=np.asarray(doc),
-                classes=cl, query_rows=q)
+    doc = np.asarray(doc)
+    L = exact_prefix(req) if prefix else 0
+    doc[:L] = False
+    for v in cl.values():
+        v[:L] = False
+    return Plan(n_rows=t, frames=frames, frame_of_row=np.asarray(fr), doc_row=doc, classes=cl, query_rows=q,
+                prefix=L)
+
+
+def online_frames(plan: Plan, t: int) -> list[Frame]:
+    """The request as one frame at offset 0 over t rows: the exact prefix's artifact (if any),
+    then every row online (`latent_refresh="protected"` with every candidate row protected:
+    the native computation)."""
+    return [dataclasses.replace(plan.frames[0], offset=0, start=0, end=t, doc_len=plan.prefix,
+                                artifact=plan.frames[0].artifact if plan.prefix else None)]
 
 
 def concentration(scores: np.ndarray, k: int) -> float:

@@ -3,7 +3,10 @@
 Reference path in XLA (one request at a time, dense per-frame masks): the Pallas kernels of a
 later issue replace its hot spots and are tested against it.
 
-* Fences (first / last layers of the profile) run the native block over the whole request.
+* Fences (first / last layers of the profile) run the native block over the whole request, or,
+  after an exact prefix (`Plan.prefix`), over the rows after it with the prefix's native cache
+  rebuilt from its artifact; the prefix rows' own outputs are never used (their keys are the
+  artifact's in every layer), so the histogram leaves them out.
 * A reusable layer runs mHC, norms and `wq_a` for every row; keys come per frame (canonical
   artifact latents, online latents for new or refreshed rows); every query reaches a frame's
   keys rotated by -D, partial outputs are phase-restored by R(D) and merged by log-sum-exp with
@@ -36,9 +39,9 @@ from redknot_jax.reuse.pool import DocPool
 from redknot_jax.reuse.certificate import (CertCounters, FallbackReason, TPGeometry, can_prefix, explain,
                                            payload_digest, token_digest)
 from redknot_jax.reuse.fanout import fanout_histogram, fanout_keep, mean_kept
-from redknot_jax.reuse.planner import (Plan, Request, concentration, fill_itop, latent_deviation, plan_request,
-                                       row_risk)
-from redknot_jax.reuse.prefix import prefix_arm
+from redknot_jax.reuse.planner import (Plan, Request, concentration, fill_itop, latent_deviation, online_frames,
+                                       plan_request, row_risk)
+from redknot_jax.reuse.prefix import native_cache
 from redknot_jax.reuse.profile import RedKnotProfile
 from redknot_jax.reuse.relocation import merge_partials, partial_attention, rotate
 from redknot_jax.rope import apply_rope
@@ -121,7 +124,7 @@ class ReuseRuntime:
         either arm, a fallback included): keep a decode state for that many generated rows, so
         `next_logits` runs one new row per step over cached keys instead of the whole request.
         `arm="prefix"` (jit path): the first segment's document is an exact prefix computed in no
-        layer, every later row native (`reuse.prefix.prefix_arm`, what a prefix cache gives);
+        layer, every later row native (`Consumer.prefix`, what a prefix cache gives);
         certified as the RedKnot arm, and a request whose first segment is not a document, or
         whose first artifact cannot be a prefix (`can_prefix`), falls back, counted
         (NO_PREFIX_STATE)."""
@@ -137,8 +140,8 @@ class ReuseRuntime:
             if bad is None:
                 self.counters.record_ok()
                 plan = plan_request(req, self.profile)
-                out = prefix_arm(self.consumer, req.segments[0].artifact, req.tokens, plan.query_rows,
-                                 decode_rows=decode_rows)
+                out = self.consumer.prefix(req.segments[0].artifact, req.tokens, plan.query_rows,
+                                           decode_rows=decode_rows)
                 logits, state = (out[0], out[1]) if decode_rows else (out, None)
                 return PrefillResult(np.asarray(logits), "prefix", None, "", None, plan, time.perf_counter() - t0,
                                      decode=state)
@@ -268,7 +271,7 @@ class ReuseRuntime:
         if first.arm == "recompute":
             return np.asarray(self.consumer.recompute(full, [full.size - 1]))[-1]
         if first.arm == "prefix":
-            return np.asarray(prefix_arm(self.consumer, req.segments[0].artifact, full, [full.size - 1]))[-1]
+            return np.asarray(self.consumer.prefix(req.segments[0].artifact, full, [full.size - 1]))[-1]
         if pool is None:  # the prefill's pool when it kept one; packing is per call otherwise
             pool = st.pool if st is not None else self.consumer.pool(
                 [s.artifact for s in req.segments if s.artifact is not None])
@@ -291,8 +294,8 @@ class ReuseRuntime:
         return ledgers.Ledgers(
             head_row=ledgers.head_row_ledger(cfg, prof, plan.n_rows, prot),
             token_row=ledgers.token_row_ledger(cfg, prof, plan.n_rows, plan.candidates,
-                                               int((plan.protected & plan.doc_row).sum())),
-            operator=ledgers.operator_ledger(cfg, prof, plan.n_rows, prot, kept),
+                                               int((plan.protected & plan.doc_row).sum()), prefix_rows=plan.prefix),
+            operator=ledgers.operator_ledger(cfg, prof, plan.n_rows, prot, kept, prefix_rows=plan.prefix),
             wallclock=None, cert=self.counters)
 
     # ------------------------------------------------------------------ RedKnot arm
@@ -302,20 +305,25 @@ class ReuseRuntime:
         ids = jnp.asarray(req.tokens)[None]
         t = plan.n_rows
         x = model.embed_streams(ids)
-        cap = -(-t // cfg.hca_rate) * cfg.hca_rate
+        L = plan.prefix
+        unit = np.lcm(cfg.hca_rate, cfg.csa_rate)
+        cap = -(-t // unit) * unit
         keep_fn = lambda sel, wts, scores: fanout_keep(wts, prof.fanout_mode, prof.tau, prof.fanout_min)
         keeps, planned = [], frozen is not None
         for i, blk in enumerate(model.layers):
             if prof.is_fence(i, cfg.num_layers):
-                x, _ = blk(x, ids, jnp.zeros((1,), jnp.int32), jnp.full((1,), t, jnp.int32),
-                           blk.attn.init_cache(1, cap, model.dtype), model.freqs(i), t)
+                cache = (native_cache(blk.attn, plan.frames[0].artifact.native_state(i), cap, model.dtype) if L
+                         else blk.attn.init_cache(1, cap, model.dtype))
+                y, _ = blk(x[:, L:], ids[:, L:], jnp.full((1,), L, jnp.int32), jnp.full((1,), t - L, jnp.int32),
+                           cache, model.freqs(i), t - L)
+                x = x.at[:, L:].set(y)
                 continue
             if not planned:  # the controller reads the first reusable layer's input
                 self._plan_itop(plan, x)
                 planned = True
             x = self._reusable_layer(i, blk, x, plan)
             x, keep, ran = self._ffn_sublayer(i, blk, x, ids, plan, keep_fn)
-            keeps.append(np.asarray(keep[0])[ran])
+            keeps.append(np.asarray(keep[0])[ran & (np.arange(t) >= L)])
         h = model.logits(x, jnp.asarray(plan.query_rows)[None])
         return np.asarray(h[0]), plan, fanout_histogram(np.concatenate(keeps)) if keeps else None
 
@@ -365,8 +373,8 @@ class ReuseRuntime:
             qr = jnp.asarray(plan.query_rows)
             m = blk.attn.indexer.m
             all_scores = []
-            for f in plan.frames:
-                if f.artifact is None or f.doc_len < m:
+            for fi, f in enumerate(plan.frames):
+                if f.artifact is None or f.doc_len < m or (fi == 0 and plan.prefix):  # no candidates
                     continue
                 keys = f.artifact.layers[li]["idx_entries"]
                 s = index_scores(rotate(iq[0, qr], -f.offset, freqs)[None], iw[:, qr], keys[None])[0]  # [q, w]
@@ -385,8 +393,8 @@ class ReuseRuntime:
             first, freqs = model.layers[li], model.freqs(li)
             xa = first.attn_norm(first.hc_attn.pre(x)[0])
             dev = np.zeros(plan.n_rows)
-            for f in plan.frames:
-                if f.artifact is not None and f.doc_len:
+            for fi, f in enumerate(plan.frames):
+                if f.artifact is not None and f.doc_len and not (fi == 0 and plan.prefix):
                     rows = slice(f.start, f.start + f.doc_len)
                     kv = first.attn.latent(xa[:, rows], jnp.arange(f.doc_len)[None], freqs)[0]
                     dev[rows] = np.asarray(latent_deviation(kv, f.artifact.layers[li]["kv"]))
@@ -403,14 +411,14 @@ class ReuseRuntime:
         q = q[0]
         prot = jnp.asarray(plan.protected)
         collapse = self._frames_collapse(plan)
-        frames = ([dataclasses.replace(plan.frames[0], offset=0, start=0, end=t, doc_len=0, artifact=None)]
-                  if collapse else plan.frames)
+        frames = online_frames(plan, t) if collapse else plan.frames
         frame_of_row = np.zeros(t, int) if collapse else plan.frame_of_row
         own = [jnp.asarray(frame_of_row == fi) for fi in range(len(frames))]
         doc_rows = np.zeros(t, bool) if collapse else plan.doc_row
         refresh = plan.protected if self.profile.latent_refresh == "protected" else np.zeros(t, bool)
         kinds = cfg.layer_types[i]
-        keysets = [self._frame_keys(attn, xa, f, i, freqs, refresh) for f in frames]
+        keysets = [self._frame_keys(attn, xa, f, i, freqs, refresh, exact=fi == 0 and plan.prefix > 0)
+                   for fi, f in enumerate(frames)]
 
         sel_native = None
         if kinds == CSA:
@@ -482,10 +490,12 @@ class ReuseRuntime:
             z_l = z_l.at[rows].set(jnp.where(jnp.asarray(unprot[rows])[:, None, None], z_art, z_l[rows]))
         return z_l
 
-    def _frame_keys(self, attn, xa, f, layer, freqs, refresh):
+    def _frame_keys(self, attn, xa, f, layer, freqs, refresh, exact: bool = False):
         """A frame's keys in its canonical coordinates: per-row K=V, compressed entries, CSA
         indexer keys. Artifact rows keep their canonical latents unless refreshed; online rows
-        (and refreshed windows) are computed from this request's hidden states."""
+        (and refreshed windows) are computed from this request's hidden states. `exact`: the
+        frame starts with the exact prefix, whose rows are never refreshed, so its windows are
+        the artifact's and those after it continue from the artifact's open windows."""
         rows = slice(f.start, f.end)
         n = f.end - f.start
         cpos = jnp.arange(n)
@@ -517,7 +527,7 @@ class ReuseRuntime:
             win_ref = jnp.any(ref[: nw * m].reshape(nw, m), axis=1) if nw else jnp.zeros((0,), bool)
             if comp.overlap and nw:
                 win_ref = win_ref | jnp.concatenate([jnp.zeros((1,), bool), win_ref[:-1]])
-            out[name] = jnp.where(win_ref[:, None], online, base)
+            out[name] = base if exact else jnp.where(win_ref[:, None], online, base)
         return out
 
 

@@ -16,8 +16,9 @@ OpenAI extension fields (both completion endpoints):
 `POST /tokenize` (vLLM's shape): {"prompt": str} -> {"tokens": [...], "count", "max_model_len"},
 the ids the completion endpoints would see for that text.
 Responses carry a `redknot` object (arm that ran, fallback reason, generated token ids, cached
-rows, ledgers) and `usage.prompt_tokens_details.cached_tokens` = document rows restored from
-artifacts (candidate rows not protected).
+rows, ledgers) and `usage.prompt_tokens_details.cached_tokens` = prompt rows not computed: the
+exact prefix's rows and the relocated documents' rows restored from artifacts (candidate rows
+not protected).
 """
 
 from __future__ import annotations

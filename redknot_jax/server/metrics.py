@@ -58,12 +58,12 @@ class Metrics:
                                    "Logical head-row saving of the last RedKnot request (ledger 1)", registry=r)
         self.token_row_last = Gauge("redknot_token_row_saving_last",
                                     "Physical token-row saving of the last RedKnot request (ledger 2)", registry=r)
-        self.cached_rows_last = Gauge("redknot_cached_tokens_last",
-                                      "Document rows restored from artifacts, last RedKnot request", registry=r)
+        self.cached_rows_last = Gauge("redknot_cached_tokens_last", "Prompt rows not computed (exact prefix + "
+                                      "restored document rows), last RedKnot request", registry=r)
         self.head_row = Summary("redknot_head_row_saving", "Head-row saving per RedKnot request", registry=r)
         self.token_row = Summary("redknot_token_row_saving", "Token-row saving per RedKnot request", registry=r)
-        self.cached_rows = Summary("redknot_cached_tokens", "Restored document rows per RedKnot request",
-                                   registry=r)
+        self.cached_rows = Summary("redknot_cached_tokens", "Prompt rows not computed (exact prefix + restored "
+                                   "document rows) per RedKnot request", registry=r)
         self.artifact_tier = Counter(
             "redknot_artifact_tier_hits", "Artifacts a RedKnot request cited, by where they were found: device "
             "(in a packed device pool already), host (in memory, packed now), disk (read from the artifact "

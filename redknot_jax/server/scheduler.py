@@ -366,7 +366,8 @@ class Scheduler:
                 "fallback_detail": first.fallback_detail, "cached_tokens": 0}
         if first.ledgers is not None:
             plan = first.plan
-            cached = int(plan.candidates - (plan.protected & plan.doc_row).sum())
+            # rows not computed: the exact prefix's, and the documents' rows restored from artifacts
+            cached = int(plan.prefix + plan.candidates - (plan.protected & plan.doc_row).sum())
             led = first.ledgers.to_dict()
             info["cached_tokens"] = cached
             info["ledgers"] = {"head_row": led["head_row"], "token_row": led["token_row"],

@@ -6,7 +6,8 @@
 Per rank:
 
 * fences / the Recomputed arm: `tp._block` (rank's heads and experts; psum after `wo_b` and
-  after the routed experts; indexer queries all-gathered);
+  after the routed experts; indexer queries all-gathered); after an exact prefix, over the rows
+  after it with the prefix's cache (rebuilt from its artifact, replicated);
 * reusable layers: `consumer.reusable_layer` with the rank's heads (its groups' Global heads in
   pass A, all its heads for the protected rows in pass B), its groups' slice of z_L from the
   pool (the pool's z_L is split over "tp" by output group, everything else in the pool is
@@ -49,6 +50,7 @@ from redknot_jax.pallas import kernel_mode
 from redknot_jax.reuse.consumer import Consumer, reusable_layer
 from redknot_jax.reuse.pool import DocPool
 from redknot_jax.reuse.planner import Plan
+from redknot_jax.reuse.prefix import native_cache
 from redknot_jax.sharding import tp as tpmod
 from redknot_jax.sharding.table import AXIS, check_tp, param_spec
 
@@ -134,7 +136,7 @@ class TPConsumer:
         return {k: (P(None, AXIS, None) if k == "zl" else jax.tree.map(lambda _: P(), v)) for k, v in d.items()}
 
     # -------------------------------------------------------------- programs
-    def _program(self, i: int, kind: str, t: int, pool_layer=None, tab=None):
+    def _program(self, i: int, kind: str, t: int, pool_layer=None, tab=None, cache=None):
         gd, _, spec_tree = self.layers[i]
         key = (gd, kind, t)
         if key in self._programs:
@@ -151,6 +153,16 @@ class TPConsumer:
                 return x
 
             f = jax.shard_map(body, mesh=self.mesh, check_vma=False, in_specs=(spec_tree, P(), P(), P()),
+                              out_specs=P())
+        elif kind == "chunk":  # rows after an exact prefix, whose cache (replicated) holds the prefix
+            def body(params, x, ids, pos0, n_real, cache):
+                blk = nnx.merge(gd, params)
+                tpmod.localize_block(blk, cfg, tp)
+                x, _ = tpmod._block(blk, x, ids, pos0, n_real[None], cache, freqs, block, tp, kernels=self.kernels)
+                return x
+
+            f = jax.shard_map(body, mesh=self.mesh, check_vma=False,
+                              in_specs=(spec_tree, P(), P(), P(), P(), jax.tree.map(lambda _: P(), cache)),
                               out_specs=P())
         else:
             glob, fan = np.asarray(self.glob), self.base.fan
@@ -187,14 +199,23 @@ class TPConsumer:
         return self._logits(x, query_rows)
 
     def redknot(self, plan: Plan, tokens, pool: DocPool, frozen: bool = False, streams: list | None = None):
-        """`streams`: a diagnostic; each layer's output hidden streams are appended (device arrays)."""
-        cfg, prof = self.cfg, self.profile
-        x, ids, t, t_real = self._embed(tokens)
+        """`streams`: a diagnostic; each layer's output hidden streams are appended (device arrays).
+        An exact prefix (`plan.prefix` rows) is computed in no layer, as in `Consumer.redknot`:
+        a fence runs the rows after it over the prefix's cache rebuilt from its artifact."""
+        cfg, prof, model = self.cfg, self.profile, self.base.model
+        L = plan.prefix
+        x, ids, t, t_real = self._embed(np.asarray(tokens)[L:])
         n = jax.device_put(jnp.int32(t_real), self.rep)
         hist, tab = None, None
+        cap, pos0 = self.base._prefix_cap(L, t, plan.n_rows), jax.device_put(jnp.full((1,), L, jnp.int32), self.rep)
         for i in range(cfg.num_layers):
             if prof.is_fence(i, cfg.num_layers):
-                x = self._program(i, "native", t)(self.layers[i][1], x, ids, n)
+                if L:
+                    cache = jax.device_put(native_cache(model.layers[i].attn, plan.frames[0].artifact.native_state(i),
+                                                        cap, model.dtype), self.rep)
+                    x = self._program(i, "chunk", t, cache=cache)(self.layers[i][1], x, ids, pos0, n, cache)
+                else:
+                    x = self._program(i, "native", t)(self.layers[i][1], x, ids, n)
                 if streams is not None:
                     streams.append(x)
                 continue
@@ -207,4 +228,4 @@ class TPConsumer:
             hist = h if hist is None else hist + h
             if streams is not None:
                 streams.append(x)
-        return self._logits(x, plan.query_rows), hist
+        return self._logits(x, plan.query_rows - L), hist

@@ -153,7 +153,8 @@ def test_streamed_layers_pack_ahead_on_a_worker_and_raise_where_read():
 
 def test_layout_tables_name_pool_rows_and_online_entries():
     """The index tables a request is turned into: pool rows for document rows, -1 for new rows,
-    online entries exactly where windows leave the artifact, padding never visible."""
+    online entries exactly where windows leave the artifact, padding never visible; the exact
+    prefix's rows are key rows only (no computed row)."""
     cfg = config.tiny("mixed")
     model = random_model(cfg, seed=1, dtype=jnp.float32)
     prof = dataclasses.replace(tiny_profile(cfg.num_layers), budget_override=0.1, tail_rows=4)
@@ -165,17 +166,21 @@ def test_layout_tables_name_pool_rows_and_online_entries():
     plan.classes["I"][:] = False
     lay = build_layout(plan, pool, prof, cfg, block=16)
     tab = {k: np.asarray(v) for k, v in lay.tables.items() if k != "rates"}
-    assert lay.t == 48 and lay.n_real == 45
+    # a0 is the exact prefix: computed rows 18 .. 49 (27 real), key rows 0 .. 63
+    assert plan.prefix == 18 and lay.c == 32 and lay.t == 64 and lay.n_real == 45
+    np.testing.assert_array_equal(tab["pos"], 18 + np.arange(32))
+    np.testing.assert_array_equal(tab["x_row"], np.r_[np.full(18, -1), np.arange(32), np.full(14, -1)])
+    np.testing.assert_array_equal(tab["prot_idx"][:lay.n_prot], np.flatnonzero(plan.protected) - 18)
     np.testing.assert_array_equal(tab["art_row"][:18], 21 + np.arange(18))  # a0 sits after a1
     np.testing.assert_array_equal(tab["art_row"][18:39], np.arange(21))
-    assert (tab["art_row"][39:] == -1).all() and (tab["d"][18:] == 18).all()
+    assert (tab["art_row"][39:] == -1).all() and (tab["key_d"][18:] == 18).all() and (tab["d"] == 18).all()
     hca = {k: np.asarray(v) for k, v in lay.tables["rates"]["hca"].items()}  # rate 16
     # frame 0: 18 rows -> window 0 from the pool (a0's entry 0 = pool entry 21 // 16 = 1);
-    # frame 1: 30 rows (21 doc + 9 new/padding) -> window 0 from a1 (pool entry 0)
-    np.testing.assert_array_equal(hca["src"][:2], [1, 0])
-    assert (hca["end"][:2] == [15, 18 + 15]).all() and (hca["end"][2:] == 2 ** 30).all()
+    # frame 1: 46 rows (21 doc + 25 new/padding) -> window 0 from a1 (pool entry 0), window 1 online
+    np.testing.assert_array_equal(hca["src"][:3], [1, 0, -1])
+    assert (hca["end"][:3] == [15, 18 + 15, 18 + 31]).all() and (hca["end"][3:] == 2 ** 30).all()
     csa = {k: np.asarray(v) for k, v in lay.tables["rates"]["csa"].items()}  # rate 4
-    n_doc0, n_f1 = 18 // 4, 30 // 4
+    n_doc0, n_f1 = 18 // 4, 46 // 4
     online = np.flatnonzero(csa["src"][: n_doc0 + n_f1] < 0)
     # frame 0 has no online window (18 rows: 4 whole windows from the pool); frame 1: windows
     # 5.. (rows 20..) need rows past a1's 21 tokens
@@ -328,8 +333,10 @@ def test_requests_of_similar_sizes_share_compiled_programs():
                     TOL["chunked_vs_oneshot"][0], s
         for g, w in zip(got, want):
             assert rel_err(g.logits, w.logits) < TOL["chunked_vs_oneshot"][0]
-        if not counts:  # really padded: rows 150 -> 192 (unpadded 160), ring of 3 documents -> 4
-            assert got[0].decode.layout.t == got[1].decode.cap == 192 and want[0].decode.layout.t == 160
+        if not counts:  # really padded: rows 150 -> 192 (unpadded 160), ring of 3 documents -> 4; the
+            # RedKnot arm computes the 110 rows after the 40-row exact prefix (a query block: 128 either way)
+            assert got[1].decode.cap == 192 and want[1].decode.cap == 160
+            assert got[0].decode.layout.t == 192 and got[0].decode.layout.prefix == 40
             ring = lambda rt: rt.consumer.pool(arts).layers[rt.reusable[1]]["cmp"]["kv"].shape[0]
             assert ring(bucketed) == ring(exact) // 3 * 4
         counts.append(compiled())

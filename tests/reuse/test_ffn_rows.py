@@ -58,9 +58,9 @@ def test_consumer_equals_reference_and_skips_the_rows(model, mode, monkeypatch):
     # every row that ran the MoE counted once per reusable layer: the protected rows only
     assert fast.fanout_hist.sum() == n_reusable * int(plan.protected.sum()) < n_reusable * plan.n_rows
     prot_padded = rt.consumer.buckets(int(plan.protected.sum()), rt.consumer.block)
-    t_padded = rt.consumer._rows(plan.n_rows)
+    t_padded = rt.consumer._rows(plan.n_rows - plan.prefix)
     assert prot_padded < t_padded and prot_padded in seen  # the reusable layers' MoE: gathered rows
-    assert set(seen) == {t_padded, prot_padded}  # fences: every row
+    assert plan.prefix and set(seen) == {t_padded, prot_padded}  # fences: every row after the exact prefix
     # the mode changes the answer (a negative control against a silently ignored field)
     run = ReuseRuntime(m, dataclasses.replace(prof, ffn_rows="run"), "fp").prefill(req, "redknot", pool=pool)
     assert rel_err(fast.logits, run.logits) > 1e-4

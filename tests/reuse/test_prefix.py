@@ -1,7 +1,8 @@
 """The exact prefix (DESIGN §3-§4, issue 45): artifacts carry every layer's native attention
 state (fences too) and, with ffn_rows="restore", each reusable layer's FFN output; the prefix
-arm rebuilds every layer's cache from them and computes only the rows after the prefix; older
-artifacts still relocate but fall back, counted, when asked to be a prefix.
+arm and the RedKnot arm read every layer's prefix state from them and compute only the rows
+after the prefix; older artifacts still relocate but fall back, counted, when asked to be a
+prefix.
 
 One fp32 tiny model; documents of 45 rows (not a multiple of the window 8 or the rates 4 / 16)
 and 32 rows (a multiple of all)."""
@@ -17,12 +18,12 @@ from flax import nnx
 
 from redknot_jax import config
 from redknot_jax.init import random_model
-from redknot_jax.reuse import prefix as prefix_mod
+from redknot_jax.reuse import consumer as consumer_mod
 from redknot_jax.reuse.artifact import Artifact, build_artifact
 from redknot_jax.reuse.certificate import Certificate, FallbackReason, can_prefix, payload_digest
 from redknot_jax.reuse.consumer import _native_cache_jit
 from redknot_jax.reuse.planner import Request, Segment
-from redknot_jax.reuse.prefix import native_cache, prefix_arm
+from redknot_jax.reuse.prefix import native_cache
 from redknot_jax.reuse.profile import tiny_profile
 from redknot_jax.reuse.runtime import ReuseFallback, ReuseRuntime
 from redknot_jax.store import ArtifactStore, split_tp
@@ -82,29 +83,46 @@ def test_native_cache_equals_the_native_runs_cache(model, docs, arts):
             assert rel_err(a, b) <= TOL["chunked_vs_oneshot"][0], (i, jax.tree_util.keystr(path))
 
 
+def count_rows(monkeypatch) -> list:
+    """Patch the consumer's layer programs to record, per call, (first position, rows) handed in."""
+    seen = []
+    for name, pos in (("chunk_jit", lambda a: int(a[1][0])), ("_native_jit", lambda a: 0),
+                      ("_native_cache_jit", lambda a: 0), ("_reusable_jit", lambda a: int(a[1]["pos"][0])),
+                      ("_reusable_keys_jit", lambda a: int(a[1]["pos"][0]))):
+        fn = getattr(consumer_mod, name)
+        monkeypatch.setattr(consumer_mod, name, lambda st, x, *a, _fn=fn, _pos=pos, **k:
+                            seen.append((_pos(a), x.shape[1])) or _fn(st, x, *a, **k))
+    return seen
+
+
 @pytest.mark.parametrize("L", [45, 32])
-def test_prefix_arm_is_the_recomputed_arm_and_computes_no_prefix_row(model, docs, arts, L, monkeypatch):
-    """A prefix document plus new rows: the Recomputed arm's logits (fp32) with only the new rows
-    handed to the layer programs; decoding continues from the rebuilt caches."""
+def test_both_arms_with_a_prefix_are_the_recomputed_arm_and_compute_no_prefix_row(model, docs, arts, L, monkeypatch):
+    """A prefix document plus new rows, the prefix arm and the RedKnot arm: the Recomputed arm's
+    logits (fp32) with only the new rows handed to every layer's program (the prefix's rows
+    computed in no layer); decoding continues from the rebuilt caches."""
     rt = ReuseRuntime(model, PROF, FP)
     new = np.random.default_rng(L).integers(2, CFG.vocab_size, 64 - L).astype(np.int32)  # 64 rows
     req = Request([Segment(docs[L], arts[L]), Segment(new)], query_rows=(L, L + 7, L + new.size - 1))
-    rows = []
-    chunk = prefix_mod._chunk_jit
-    monkeypatch.setattr(prefix_mod, "_chunk_jit", lambda st, x, *a, **k: rows.append(x.shape[1]) or chunk(st, x, *a, **k))
     steps = 3
-    pre = rt.prefill(req, "prefix", require_reuse=True, decode_rows=steps)
-    assert pre.arm == "prefix" and pre.fallback is None and rt.counters.validated == 1
-    assert rows == [rt.consumer._rows(new.size)] * CFG.num_layers  # never a prefix row
     rec = rt.prefill(req, "recompute", decode_rows=steps)
-    assert rel_err(pre.logits, rec.logits) < TOL_FP32
-    assert pre.decode.native and pre.decode.rows == req.tokens.size
-    gen = []
-    for s in range(steps):
-        gen.append(int(np.random.default_rng(s).integers(2, CFG.vocab_size)))
-        a, b = rt.next_logits(req, pre, gen), rt.next_logits(req, rec, gen)
-        assert pre.decode.rows == req.tokens.size + s + 1  # the incremental path ran
-        assert rel_err(a, b) < TOL_FP32, s
+    seen = count_rows(monkeypatch)
+    for k, arm in enumerate(("prefix", "redknot")):
+        seen.clear()
+        res = rt.prefill(req, arm, require_reuse=True, decode_rows=steps)
+        assert res.arm == arm and res.fallback is None and rt.counters.validated == k + 1
+        assert seen == [(L, rt.consumer._rows(new.size))] * CFG.num_layers, arm  # never a prefix row
+        assert rel_err(res.logits, rec.logits) < TOL_FP32, arm
+        assert res.decode.rows == req.tokens.size and res.decode.native == (arm == "prefix")
+        if arm == "redknot":
+            assert res.plan.prefix == L and res.plan.candidates == 0
+            assert res.ledgers.token_row["prefix_rows"] == L
+            assert res.ledgers.token_row["omitted_rows"] == L * CFG.num_layers
+        gen = []
+        for s in range(steps):
+            gen.append(int(np.random.default_rng(s).integers(2, CFG.vocab_size)))
+            a, b = rt.next_logits(req, res, gen), rt.next_logits(req, rec, gen)
+            assert res.decode.rows == req.tokens.size + s + 1  # the incremental path ran
+            assert rel_err(a, b) < TOL_FP32, (arm, s)
 
 
 def test_old_artifacts_relocate_and_fall_back_from_the_prefix_counted(model, docs, arts):
@@ -115,7 +133,8 @@ def test_old_artifacts_relocate_and_fall_back_from_the_prefix_counted(model, doc
     assert Certificate.from_dict(old.certificate.to_dict()) == old.certificate
     new = np.random.default_rng(3).integers(2, CFG.vocab_size, 19).astype(np.int32)
     req = Request([Segment(docs[45], old), Segment(new)])
-    assert rt.prefill(req, "redknot", require_reuse=True).arm == "redknot"  # relocation still reads it
+    red = rt.prefill(req, "redknot", require_reuse=True)  # relocation still reads it, every row computed
+    assert red.arm == "redknot" and red.plan.prefix == 0 and red.plan.candidates == 45
     res = rt.prefill(req, "prefix")
     assert res.arm == "recompute" and res.fallback is FallbackReason.NO_PREFIX_STATE and "format 3" in res.fallback_detail
     res = rt.prefill(Request([Segment(new), Segment(docs[45], arts[45])]), "prefix")
@@ -127,11 +146,13 @@ def test_old_artifacts_relocate_and_fall_back_from_the_prefix_counted(model, doc
     with pytest.raises(ValueError, match="arm must be one of"):
         rt.prefill(req, "prefx")
     with pytest.raises(ValueError, match="cannot serve as an exact prefix"):
-        prefix_arm(rt.consumer, old, req.tokens, [50])
+        rt.consumer.prefix(old, req.tokens, [50])
     with pytest.raises(ValueError, match="do not start with"):
-        prefix_arm(rt.consumer, arts[45], np.r_[new, docs[45]], [50])
+        rt.consumer.prefix(arts[45], np.r_[new, docs[45]], [50])
     with pytest.raises(ValueError, match="no rows after"):
-        prefix_arm(rt.consumer, arts[45], docs[45], [44])
+        rt.consumer.prefix(arts[45], docs[45], [44])
+    with pytest.raises(ValueError, match=r"query rows must lie in \[45, 64\)"):
+        rt.consumer.prefix(arts[45], req.tokens, [44])
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "freqs"))

@@ -522,6 +522,13 @@ def test_ledgers_hand_computed_plan():
     omit_ops = ledger.operator_flops(cfg, dataclasses.replace(prof, ffn_rows="omit"), 16, 4, 2.0, "redknot")
     run_ops = ledger.operator_flops(cfg, prof, 16, 4, 2.0, "redknot")
     assert omit_ops["wq_b"] == run_ops["wq_b"] and omit_ops["moe_shared"] < run_ops["moe_shared"]
+    # an exact prefix of 5 rows is charged in no layer: the router (every row under "run") sees 11
+    # rows per layer; the Recomputed arm is unchanged
+    pre = ledger.operator_flops(cfg, prof, 16, 4, 2.0, "redknot", prefix_rows=5)
+    assert pre["router"] == 2.0 * cfg.hidden_size * cfg.n_routed_experts * 11 * 6
+    assert all(pre[op] <= run_ops[op] for op in pre) and pre["attention"] < run_ops["attention"]
+    assert ledger.operator_flops(cfg, prof, 16, 4, 2.0, "recompute", prefix_rows=5) == \
+        ledger.operator_flops(cfg, prof, 16, 4, 2.0, "recompute")
 
     ops = ledger.operator_ledger(cfg, prof, 16, 4, 2.0)
     assert ops["recompute"] == pytest.approx(RECOMPUTE, rel=1e-12)
@@ -583,6 +590,8 @@ def test_operator_ledger_monotone_and_per_layer():
     (lambda c, p: ledger.token_row_ledger(c, p, 16, 14, 0, prefix_rows=3), "exceed n_rows 16"),
     (lambda c, p: ledger.operator_flops(c, p, 16, 4, 2.0, "fast"), "arm.*'fast'"),
     (lambda c, p: ledger.operator_flops(c, p, 16, 4, 3.5, "redknot"), r"kept_experts_per_row.*\[0, 3\].*3.5"),
+    (lambda c, p: ledger.operator_flops(c, p, 16, 4, 2.0, "redknot", prefix_rows=17), "prefix_rows 17 exceed"),
+    (lambda c, p: ledger.operator_flops(c, p, 16, 14, 2.0, "redknot", prefix_rows=3), r"protected_rows.*\[0, 13\]"),
     (lambda c, p: ledger.wallclock_ledger(0.0, 1.0), "ttft_recompute_s.*0.0"),
     (lambda c, p: ledger.wallclock_ledger(1.0, float("inf")), "ttft_redknot_s.*inf"),
 ])

@@ -222,12 +222,14 @@ def test_document_reuse_first_token_equals_recompute(server):
     assert er["token_ids"][0] == ec["token_ids"][0]  # prefix-only + native fan-out: exact
     assert er["token_ids"] == ec["token_ids"][:len(er["token_ids"])]  # decode continues exactly too
     cached = red.usage.prompt_tokens_details.cached_tokens
-    assert 0 < cached < len(DOC) and er["cached_tokens"] == cached
+    assert cached == len(DOC) and er["cached_tokens"] == cached  # the document is the exact prefix: no row computed
     assert rec.usage.prompt_tokens_details.cached_tokens == 0
     assert red.usage.prompt_tokens == len(DOC) + len(QUESTION) == rec.usage.prompt_tokens
     assert 0 < er["ledgers"]["head_row"]["saving"] < 1  # Local heads restored
-    # the profile's ffn_rows="run" and no exact prefix: every row's token-wide work runs (DESIGN §6)
-    assert er["ledgers"]["token_row"]["ffn_rows"] == "run" and er["ledgers"]["token_row"]["saving"] == 0.0
+    # the token-row ledger (DESIGN §6): the prefix's rows in every layer, nothing else under ffn_rows="run"
+    tr = er["ledgers"]["token_row"]
+    assert tr["ffn_rows"] == "run" and tr["prefix_rows"] == len(DOC)
+    assert tr["saving"] == pytest.approx(len(DOC) / (len(DOC) + len(QUESTION)))
     assert server.metric("redknot_cert_validated_total") >= 1
     assert server.metric("redknot_requests_total", 'arm="redknot",endpoint="completions"') >= 1
     assert server.metric("redknot_cached_tokens_last") == cached
