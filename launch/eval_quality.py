@@ -106,7 +106,8 @@ def variants(names: list[str], reusable: range, n_layers: int, window: int = 128
             return deviated(base)
         for mode in ("omit", "restore", "run"):
             if n.endswith(f"-{mode}") and (base := parse(n[:-len(mode) - 1])):
-                return (n, {**base[1], "ffn_rows": mode, "_label": base[1].get("_label", "controller, fan-out on")
+                shipped = "the shipped profile" if base[0] == "default" else "controller, fan-out on"
+                return (n, {**base[1], "ffn_rows": mode, "_label": base[1].get("_label", shipped)
                             + f", unprotected rows' FFN {mode}"})
         if (m := re.fullmatch(r"reuse-(\d+)-(\d+)", n)) and int(m[1]) <= int(m[2]) < n_layers:
             return band(int(m[1]), int(m[2]))

@@ -7,7 +7,9 @@ jitted functions: layers with equal structure share one compiled program (the nn
 definition is a static argument), so the 43-layer flash stack compiles a few layer programs
 instead of one unrolled program.
 
-A reusable layer: mHC, norm, `wq_a` for every row; **pass A** runs the Global heads of every
+A reusable layer: mHC, norm, `wq_a` for every row; latents and compressor projections for
+the own rows only (new, refreshed, and rows an online entry pools: `layout`), every other row's
+K=V and entries read from the pool; **pass A** runs the Global heads of every
 row (own frame's window, the artifact's document-local CSA top-k, every visible HCA entry);
 **pass B** runs every head of the protected rows over the native key sets (the native indexer
 across frames); z = z_G + z_L with z_L read from the pool for unprotected document rows, the
@@ -311,16 +313,16 @@ def _queries(attn, cq, heads, pos, freqs):
 
 
 def _request_entries(attn, proj, tab, pool_layer, freqs):
-    """The request's compressed entries (and for CSA its indexer keys) from the computed rows'
-    compressor projections `proj` {"pk", "pg"[, "ik", "ig"]} ([C, .] each), the pool and the
-    entry table: ((entries [E, k], last positions [E]), indexer keys [E, .] or None)."""
+    """The request's compressed entries (and for CSA its indexer keys) from the own rows'
+    compressor projections `proj` {"pk", "pg"[, "ik", "ig"]} ([K, .] each, `layout` module doc),
+    the pool and the entry table: ((entries [E, k], last positions [E]), indexer keys [E, .] or
+    None)."""
     kind = attn.kind
     rt = tab["rates"]["csa" if kind == CSA else "hca"]
     E = rt["src"].shape[0]
-    x_row = tab["x_row"] if tab["x_row"].shape[0] != tab["pos"].shape[0] else None  # an exact prefix: C < T
     full = lambda comp, a, b, ring, pool_name: _entries(
-        pool_layer.get(pool_name), rt, _online(comp, proj[a], proj[b], pool_layer.get(ring), rt, freqs, x_row), E,
-        comp.dk, freqs)
+        pool_layer.get(pool_name), rt,
+        _online(comp, proj[a], proj[b], pool_layer.get(ring), rt, freqs, tab["own_slot"]), E, comp.dk, freqs)
     ents = (full(attn.compressor, "pk", "pg", "cmp", "entries"), rt["end"])
     idx_keys = full(attn.indexer.compressor, "ik", "ig", "idx", "idx_entries") if kind == CSA else None
     return ents, idx_keys
@@ -340,10 +342,12 @@ def reusable_attention(blk, x, tab, pool_layer, *, freqs, glob, block, reduce=No
                        kernels: str = "", topk_stages: int = TOPK_STAGES):
     """The attention half of a reusable layer (passes A and B, z_L restore, `wo_b` once, mHC
     post) over one request's computed rows x [1, C, n, d] (the rows after its exact prefix,
-    `tab["pos"]`; the prefix's keys, entries and open windows are the pool's). With `keep_rows`
-    ([K] computed rows, padded with C) also what decoding reads later of those rows
-    (`DecodeState`): their canonical K=V and compressor projections, K rows (a row past the
-    request reads its last). `kernels`: which
+    `tab["pos"]`; the prefix's keys, entries and open windows are the pool's). Latents and
+    compressor projections are computed for the own rows only (`tab["own_idx"]`, `layout`);
+    every other row's are the pool's. With `keep_rows` ([R] compact rows, i.e. indices into
+    the own rows, padded past them) also what decoding reads later of those rows
+    (`DecodeState`): their canonical K=V and compressor projections, R rows (a row past the own
+    rows reads the last). `kernels`: which
     Mosaic GPU kernels run instead of their references ("restore", "indexer" for pass B's scores;
     `Consumer`'s resolved set). `topk_stages`: pass B's CSA selection over entry prefixes
     (`indexer.select_topk_causal`; 1 under `vmap`)."""
@@ -357,19 +361,22 @@ def reusable_attention(blk, x, tab, pool_layer, *, freqs, glob, block, reduce=No
     cq = attn.q_norm(jnp.einsum("td,qd->tq", xa, attn.wq_a[...], precision=HIGHEST))
     queries = lambda c, heads, p: _queries(attn, c, heads, p, freqs)
 
-    # keys (every key row): canonical pool latent or the computed rows' online latent at the
+    # keys (every key row): canonical pool latent or the own rows' online latent at the
     # canonical position, turned by R(D)
-    kv_on = attn.latent(xa[None], cpos[None], freqs)[0]
+    oi = tab["own_idx"]
+    oc = jnp.minimum(oi, t - 1)
+    xo, co = xa[oc], cpos[oc]
+    kv_on = attn.latent(xo[None], co[None], freqs)[0]  # [K]
     ar = tab["art_row"]
     T = ar.shape[0]
-    on = kv_on if T == t else jnp.zeros((T,) + kv_on.shape[1:], kv_on.dtype).at[pos].set(kv_on)
+    on = jnp.zeros((T,) + kv_on.shape[1:], kv_on.dtype).at[jnp.where(oi < t, pos[oc], T)].set(kv_on, mode="drop")
     kv = jnp.where((ar >= 0)[:, None], pool_layer["kv"][jnp.maximum(ar, 0)].astype(kv_on.dtype), on)
     kv_abs = apply_rope(kv, tab["key_d"], freqs)
 
     kind = attn.kind
     ents = idx_keys = proj = None
     if kind in (CSA, HCA):
-        proj = _projections(attn, xa, cpos)
+        proj = _projections(attn, xo, co)
         ents, idx_keys = _request_entries(attn, proj, tab, pool_layer, freqs)
     scale, sink = k ** -0.5, attn.attn_sink[...]
 
@@ -413,7 +420,7 @@ def reusable_attention(blk, x, tab, pool_layer, *, freqs, glob, block, reduce=No
         y = reduce(y)
     out = HyperConnection.post(x, y.astype(x.dtype), post, comb)
     if keep_rows is not None:
-        kr = jnp.minimum(keep_rows, t - 1)
+        kr = jnp.minimum(keep_rows, oi.shape[0] - 1)
         return out, {"kv": kv_on[kr], **{n: v[kr] for n, v in (proj or {}).items()}}
     return out
 
@@ -976,7 +983,7 @@ class Consumer:
                 if state is not None:  # the compact rows decoding keeps, then room for the new rows
                     kept = layout.own_rows(n)
                     state.own, state.own_cap = kept.size, self._rows(kept.size + decode_rows)
-                    keep_rows = jnp.asarray(np.r_[kept - L, np.full(state.own_cap - kept.size, t)], jnp.int32)
+                    keep_rows = jnp.arange(state.own_cap, dtype=jnp.int32)  # compact rows: the own rows, in order
                     state.layout = self._layout(plan.extend(decode_rows), pool, runs=bool(self.decode_kernels))
                     if not np.array_equal(state.layout.own_rows(n), kept):
                         raise AssertionError("decode layout: the prompt's compact rows changed")
@@ -1075,7 +1082,7 @@ class Consumer:
             if tabs is None:
                 for b, plan in enumerate(plans):
                     self.controller(plan, x[b:b + 1], pool, pool_layer)
-                first = [self._layout(plan, pool, {"t": 0, "C": t, "P": 0, "rates": {}}) for plan in plans]
+                first = [self._layout(plan, pool, {"t": 0, "C": t, "P": 0, "K": 0, "rates": {}}) for plan in plans]
                 sizes = common_sizes(first)
                 tabs = jax.tree.map(lambda *a: jnp.stack(a), *[self._layout(plan, pool, sizes).tables for plan in plans])
             gd, st = self.defs[i]

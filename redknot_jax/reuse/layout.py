@@ -2,12 +2,16 @@
 from, built on the host (numpy), then put on the device. Two row spaces:
 
 * key rows (every request row, T padded): per row its frame offset "key_d" and frame
-  "key_frame", pool row "art_row", decode slot "own_slot"; per compressed rate the request's
+  "key_frame", pool row "art_row", compact row "own_slot"; per compressed rate the request's
   entry table (pool entry, or the slots an online entry pools, its offset and last position);
 * computed rows (the C rows after the exact prefix, `Plan.prefix`; every row without one):
-  position "pos" (prefix + 0 .. C-1), offset "d", frame "frame", z_L row "zl_row", and the
-  protected rows "prot_idx" as computed-row indices; "x_row" maps a key row to its computed
-  row (-1: a prefix or padding row).
+  position "pos" (prefix + 0 .. C-1), offset "d", frame "frame", z_L row "zl_row", the
+  protected rows "prot_idx" and the own rows "own_idx" as computed-row indices.
+
+**Own rows** (`own_slot` >= 0, in order): the rows whose latent and compressor projections this
+request computes: rows the pool does not hold (new, refreshed) and rows an online entry pools.
+Every other row's K=V, entries and windows are the pool's, so an unprotected document row never
+runs `wkv` or a compressor; a decode state keeps exactly these rows (its compact rows).
 
 Shapes are padded (rows and protected rows to buckets of the query block, entries to buckets of
 ENTRY_PAD: `pool.Buckets`) so requests of similar sizes share their compiled programs.
@@ -132,6 +136,7 @@ class Layout:
     def sizes(self) -> dict:
         """The padded shapes that decide the compiled program (equal across a batch)."""
         return {"t": self.t, "C": self.c, "P": int(self.tables["prot_idx"].shape[0]),
+                "K": int(self.tables["own_idx"].shape[0]),
                 "rates": {k: (int(v["src"].shape[0]), int(v["on_idx"].shape[0]))
                           for k, v in self.tables["rates"].items()}}
 
@@ -140,7 +145,7 @@ def common_sizes(layouts) -> dict:
     """The smallest sizes every layout of a batch pads to."""
     rates = {k for lay in layouts for k in lay.sizes()["rates"]}
     top = lambda key: max(lay.sizes()[key] for lay in layouts)
-    return {"t": top("t"), "C": top("C"), "P": top("P"),
+    return {"t": top("t"), "C": top("C"), "P": top("P"), "K": top("K"),
             "rates": {k: tuple(max(lay.sizes()["rates"][k][j] for lay in layouts) for j in (0, 1)) for k in rates}}
 
 
@@ -194,13 +199,10 @@ def build_layout(plan: Plan, pool: DocPool, profile, cfg, block: int, pad_to: di
     prot_idx = np.flatnonzero(prot_t) - L  # computed rows
     P = max(buckets(prot_idx.size, block), pad_to["P"] if pad_to else 0)
     rows = L + np.arange(c)  # the computed rows' request rows
-    x_row = np.full(t, -1, np.int32)
-    x_row[rows] = np.arange(c)
     tab = {"pos": rows.astype(np.int32), "d": d_row[rows], "frame": frame[rows],
            "zl_row": zl_row[rows].astype(np.int32),
            "prot_idx": np.r_[prot_idx, np.full(P - prot_idx.size, c)].astype(np.int32),
-           "key_d": d_row, "key_frame": frame, "art_row": art_row.astype(np.int32), "x_row": x_row,
-           "n_real": np.int32(t_real)}
+           "key_d": d_row, "key_frame": frame, "art_row": art_row.astype(np.int32), "n_real": np.int32(t_real)}
     rates = {}
     mins = (pad_to or {}).get("rates", {})
     if CSA in cfg.layer_types:
@@ -218,7 +220,11 @@ def build_layout(plan: Plan, pool: DocPool, profile, cfg, block: int, pad_to: di
         kept[s[(s >= 0) & (s < t)]] = True
     if (kept[:L] | (art_row[:L] < 0)).any():
         raise AssertionError("layout: an exact prefix row is read from this request, not from its artifact")
-    kept[t_real:] = False  # padding rows: never written, so no compact row (the state has room for real rows only)
+    # padding rows: no own row (an entry pooling one ends after every real row, so it is never seen)
+    kept[t_real:] = False
     tab["own_slot"] = np.where(kept, np.cumsum(kept) - 1, -1).astype(np.int32)
+    own = np.flatnonzero(kept) - L
+    K = max(buckets(max(own.size, 1), block), (pad_to or {}).get("K", 0))
+    tab["own_idx"] = np.r_[own, np.full(K - own.size, c)].astype(np.int32)
     return Layout(tables=jax.tree.map(jnp.asarray, tab), t=t, n_real=t_real, n_prot=int(prot_idx.size),
                   own_slot=tab["own_slot"], prefix=L)

@@ -291,11 +291,16 @@ class ReuseRuntime:
         cfg, prof = self.cfg, self.profile
         prot = int(plan.protected.sum())
         kept = mean_kept(hist) if hist is not None else float(cfg.experts_per_tok)
+        # latents (wkv, compressors) run for the rows the pool does not hold: new rows, and
+        # refreshed ones (a few more rows that online entries pool are not counted)
+        refreshed = plan.protected & plan.doc_row if prof.latent_refresh == "protected" else False
+        latent = int((~plan.doc_row | refreshed).sum()) - plan.prefix
         return ledgers.Ledgers(
             head_row=ledgers.head_row_ledger(cfg, prof, plan.n_rows, prot),
             token_row=ledgers.token_row_ledger(cfg, prof, plan.n_rows, plan.candidates,
                                                int((plan.protected & plan.doc_row).sum()), prefix_rows=plan.prefix),
-            operator=ledgers.operator_ledger(cfg, prof, plan.n_rows, prot, kept, prefix_rows=plan.prefix),
+            operator=ledgers.operator_ledger(cfg, prof, plan.n_rows, prot, kept, latent_rows=latent,
+                                             prefix_rows=plan.prefix),
             wallclock=None, cert=self.counters)
 
     # ------------------------------------------------------------------ RedKnot arm

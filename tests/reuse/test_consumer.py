@@ -169,7 +169,9 @@ def test_layout_tables_name_pool_rows_and_online_entries():
     # a0 is the exact prefix: computed rows 18 .. 49 (27 real), key rows 0 .. 63
     assert plan.prefix == 18 and lay.c == 32 and lay.t == 64 and lay.n_real == 45
     np.testing.assert_array_equal(tab["pos"], 18 + np.arange(32))
-    np.testing.assert_array_equal(tab["x_row"], np.r_[np.full(18, -1), np.arange(32), np.full(14, -1)])
+    own = np.flatnonzero(tab["own_slot"] >= 0)  # own rows: new rows and those online entries pool
+    assert own.min() >= 18 and np.isin(np.arange(39, 45), own).all() and not np.isin(np.arange(18, 36), own).any()
+    np.testing.assert_array_equal(tab["own_idx"][:own.size], own - 18)
     np.testing.assert_array_equal(tab["prot_idx"][:lay.n_prot], np.flatnonzero(plan.protected) - 18)
     np.testing.assert_array_equal(tab["art_row"][:18], 21 + np.arange(18))  # a0 sits after a1
     np.testing.assert_array_equal(tab["art_row"][18:39], np.arange(21))
