@@ -113,9 +113,39 @@ async def read_json(state, request: HTTPRequest) -> dict:
         obj = json.loads(bytes(body))
     except (ValueError, UnicodeDecodeError) as e:
         raise ApiError(400, f"malformed JSON body: {e}", code="invalid_json")
+    except RecursionError:
+        raise ApiError(400, "malformed JSON body: nested too deeply", code="invalid_json")
     if not isinstance(obj, dict):
         raise ApiError(400, f"body: expected a JSON object, got {type(obj).__name__}", code="invalid_json")
+    where = lone_surrogate(obj)
+    if where is not None:
+        raise bad(where, "holds a lone UTF-16 surrogate (an escape such as \\udfff that is not valid Unicode)")
     return obj
+
+
+def lone_surrogate(obj) -> str | None:
+    """The path (`prompt`, `messages[0].content`) of the first key or string holding a lone
+    UTF-16 surrogate, which JSON's \\u escapes can spell but no tokenizer reads; None if none.
+    Iterative: the body's nesting depth is the client's choice."""
+    stack = [("", obj)]
+    while stack:
+        path, v = stack.pop()
+        if isinstance(v, str):
+            try:
+                v.encode("utf-8")
+            except UnicodeEncodeError:
+                return path or "body"
+        elif isinstance(v, dict):
+            for k, x in reversed(list(v.items())):
+                sub = f"{path}.{k}" if path else k
+                try:
+                    k.encode("utf-8")
+                except UnicodeEncodeError:
+                    return path or "body"
+                stack.append((sub, x))
+        elif isinstance(v, list):
+            stack.extend((f"{path}[{i}]", x) for i, x in reversed(list(enumerate(v))))
+    return None
 
 
 def _is_int(v) -> bool:
