@@ -3,7 +3,9 @@
 Prompts of different lengths share one batch by right padding with explicit positions: every
 row keeps its absolute position, so sliding windows and compression windows stay aligned
 (left padding would shift them). Chunk lengths are bucketed to powers of two (at least 16)
-so a handful of shapes compile; the cache is donated to each step.
+so a handful of shapes compile; the cache is donated to each step. A prefill chunk runs layer by
+layer (`model.block_jit`: one compiled program per distinct layer structure, as the reuse
+consumer's layers), a decode step as one program over every layer.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from redknot_jax.model import Model
+from redknot_jax.model import Model, block_jit
 from redknot_jax.pallas import resolve_kernels
 
 
@@ -85,20 +87,41 @@ class Engine:
         self.block, self.model, self.cfg = block, model, cfg
         self.kernels = resolve_kernels(kernels, model)
         self.graphdef, self.state = nnx.split(model)
-        self._fwd = jax.jit(self._forward, donate_argnums=(5,), static_argnames=("kernels",))
+        self.layer_defs = [nnx.split(blk) for blk in model.layers]
+        self._fwd = jax.jit(self._forward, donate_argnums=(5,))
+        self._embed = jax.jit(lambda state, ids: nnx.merge(self.graphdef, state).embed_streams(ids))
+        self._head = jax.jit(lambda state, x, rows: nnx.merge(self.graphdef, state).logits(x, rows))
 
-    def _forward(self, state, ids, pos0, n_new, rows, cache, kernels=""):
+    def _forward(self, state, ids, pos0, n_new, rows, cache):
         model = nnx.merge(self.graphdef, state)
-        return model.forward(ids, pos0, n_new, cache, rows, block=self.block, kernels=kernels)
+        return model.forward(ids, pos0, n_new, cache, rows, block=self.block)
+
+    def _chunk(self, ids, pos0, n_new, rows, cache):
+        """`Model.forward` of a prefill chunk, one jitted program per distinct layer structure
+        (`model.block_jit`) instead of one unrolled over every layer: XLA compiles a few layer
+        programs, so a long chunk compiles in about the time of one layer."""
+        t = ids.shape[1]
+        block = min(self.block, t)
+        if t % block:
+            raise ValueError(f"chunk length {t} must be a multiple of the query block {block}")
+        x = self._embed(self.state, ids)
+        layers = []
+        for i, (gd, st) in enumerate(self.layer_defs):
+            x, c = block_jit(st, x, ids, pos0, n_new, cache["layers"][i], graphdef=gd, freqs=self.model.freqs(i),
+                             block=block, kernels=self.kernels)
+            layers.append(c)
+        return self._head(self.state, x, rows), {"length": pos0 + n_new, "layers": layers}
 
     def new_cache(self, batch: int):
         return self.model.init_cache(batch, self.capacity)
 
     def forward(self, ids, pos0, n_new, rows, cache):
-        """One jitted chunk (see `Model.forward`)."""
+        """One chunk (see `Model.forward`): a prefill chunk (several rows) layer by layer with
+        the kernels (`_chunk`), a decode step (one row) as one jitted program over every layer
+        (small, so it compiles fast, and one dispatch per token), XLA throughout."""
         ids = jnp.asarray(ids, jnp.int32)
-        return self._fwd(self.state, ids, jnp.asarray(pos0, jnp.int32), jnp.asarray(n_new, jnp.int32),
-                         jnp.asarray(rows, jnp.int32), cache, kernels=self.kernels if ids.shape[1] > 1 else "")
+        args = (ids, jnp.asarray(pos0, jnp.int32), jnp.asarray(n_new, jnp.int32), jnp.asarray(rows, jnp.int32), cache)
+        return self._chunk(*args) if ids.shape[1] > 1 else self._fwd(self.state, *args)
 
     def _check_prompts(self, prompts: Sequence[Sequence[int]], extra: int = 0) -> np.ndarray:
         if not prompts:

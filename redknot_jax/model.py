@@ -8,6 +8,8 @@ forward from an empty cache; decode is a forward with t = 1.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -22,6 +24,16 @@ from redknot_jax.norms import RMSNorm
 from redknot_jax.rope import inv_freq
 
 HIGHEST = jax.lax.Precision.HIGHEST
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "freqs", "block", "kernels", "topk_stages"),
+                   donate_argnames=("cache",))
+def block_jit(state, x, ids, pos0, n_new, cache, *, graphdef, freqs, block, kernels="", topk_stages=TOPK_STAGES):
+    """One `Block` (`nnx.split` of it: graphdef static, state) over b chunks x [b, t, n, d] at
+    pos0 [b] (n_new [b] real rows) with its cache: (x, new cache). Blocks of equal structure
+    share the compiled program, so a stack compiles a few layer programs, not one unrolled one."""
+    return nnx.merge(graphdef, state)(x, ids, pos0, n_new, cache, freqs, block, kernels=kernels,
+                                      topk_stages=topk_stages)
 
 
 class Block(nnx.Module):

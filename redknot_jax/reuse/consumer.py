@@ -54,6 +54,7 @@ from redknot_jax.attention import sink_softmax_attend
 from redknot_jax.config import CSA, HCA
 from redknot_jax.indexer import TOPK_STAGES, index_scores, score_function, select_topk_causal
 from redknot_jax.mhc import HyperConnection
+from redknot_jax.model import block_jit
 from redknot_jax.norms import rms_norm
 from redknot_jax.pallas import DECODE_ONLY, kernel_mode, resolve_kernels
 from redknot_jax.pallas.restore import restore_reference
@@ -66,7 +67,7 @@ from redknot_jax.reuse.fanout import fanout_keep
 from redknot_jax.reuse.layout import NEVER, build_layout, common_sizes, frame_rows
 from redknot_jax.reuse.planner import Plan, concentration, fill_itop, latent_deviation, row_risk
 from redknot_jax.reuse.pool import ENTRY_PAD, Buckets, DocPool, HostPool, ceil_to
-from redknot_jax.reuse.prefix import chunk_jit, native_cache, prefix_check
+from redknot_jax.reuse.prefix import native_cache, prefix_check
 from redknot_jax.rope import apply_rope
 
 HIGHEST = jax.lax.Precision.HIGHEST
@@ -843,7 +844,7 @@ class Consumer:
         caches = [native_cache(attn, a.native_state(i), cap, self.model.dtype) if a is not None
                   else attn.init_cache(1, cap, self.model.dtype) for a in artifacts]
         cache = caches[0] if len(caches) == 1 else jax.tree.map(lambda *c: jnp.concatenate(c), *caches)
-        x, cache = chunk_jit(st, x, ids, jnp.asarray(pos0, jnp.int32).reshape(-1),
+        x, cache = block_jit(st, x, ids, jnp.asarray(pos0, jnp.int32).reshape(-1),
                              jnp.asarray(n_real, jnp.int32).reshape(-1), cache, graphdef=gd, freqs=self.model.freqs(i),
                              block=min(self.block, x.shape[1]),
                              kernels=self.prefill_kernels if x.shape[0] == 1 else self.batch_kernels,

@@ -6,20 +6,15 @@ The first document of a request sits at offset 0, so causal attention makes its 
 *the* state of those rows in every layer: its rows are computed in no layer. A layer's cache
 is rebuilt from the artifact (`native_cache`: fence layers from `Artifact.prefix_layers`,
 reusable layers from their K=V rows, entries and compressor states) and the remaining rows run
-natively as one chunk at pos0 = L (`chunk_jit`; `Block.__call__` is chunk-incremental). A
+natively as one chunk at pos0 = L (`model.block_jit`; `Block.__call__` is chunk-incremental). A
 request of a prefix document plus new rows therefore gives the Recomputed arm's logits.
 """
 
 from __future__ import annotations
 
-import functools
-
 import numpy as np
-import jax
 import jax.numpy as jnp
-from flax import nnx
 
-from redknot_jax.indexer import TOPK_STAGES
 from redknot_jax.reuse.certificate import can_prefix
 
 
@@ -42,15 +37,6 @@ def native_cache(attn, state: dict, cap: int, dtype) -> dict:
         c[name] = jnp.pad(e, ((0, c[name].shape[1] - e.shape[0]), (0, 0)))[None].astype(dtype)
         c[st] = {k: jnp.asarray(v)[None].astype(c[st][k].dtype) for k, v in state[st].items()}
     return c
-
-
-@functools.partial(jax.jit, static_argnames=("graphdef", "freqs", "block", "kernels", "topk_stages"),
-                   donate_argnames=("cache",))
-def chunk_jit(state, x, ids, pos0, n_real, cache, *, graphdef, freqs, block, kernels="", topk_stages=TOPK_STAGES):
-    """A native layer over b requests' chunks x [b, t, ...] at pos0 [b] (n_real [b] real rows)
-    with caches that hold the rows before them: (x, new caches)."""
-    blk = nnx.merge(graphdef, state)
-    return blk(x, ids, pos0, n_real, cache, freqs, block, kernels=kernels, topk_stages=topk_stages)
 
 
 def prefix_check(artifact, tokens, num_layers: int) -> None:

@@ -86,7 +86,7 @@ def test_native_cache_equals_the_native_runs_cache(model, docs, arts):
 def count_rows(monkeypatch) -> list:
     """Patch the consumer's layer programs to record, per call, (first position, rows) handed in."""
     seen = []
-    for name, pos in (("chunk_jit", lambda a: int(a[1][0])), ("_native_jit", lambda a: 0),
+    for name, pos in (("block_jit", lambda a: int(a[1][0])), ("_native_jit", lambda a: 0),
                       ("_native_cache_jit", lambda a: 0), ("_reusable_jit", lambda a: int(a[1]["pos"][0])),
                       ("_reusable_keys_jit", lambda a: int(a[1]["pos"][0]))):
         fn = getattr(consumer_mod, name)
