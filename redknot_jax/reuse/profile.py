@@ -211,13 +211,17 @@ class RedKnotProfile:
 
 # ------------------------------------------------------------------------------- presets
 def flash_profile() -> RedKnotProfile:
-    """DeepSeek-V4-Flash, 3F-37R-3F: 7 Local + 1 Global head per group (56 / 8 of 64)."""
-    return RedKnotProfile(name="flash-3F-37R-3F")
+    """DeepSeek-V4-Flash, 3F-37R-3F: 7 Local + 1 Global head per group (56 / 8 of 64).
+    ffn_rows="restore": on the shipped QA model restoring the FFN output of unprotected rows
+    gives the answers of running it (docs/quality.md, "Speed-quality frontier") without their
+    MoE; the artifacts then carry it (8 KB per row and reusable layer at Flash shapes)."""
+    return RedKnotProfile(name="flash-3F-37R-3F", ffn_rows="restore")
 
 
 def pro_profile() -> RedKnotProfile:
-    """DeepSeek-V4-Pro, 3F-55R-3F: 7 Local + 1 Global head per group (112 / 16 of 128)."""
-    return RedKnotProfile(name="pro-3F-55R-3F")
+    """DeepSeek-V4-Pro, 3F-55R-3F: 7 Local + 1 Global head per group (112 / 16 of 128);
+    ffn_rows="restore" as `flash_profile`."""
+    return RedKnotProfile(name="pro-3F-55R-3F", ffn_rows="restore")
 
 
 def tiny_profile(n_layers: int) -> RedKnotProfile:
