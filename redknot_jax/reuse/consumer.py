@@ -170,6 +170,12 @@ def _pass_a(q, tab, kv_abs, ents, sink, scale, kind, block, window, csa_ids, spa
     return o
 
 
+def _frame_first(key_frame, frame):
+    """Each computed row's frame's first key row, from the frame index per key row
+    (nondecreasing) and per computed row."""
+    return jnp.searchsorted(key_frame, frame, side="left").astype(jnp.int32)
+
+
 def _pass_a_sparse(q, tab, kv_abs, ents, sink, scale, block, window, csa_ids):
     """`_pass_a` of a CSA layer by the gathered-key kernel. Per row its key list: the window rows
     of its own frame (positions p - j, j < min(window, p - frame start + 1), nearest first),
@@ -178,7 +184,7 @@ def _pass_a_sparse(q, tab, kv_abs, ents, sink, scale, block, window, csa_ids):
     T = kv_abs.shape[0]
     table = jnp.concatenate([kv_abs, ents[0].astype(kv_abs.dtype)])
     end = ents[1]
-    first = jnp.searchsorted(tab["key_frame"], tab["frame"], side="left").astype(jnp.int32)  # frames' first rows
+    first = _frame_first(tab["key_frame"], tab["frame"])
     qp = jnp.pad(q, ((0, 0), (0, SPARSE_HEADS - nh), (0, 0)))
     sp = jnp.pad(sink, (0, SPARSE_HEADS - nh))
 

@@ -299,10 +299,11 @@ def test_native_csa_layers_run_the_kernel_interpret(monkeypatch):
     assert rel_err(kernel, xla) < 2 * floor
 
 
-def _pass_a_problem(*, t, nh, k, n_ent, topk, window, block, frames, dtype=jnp.float32, seed=7):
+def _pass_a_problem(*, t, nh, k, n_ent, topk, window, block, frames, dtype=jnp.float32, seed=7, first=0):
     """`consumer._pass_a`'s arguments for a CSA layer: rows in frames of the given lengths, entry
     e ending at row m e + m - 1 (m = t / n_ent), each row's document-local picks valid first and
-    only among entries that ended before it (as artifacts store them)."""
+    only among entries that ended before it (as artifacts store them). `first`: the queries are
+    rows first.. only (the rows after an exact prefix), the keys every row."""
     from redknot_jax.config import CSA
 
     rng = np.random.default_rng(seed)
@@ -315,8 +316,10 @@ def _pass_a_problem(*, t, nh, k, n_ent, topk, window, block, frames, dtype=jnp.f
         pick = rng.permutation(seen)[: rng.integers(0, topk + 1)]
         ids[r, : pick.size] = pick
     f = lambda *shape: jnp.asarray(rng.normal(size=shape), jnp.float32).astype(dtype)
-    return (f(t, nh, k), {"frame": jnp.asarray(frame)}, f(t, k), (f(n_ent, k), jnp.asarray(end)),
-            f(nh).astype(jnp.float32), k ** -0.5, CSA, block, window, jnp.asarray(ids))
+    tab = {"frame": jnp.asarray(frame[first:]), "key_frame": jnp.asarray(frame),
+           "pos": jnp.arange(first, t, dtype=jnp.int32)}
+    return (f(t, nh, k)[first:], tab, f(t, k), (f(n_ent, k), jnp.asarray(end)),
+            f(nh).astype(jnp.float32), k ** -0.5, CSA, block, window, jnp.asarray(ids[first:]))
 
 
 @pytest.mark.gpu
@@ -361,7 +364,13 @@ def test_pass_a_hands_the_global_heads_to_the_kernel(monkeypatch):
     want = consumer._pass_a(*args)
     assert rel_err(consumer._pass_a(*args, sparse=True), want) < 1e-5
     assert calls and all(c == (block, sp.HEADS, k) for c in calls)
-    monkeypatch.setattr(consumer, "_frame_first", jnp.zeros_like)  # windows cross into earlier frames
+    # the rows after a 16-row exact prefix: the same outputs as those rows of the full pass, both forms
+    after = _pass_a_problem(t=64, nh=2, k=k, n_ent=16, topk=4, window=8, block=block, frames=(20, 24, 20),
+                            first=16)
+    for sparse in (False, True):
+        assert rel_err(consumer._pass_a(*after, sparse=sparse), want[16:]) < 1e-5, sparse
+    # windows crossing into earlier frames: a negative control
+    monkeypatch.setattr(consumer, "_frame_first", lambda key_frame, frame: jnp.zeros_like(frame))
     assert rel_err(consumer._pass_a(*args, sparse=True), want) > 1e-2
     monkeypatch.undo()
 
