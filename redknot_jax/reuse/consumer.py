@@ -593,22 +593,6 @@ def _native_jit(state, x, ids, n_real, *, graphdef, freqs, block, cap, kernels="
     return x
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "freqs", "block", "cap", "kernels", "topk_stages"))
-def _native_cache_jit(state, x, ids, n_real, *, graphdef, freqs, block, cap, kernels="", topk_stages=TOPK_STAGES):
-    """A native layer over one request, keeping its cache (capacity `cap` rows) for decoding."""
-    blk = nnx.merge(graphdef, state)
-    return blk(x, ids, jnp.zeros((1,), jnp.int32), n_real, blk.attn.init_cache(1, cap, x.dtype), freqs, block,
-               kernels=kernels, topk_stages=topk_stages)
-
-
-@functools.partial(jax.jit, static_argnames=("graphdef", "freqs"))
-def _native_step_jit(state, x, ids, pos0, cache, *, graphdef, freqs):
-    """New rows x [1, g, ...] at pos0 through a native layer with its cache."""
-    blk = nnx.merge(graphdef, state)
-    g = x.shape[1]
-    return blk(x, ids, pos0[None], jnp.full((1,), g, jnp.int32), cache, freqs, g)
-
-
 @functools.partial(jax.jit, static_argnames=("graphdef", "freqs", "glob", "block", "fan", "kernels", "topk_stages",
                                              "ffn_rows"))
 def _reusable_keys_jit(state, x, ids, tab, pool_layer, keep_rows, *, graphdef, freqs, glob, block, fan, kernels,
@@ -829,10 +813,10 @@ class Consumer:
     def _native_cache(self, i, x, ids, t_real, t, state: "DecodeState"):
         """Layer i native over one request, its cache (room for `state.cap` rows) kept in `state`."""
         gd, st = self.defs[i]
-        x, state.layers[i] = _native_cache_jit(
-            st, x, ids, jnp.full((1,), t_real, jnp.int32), graphdef=gd, freqs=self.model.freqs(i),
-            block=min(self.block, t), cap=max(state.cap, self._cap(t)), kernels=self.prefill_kernels,
-            topk_stages=self.topk_stages)
+        cache = self.model.layers[i].attn.init_cache(1, max(state.cap, self._cap(t)), x.dtype)
+        x, state.layers[i] = block_jit(st, x, ids, jnp.zeros((1,), jnp.int32), jnp.full((1,), t_real, jnp.int32), cache,
+                                       graphdef=gd, freqs=self.model.freqs(i), block=min(self.block, t),
+                                       kernels=self.prefill_kernels, topk_stages=self.topk_stages)
         return x
 
     def _prefix_cap(self, L: int, c: int, n: int) -> int:
@@ -1028,8 +1012,8 @@ class Consumer:
         for i in range(cfg.num_layers):
             gd, st = self.defs[i]
             if state.native or prof.is_fence(i, cfg.num_layers):
-                x, state.layers[i] = _native_step_jit(st, x, ids, jnp.int32(t0), state.layers[i], graphdef=gd,
-                                                      freqs=self.model.freqs(i))
+                x, state.layers[i] = block_jit(st, x, ids, jnp.full((1,), t0, jnp.int32), jnp.ones((1,), jnp.int32),
+                                               state.layers[i], graphdef=gd, freqs=self.model.freqs(i), block=1)
                 continue
             pool_layer = state.pool.layers[i]
             if not state.stepped:  # the first step: the request's entries, once

@@ -18,10 +18,10 @@ from flax import nnx
 
 from redknot_jax import config
 from redknot_jax.init import random_model
+from redknot_jax.model import block_jit
 from redknot_jax.reuse import consumer as consumer_mod
 from redknot_jax.reuse.artifact import Artifact, build_artifact
 from redknot_jax.reuse.certificate import Certificate, FallbackReason, can_prefix, payload_digest
-from redknot_jax.reuse.consumer import _native_cache_jit
 from redknot_jax.reuse.planner import Request, Segment
 from redknot_jax.reuse.prefix import native_cache
 from redknot_jax.reuse.profile import tiny_profile
@@ -74,8 +74,9 @@ def test_native_cache_equals_the_native_runs_cache(model, docs, arts):
                                                                                  "idx_entries", "idx"}
     for i, blk in enumerate(model.layers):
         gd, st = nnx.split(blk)
-        x, want = _native_cache_jit(st, x, ids, jnp.full((1,), n, jnp.int32), graphdef=gd, freqs=model.freqs(i),
-                                    block=min(rt_consumer.block, t), cap=cap)
+        x, want = block_jit(st, x, ids, jnp.zeros((1,), jnp.int32), jnp.full((1,), n, jnp.int32),
+                            blk.attn.init_cache(1, cap, model.dtype), graphdef=gd, freqs=model.freqs(i),
+                            block=min(rt_consumer.block, t))
         got = native_cache(blk.attn, art.native_state(i), cap, model.dtype)
         assert jax.tree.structure(got) == jax.tree.structure(want), i
         for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(got)[0], jax.tree.leaves(want)):
@@ -87,7 +88,7 @@ def count_rows(monkeypatch) -> list:
     """Patch the consumer's layer programs to record, per call, (first position, rows) handed in."""
     seen = []
     for name, pos in (("block_jit", lambda a: int(a[1][0])), ("_native_jit", lambda a: 0),
-                      ("_native_cache_jit", lambda a: 0), ("_reusable_jit", lambda a: int(a[1]["pos"][0])),
+                      ("_reusable_jit", lambda a: int(a[1]["pos"][0])),
                       ("_reusable_keys_jit", lambda a: int(a[1]["pos"][0]))):
         fn = getattr(consumer_mod, name)
         monkeypatch.setattr(consumer_mod, name, lambda st, x, *a, _fn=fn, _pos=pos, **k:
