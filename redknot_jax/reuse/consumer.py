@@ -810,25 +810,16 @@ class Consumer:
         return _logits_jit(self.top_state, x, jnp.asarray(padded)[None], graphdef=self.top_def)[0, :rows.size]
 
     # -------------------------------------------------------------- arms
-    def _native_cache(self, i, x, ids, t_real, t, state: "DecodeState"):
-        """Layer i native over one request, its cache (room for `state.cap` rows) kept in `state`."""
-        gd, st = self.defs[i]
-        cache = self.model.layers[i].attn.init_cache(1, max(state.cap, self._cap(t)), x.dtype)
-        x, state.layers[i] = block_jit(st, x, ids, jnp.zeros((1,), jnp.int32), jnp.full((1,), t_real, jnp.int32), cache,
-                                       graphdef=gd, freqs=self.model.freqs(i), block=min(self.block, t),
-                                       kernels=self.prefill_kernels, topk_stages=self.topk_stages)
-        return x
-
     def _prefix_cap(self, L: int, c: int, n: int) -> int:
         """Cache capacity of a request of n rows (decode rows included) whose exact prefix of L
         rows is followed by c padded computed rows: whole windows of both compression rates."""
         return ceil_to(max(self._cap(n), L + c), math.lcm(self.cfg.hca_rate, self.cfg.csa_rate))
 
-    def _prefix_fence(self, i, x, ids, pos0, n_real, cap, artifacts, state: "DecodeState | None" = None):
-        """Native layer i over computed rows x [b, C, ...] after each request's exact prefix
-        (`artifacts`: one per request, None for a request without one; its pos0 is then 0), the
-        layer's cache rebuilt from the artifact (`prefix.native_cache`); with `state` (one
-        request) the cache is kept for decoding."""
+    def _native_cached(self, i, x, ids, pos0, n_real, cap, artifacts, state: "DecodeState | None" = None):
+        """Native layer i over computed rows x [b, C, ...] with a cache of `cap` rows: after each
+        request's exact prefix (`artifacts`: one per request, None for a request without one,
+        whose pos0 is then 0), the cache rebuilt from the artifact (`prefix.native_cache`); with
+        `state` (one request) the cache is kept for decoding."""
         gd, st = self.defs[i]
         attn = self.model.layers[i].attn
         caches = [native_cache(attn, a.native_state(i), cap, self.model.dtype) if a is not None
@@ -856,7 +847,8 @@ class Consumer:
         state = DecodeState(t_real, self._cap(t_real + decode_rows), None, native=True) \
             if decode_rows else None
         for i in range(self.cfg.num_layers):
-            x = self._native(i, x, ids, t_real, t) if state is None else self._native_cache(i, x, ids, t_real, t, state)
+            x = self._native(i, x, ids, t_real, t) if state is None else \
+                self._native_cached(i, x, ids, 0, t_real, state.cap, [None], state)
             clock.lap(x)
         logits = self._logits(x, query_rows)
         return (logits, state) if decode_rows else logits
@@ -880,7 +872,7 @@ class Consumer:
         clock = _LayerClock(layer_times, x)
         state = DecodeState(n, cap, None, native=True)
         for i in range(self.cfg.num_layers):
-            x = self._prefix_fence(i, x, ids, L, t_real, cap, [artifact], state)
+            x = self._native_cached(i, x, ids, L, t_real, cap, [artifact], state)
             clock.lap(x)
         logits = self._logits(x, q - L)
         return (logits, state) if decode_rows else logits
@@ -895,8 +887,7 @@ class Consumer:
         scores = np.full(plan.n_rows, -np.inf)
         conc = 1.0
         L = plan.prefix
-        docs = [f for k, f in enumerate(plan.frames)
-                if f.artifact is not None and f.doc_len >= cfg.csa_rate and not (k == 0 and L)]
+        docs = [f for f in plan.candidate_frames if f.doc_len >= cfg.csa_rate]
         if csa and docs:
             li, m = csa[0], cfg.csa_rate
             keys = jnp.concatenate([jnp.asarray(f.artifact.layers[li]["idx_entries"]) for f in docs])
@@ -942,7 +933,7 @@ class Consumer:
         Returns (logits [q, vocab], fan-out histogram [k+1] over reusable layers and rows), and
         with `decode_rows` > 0 a `DecodeState` for that many generated rows (`decode_step`).
         `layer_times`: a profile; each layer is waited for and its seconds appended (the first
-        reusable layer's include the controller and the layout); `layer_times` (directory,
+        reusable layer's include the controller and the layout); `layer_traces` (directory,
         layers): those layers traced on their own (`_LayerClock`). An exact prefix
         (`plan.prefix` rows) is computed in no layer (module doc)."""
         cfg, prof = self.cfg, self.profile
@@ -955,12 +946,10 @@ class Consumer:
         state = DecodeState(n, cap, pool) if decode_rows else None
         for i in range(cfg.num_layers):
             if prof.is_fence(i, cfg.num_layers):
-                if L:
-                    x = self._prefix_fence(i, x, ids, L, t_real, cap, [plan.frames[0].artifact], state)
-                elif state is None:
-                    x = self._native(i, x, ids, t_real, t)
+                if L or state is not None:
+                    x = self._native_cached(i, x, ids, L, t_real, cap, [plan.frames[0].artifact if L else None], state)
                 else:
-                    x = self._native_cache(i, x, ids, t_real, t, state)
+                    x = self._native(i, x, ids, t_real, t)
                 clock.lap(x)
                 continue
             pool_layer = pool.layers[i]  # read once: a HostPool streams each layer once
@@ -1066,7 +1055,7 @@ class Consumer:
         firsts = [p.frames[0].artifact if p.prefix else None for p in plans]
         for i in range(cfg.num_layers):
             if prof.is_fence(i, cfg.num_layers):
-                x = self._prefix_fence(i, x, ids, Ls, t_real, cap, firsts) if any(Ls) else \
+                x = self._native_cached(i, x, ids, Ls, t_real, cap, firsts) if any(Ls) else \
                     self._native(i, x, ids, t_real, t)
                 continue
             pool_layer = pool.layers[i]

@@ -107,6 +107,13 @@ class Plan:
                                    frame_of_row=np.r_[self.frame_of_row, np.full(n_new, len(frames) - 1)],
                                    doc_row=np.r_[self.doc_row, np.zeros(n_new, bool)], query_rows=np.array([t - 1]))
 
+    @property
+    def candidate_frames(self) -> list[Frame]:
+        """Frames whose document rows are candidates: every frame backed by an artifact but the
+        exact prefix's."""
+        return [f for k, f in enumerate(self.frames) if f.artifact is not None and f.doc_len
+                and not (k == 0 and self.prefix)]
+
     def fraction_protected(self) -> float:
         """Protected share of the candidate rows (what the tail and budget yield)."""
         return float((self.protected & self.doc_row).sum() / max(1, self.candidates))
@@ -126,10 +133,9 @@ def exact_prefix(req: Request) -> int:
     return L
 
 
-def plan_request(req: Request, profile: RedKnotProfile, prefix: bool = True) -> Plan:
-    """Offsets, frames and every row class except I (which needs the model's indexer).
-    `prefix`: take the first document as an exact prefix where it can be one (`exact_prefix`);
-    False relocates it at offset 0 like any document (every row computed)."""
+def plan_request(req: Request, profile: RedKnotProfile) -> Plan:
+    """Offsets, frames and every row class except I (which needs the model's indexer); the
+    first document is the exact prefix where it can be one (`exact_prefix`)."""
     if not req.segments:
         raise RequestError("request: no segments")
     frames, fr, doc = [], [], []
@@ -175,7 +181,7 @@ def plan_request(req: Request, profile: RedKnotProfile, prefix: bool = True) -> 
     cl["T"] = np.arange(t) >= t - profile.tail_rows
     cl["I"] = np.zeros(t, bool)
     doc = np.asarray(doc)
-    L = exact_prefix(req) if prefix else 0
+    L = exact_prefix(req)
     doc[:L] = False
     for v in cl.values():
         v[:L] = False

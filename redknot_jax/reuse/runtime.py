@@ -378,8 +378,8 @@ class ReuseRuntime:
             qr = jnp.asarray(plan.query_rows)
             m = blk.attn.indexer.m
             all_scores = []
-            for fi, f in enumerate(plan.frames):
-                if f.artifact is None or f.doc_len < m or (fi == 0 and plan.prefix):  # no candidates
+            for f in plan.candidate_frames:
+                if f.doc_len < m:
                     continue
                 keys = f.artifact.layers[li]["idx_entries"]
                 s = index_scores(rotate(iq[0, qr], -f.offset, freqs)[None], iw[:, qr], keys[None])[0]  # [q, w]
@@ -398,11 +398,10 @@ class ReuseRuntime:
             first, freqs = model.layers[li], model.freqs(li)
             xa = first.attn_norm(first.hc_attn.pre(x)[0])
             dev = np.zeros(plan.n_rows)
-            for fi, f in enumerate(plan.frames):
-                if f.artifact is not None and f.doc_len and not (fi == 0 and plan.prefix):
-                    rows = slice(f.start, f.start + f.doc_len)
-                    kv = first.attn.latent(xa[:, rows], jnp.arange(f.doc_len)[None], freqs)[0]
-                    dev[rows] = np.asarray(latent_deviation(kv, f.artifact.layers[li]["kv"]))
+            for f in plan.candidate_frames:
+                rows = slice(f.start, f.start + f.doc_len)
+                kv = first.attn.latent(xa[:, rows], jnp.arange(f.doc_len)[None], freqs)[0]
+                dev[rows] = np.asarray(latent_deviation(kv, f.artifact.layers[li]["kv"]))
         fill_itop(plan, scores, budget, row_risk(plan, self.reusable), dev)
 
     def _reusable_layer(self, i: int, blk, x, plan: Plan):
