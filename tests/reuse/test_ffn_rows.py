@@ -14,6 +14,7 @@ import pytest
 
 from redknot_jax import config
 from redknot_jax.init import random_model
+from redknot_jax.attention import Attention
 from redknot_jax.moe import MoE
 from redknot_jax.reuse.planner import Request, plan_request
 from redknot_jax.reuse.profile import tiny_profile
@@ -44,12 +45,17 @@ def test_consumer_equals_reference_and_skips_the_rows(model, mode, monkeypatch):
     rt = ReuseRuntime(m, prof, "fp")
     ref = rt.prefill(req, "redknot", require_reuse=True, path="reference")
     # count the rows each MoE call is handed (traced once per program: fresh caches)
+    # and the rows whose latent is computed
     seen, call = [], MoE.__call__
     monkeypatch.setattr(MoE, "__call__", lambda self, x, *a, **k: seen.append(x.shape[1]) or call(self, x, *a, **k))
+    latent_rows, latent = [], Attention.latent
+    monkeypatch.setattr(Attention, "latent", lambda self, x, *a, **k: latent_rows.append(x.shape[1])
+                        or latent(self, x, *a, **k))
     jax.clear_caches()
     pool = rt.consumer.pool(arts)
     fast = rt.prefill(req, "redknot", require_reuse=True, pool=pool, decode_rows=4)
     monkeypatch.setattr(MoE, "__call__", call)
+    monkeypatch.setattr(Attention, "latent", latent)
     plan = fast.plan
     assert (plan.protected == ref.plan.protected).all() and 0 < plan.fraction_protected() < 1
     assert rel_err(fast.logits, ref.logits) < TOL["consumer_vs_reference"][0]
@@ -61,6 +67,10 @@ def test_consumer_equals_reference_and_skips_the_rows(model, mode, monkeypatch):
     t_padded = rt.consumer._rows(plan.n_rows - plan.prefix)
     assert prot_padded < t_padded and prot_padded in seen  # the reusable layers' MoE: gathered rows
     assert plan.prefix and set(seen) == {t_padded, prot_padded}  # fences: every row after the exact prefix
+    # latents: the fences' computed rows, and in reusable layers the own rows only (new rows and the
+    # rows online entries pool), not the unprotected document rows
+    own_padded = rt.consumer.buckets(fast.decode.own, rt.consumer.block)
+    assert own_padded < t_padded and set(latent_rows) == {t_padded, own_padded}
     # the mode changes the answer (a negative control against a silently ignored field)
     run = ReuseRuntime(m, dataclasses.replace(prof, ffn_rows="run"), "fp").prefill(req, "redknot", pool=pool)
     assert rel_err(fast.logits, run.logits) > 1e-4
