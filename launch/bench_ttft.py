@@ -71,6 +71,7 @@ from redknot_jax.init import random_model
 from redknot_jax.pallas import KERNELS
 from redknot_jax.reuse import ledger as ledgers
 from redknot_jax.reuse.artifact import build_artifact
+from redknot_jax.reuse.codec import CODECS
 from redknot_jax.reuse.planner import Request, Segment, plan_request
 from redknot_jax.reuse.pool import Buckets
 from redknot_jax.reuse.profile import FANOUT_MODES, FFN_ROWS, flash_profile, tiny_profile
@@ -126,7 +127,7 @@ def profile_variant(prof, **over):
 
 
 PROFILE_SPEC = "'default' or dash-joined fields: tailN (tail rows), bNN (budget %), omit|restore|run (ffn_rows), " \
-               "k3|tau|native (fan-out), e.g. 'tail0-b10-omit'"
+               "k3|tau|native (fan-out), fp8|fp4 (artifact_codec), e.g. 'tail0-b10-omit' or 'tail0-b10-omit-fp4'"
 
 
 def parse_profile(base, spec: str):
@@ -137,6 +138,8 @@ def parse_profile(base, spec: str):
             over["ffn_rows"] = part
         elif part in FANOUT_MODES:
             over["fanout_mode"] = part
+        elif part in CODECS and part != "dense":
+            over["artifact_codec"] = part
         elif part.startswith("tail") and part[4:].isdigit():
             over["tail_rows"] = int(part[4:])
         elif part.startswith("b") and part[1:].isdigit() and 0 < int(part[1:]) <= 100:
@@ -295,9 +298,10 @@ def main(argv=None):
         except ValueError as e:
             ap.error(f"--profiles: {e}")
         variants = {spec: next(iter(variants.values())) for spec in profs}
-    producer = {(p.fence_first, p.fence_last, p.global_head) for p in profs.values()}
+    producer = {(p.fence_first, p.fence_last, p.global_head, p.artifact_codec) for p in profs.values()}
     if len(producer) > 1:
-        ap.error("--profiles: the variants must share fences and Global head (one set of artifacts serves them)")
+        ap.error("--profiles: the variants must share fences, Global head and artifact codec (one set of artifacts "
+                 "serves them)")
     rts = {v: ReuseRuntime(model, profs[v], checkpoint_fingerprint=f"random-{args.preset}-seed-0",
                            kernels=k.replace("+", ","), buckets=args.shape_buckets, topk_stages=n)
            for v, (k, n) in variants.items()}

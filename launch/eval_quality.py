@@ -63,7 +63,8 @@ def variants(names: list[str], reusable: range, n_layers: int, window: int = 128
     (`itop_rank="deviation"`); and any of these followed by `-refresh`: the same with the
     protected rows' latents recomputed (`latent_refresh="protected"`; b100-native-refresh must
     give the Recomputed answers); any of these followed by `-omit`, `-restore` or `-run`: the same with
-    that `ffn_rows`."""
+    that `ffn_rows`; any of these followed by `-fp8` or `-fp4`: the same with artifacts in that
+    compact codec (`artifact_codec`, reuse/codec.py; otherwise the shipped profile's)."""
     modes = {"native": "fan-out off", "tau": "fan-out on", "k3": "K3"}
     plain = {"itop_rank": "indexer", "latent_refresh": "none"}  # until -dev / -refresh say otherwise
     controller = {"budget_override": None, "fanout_mode": "tau", **plain}
@@ -104,6 +105,11 @@ def variants(names: list[str], reusable: range, n_layers: int, window: int = 128
             return refreshed(base)
         if n.endswith("-dev") and (base := parse(n[:-len("-dev")])):
             return deviated(base)
+        for c in ("fp8", "fp4"):
+            if n.endswith(f"-{c}") and (base := parse(n[:-len(c) - 1])):
+                shipped = "the shipped profile" if base[0] == "default" else "controller, fan-out on"
+                return (n, {**base[1], "artifact_codec": c, "_label": base[1].get("_label", shipped)
+                            + f", artifacts {c}"})
         for mode in ("omit", "restore", "run"):
             if n.endswith(f"-{mode}") and (base := parse(n[:-len(mode) - 1])):
                 shipped = "the shipped profile" if base[0] == "default" else "controller, fan-out on"
@@ -119,7 +125,7 @@ def variants(names: list[str], reusable: range, n_layers: int, window: int = 128
     bad = [n for n, v in found.items() if v is None]
     if bad:
         raise SystemExit(f"--variants: unknown {bad}; known: all, {', '.join(known)}, and the forms reuse-A-B "
-                         f"(layers 0-{n_layers - 1}), bNN-MODE (NN 1-100, MODE native / tau / k3), NAME-dev, NAME-refresh, NAME-omit / -restore / -run")
+                         f"(layers 0-{n_layers - 1}), bNN-MODE (NN 1-100, MODE native / tau / k3), NAME-dev, NAME-refresh, NAME-omit / -restore / -run, NAME-fp8 / -fp4")
     return [found[n] for n in names]
 
 
@@ -153,9 +159,11 @@ def bootstrap_ci(diff: np.ndarray, reps: int, rng) -> tuple[float, float]:
     return float(np.percentile(means, 2.5)), float(np.percentile(means, 97.5))
 
 
-def summarize(records, reps: int, seed: int):
+def summarize(records, reps: int, seed: int, paired_with: str | None = None):
     """Per variant and question type (and 'all'): both arms' EM / F1, paired differences with
-    bootstrap intervals, first-token agreement, mean KL, protected share."""
+    bootstrap intervals, first-token agreement, mean KL, protected share; with `paired_with`
+    also "vs_paired": the RedKnot EM / F1 differences from that variant's on the same questions,
+    with intervals, and the mean first-token KL(paired_with || variant)."""
     out = {}
     rng = np.random.default_rng(seed)
     for var in sorted({r["variant"] for r in records}, key=lambda v: [r["variant"] for r in records].index(v)):
@@ -175,6 +183,14 @@ def summarize(records, reps: int, seed: int):
             d["first_token_agreement"] = float(np.mean([r["first_agree"] for r in sub]))
             d["mean_kl"] = float(np.mean([r["kl"] for r in sub]))
             d["protected_share"] = float(np.mean([r["protected"] for r in sub]))
+            if paired_with is not None:
+                ref = {(r["episode"], r["qa"]): r for r in records if r["variant"] == paired_with}
+                d["vs_paired"] = {"variant": paired_with,
+                                  "mean_kl": float(np.mean([r["kl_vs_paired"] for r in sub]))}
+                for m in ("em", "f1"):
+                    diff = np.array([r[f"redknot_{m}"] - ref[(r["episode"], r["qa"])][f"redknot_{m}"] for r in sub])
+                    lo, hi = bootstrap_ci(diff, reps, rng)
+                    d["vs_paired"].update({f"diff_{m}": float(diff.mean()) * 100, f"diff_{m}_ci": [lo * 100, hi * 100]})
             out[var][qt] = d
     return out
 
@@ -191,6 +207,14 @@ def markdown(summary, labels) -> str:
                 f"{d['diff_em']:+.1f} [{ci_e[0]:+.1f}, {ci_e[1]:+.1f}] | {d['recompute_f1']:.1f} | "
                 f"{d['redknot_f1']:.1f} | {d['diff_f1']:+.1f} [{ci_f[0]:+.1f}, {ci_f[1]:+.1f}] | "
                 f"{d['first_token_agreement']:.0%} | {d['mean_kl']:.4f} | {d['protected_share']:.0%} |")
+    paired = [(var, qt, d["vs_paired"]) for var, per in summary.items() for qt, d in per.items() if "vs_paired" in d]
+    if paired:
+        lines += ["", f"RedKnot against RedKnot `{paired[0][2]['variant']}`, question by question:", "",
+                  "| variant | type | ΔEM [95 % CI] | ΔF1 [95 % CI] | first-token KL |", "|" + "---|" * 5]
+        for var, qt, p in paired:
+            ci_e, ci_f = p["diff_em_ci"], p["diff_f1_ci"]
+            lines.append(f"| {labels.get(var, var)} | {qt} | {p['diff_em']:+.1f} [{ci_e[0]:+.1f}, {ci_e[1]:+.1f}] | "
+                         f"{p['diff_f1']:+.1f} [{ci_f[0]:+.1f}, {ci_f[1]:+.1f}] | {p['mean_kl']:.4f} |")
     return "\n".join(lines)
 
 
@@ -252,6 +276,10 @@ def main(argv=None):
     ap.add_argument("--max-new", type=int, default=3)
     ap.add_argument("--bootstrap", type=int, default=2000)
     ap.add_argument("--out", default=None, help="path prefix: writes PREFIX.json and PREFIX.md")
+    ap.add_argument("--paired-with", default=None, metavar="VARIANT",
+                    help="also compare every variant with this one (one of --variants), question by question: "
+                         "paired ΔEM / ΔF1 with bootstrap intervals and the first-token KL(VARIANT || variant), "
+                         "e.g. compact artifacts against dense ones: --variants default,default-fp4 --paired-with default")
     args = ap.parse_args(argv)
 
     model = load_model(args.checkpoint)
@@ -259,6 +287,8 @@ def main(argv=None):
     fingerprint = f"qa_model:{pathlib.Path(args.checkpoint).name}"
     base = profile_of(args.checkpoint)
     vs = variants(args.variants.split(","), base.reusable_layers(cfg.num_layers), cfg.num_layers, cfg.sliding_window)
+    if args.paired_with is not None and args.paired_with not in dict(vs):
+        raise SystemExit(f"--paired-with: {args.paired_with!r} is not one of --variants {[n for n, _ in vs]}")
     runtimes = {}
     for name, ov in vs:
         ov = {k: v for k, v in ov.items() if not k.startswith("_")}
@@ -274,20 +304,22 @@ def main(argv=None):
         per_variant = {}  # the world's artifacts certified for each variant, packed once
         for name, _ in vs:
             prof = runtimes[name].profile
-            key = (prof.fence_first, prof.fence_last, prof.global_head, prof.ffn_rows == "restore")
+            key = (prof.fence_first, prof.fence_last, prof.global_head, prof.ffn_rows == "restore",
+                   prof.artifact_codec)
             if key not in built:
                 built[key] = [build_artifact(model, prof, np.asarray(d), checkpoint_fingerprint=fingerprint)
                               for d in ep.docs]
             va = [recertify(a, prof) for a in built[key]]
             artifact_layers[name] = sorted(int(i) for i in va[0].layers)
             per_variant[name] = (va, runtimes[name].consumer.pool(va))
-        for qa in ep.qas:
+        for qi, qa in enumerate(ep.qas):
             order = rng.permutation(len(ep.docs))
             gold = D.decode(qa.answer)
             t0 = time.perf_counter()
             req = Request([Segment(np.asarray(ep.docs[j])) for j in order] + [Segment(np.asarray(qa.question))])
             rec_ans, rec_first = greedy(rec_rt, req, "recompute", args.max_new)
             rec_txt = D.decode(rec_ans)
+            firsts = {}  # variant -> first-token logits
             for name, _ in vs:
                 rt = runtimes[name]
                 va, pool = per_variant[name]
@@ -295,8 +327,9 @@ def main(argv=None):
                               + [Segment(np.asarray(qa.question))])
                 ans, first = greedy(rt, req, "redknot", args.max_new, pool=pool)
                 txt = D.decode(ans)
+                firsts[name] = first.logits[-1]
                 records.append({
-                    "variant": name, "episode": e, "qtype": qa.qtype, "relation": qa.relation,
+                    "variant": name, "episode": e, "qa": qi, "qtype": qa.qtype, "relation": qa.relation,
                     "order": order.tolist(), "rows": int(req.tokens.size), "gold": gold,
                     "recompute": rec_txt, "redknot": txt,
                     "recompute_em": D.exact_match(rec_txt, gold), "redknot_em": D.exact_match(txt, gold),
@@ -305,6 +338,9 @@ def main(argv=None):
                     "kl": kl(rec_first.logits[-1], first.logits[-1]),
                     "protected": first.plan.fraction_protected(), "budget": first.plan.budget,
                     "concentration": first.plan.concentration})
+            if args.paired_with is not None:
+                for r in records[-len(vs):]:
+                    r["kl_vs_paired"] = kl(firsts[args.paired_with], firsts[r["variant"]])
             print(f"world {e} {qa.qtype}/{qa.relation}: gold {gold!r} recompute {rec_txt!r} "
                   f"redknot {[r['redknot'] for r in records[-len(vs):]]} ({time.perf_counter() - t0:.1f}s)",
                   flush=True)
@@ -317,7 +353,7 @@ def write(args, argv, base, vs, runtimes, records, artifact_layers, t_start, fin
     """The result so far: summary, table, certification counters and every record; written to
     --out after every world (so a run cut short keeps what it measured, `complete` false) and
     once more at the end, when the table is printed."""
-    summary = summarize(records, args.bootstrap, args.seed)
+    summary = summarize(records, args.bootstrap, args.seed, args.paired_with)
     labels = {name: (f"budget {ov['budget_override']:.0%}, {ov['_label']}" if ov.get("budget_override") is not None
                      else ov.get("_label", f"default: the shipped profile ({base.name})")) for name, ov in vs}
     table = markdown(summary, labels)
@@ -329,6 +365,7 @@ def write(args, argv, base, vs, runtimes, records, artifact_layers, t_start, fin
               "jax": jax.__version__, "checkpoint": args.checkpoint, "split": args.split, "templates": D.templates_of(args.checkpoint),
               "n_worlds": args.n, "worlds_done": len({r["episode"] for r in records}), "complete": final,
               "docs_per_request": args.docs, "profile": base.to_dict(), "variants": dict(vs),
+              "paired_with": args.paired_with,
               "artifact_layers": artifact_layers,
               "seconds": round(time.perf_counter() - t_start, 1), "summary": summary, "certification": certs,
               "records": records}

@@ -12,7 +12,10 @@ beyond its sliding window, which is what relocation changes; with a profile's
 entering mHC post). Per fence layer (`prefix_layers`): the native attention state the document
 leaves (K=V rows, entries, open compressor windows `cmp`, indexer keys and state), so the
 document can serve as an exact prefix (DESIGN §4; `reuse.prefix`). The certificate's `parts`
-name the optional parts held. Held in memory here; persistence is the store's job.
+name the optional parts held. A reusable layer's arrays are stored in the profile's
+`artifact_codec` (`reuse.codec`: dense, or z_L / ffn / the latents' NoPE part in FP8 or NVFP4);
+`Artifact.layer(i)` reads one back dense; fence layers' native states stay exact. Held in memory
+here; persistence is the store's job.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from flax import nnx
 from redknot_jax.generate import bucket
 from redknot_jax.pallas import resolve_kernels
 from redknot_jax.model import Model
+from redknot_jax.reuse import codec
 from redknot_jax.reuse.certificate import FORMAT_VERSION, Certificate, TPGeometry, payload_digest, token_digest
 from redknot_jax.reuse.profile import RedKnotProfile
 
@@ -48,13 +52,18 @@ class Artifact:
     def length(self) -> int:
         return int(self.tokens.shape[0])
 
+    def layer(self, i: int) -> dict:
+        """Reusable layer i's arrays dense (`codec.decode_layer`, in the dtype they were produced
+        in; top-k ids int32), whatever codec stores them."""
+        return codec.dense(self.layers[i])
+
     def native_state(self, layer: int) -> dict:
         """Layer `layer`'s native attention state (kv, and entries / cmp / idx_entries / idx
         where the layer has them): a fence layer's from `prefix_layers`, a reusable layer's
-        from `layers`. KeyError if the artifact holds neither."""
+        from `layers` (dense). KeyError if the artifact holds neither."""
         if layer in self.prefix_layers:
             return self.prefix_layers[layer]
-        d = self.layers[layer]
+        d = self.layer(layer)
         return {k: d[k] for k in ("kv", "entries", "cmp", "idx_entries", "idx") if k in d}
 
     def stored_layers(self) -> dict[int, dict]:
@@ -133,19 +142,13 @@ def _layer(state, x, ids, n_new, *, graphdef, freqs, block, cap, local, keep, ff
     return x, d
 
 
-def build_artifact(model: Model, profile: RedKnotProfile, tokens, *, checkpoint_fingerprint: str,
-                   generation: int = 1, tp: TPGeometry | None = None, kernels: str = "auto") -> Artifact:
-    """Run `tokens` alone at position 0 and keep what reusable layers need, and every fence
-    layer's native attention state (the "prefix" part; with `profile.ffn_rows == "restore"`
-    the "ffn" part too). kernels: the Mosaic GPU kernels the run uses
-    (`redknot_jax.pallas.resolve_kernels`; "auto": on a GPU those measured faster than XLA, as
-    the Recomputed arm runs)."""
+_encode = jax.jit(codec.encode_layer, static_argnames=("codec", "rope_dim"))
+
+
+def _produce(model: Model, profile: RedKnotProfile, tokens: np.ndarray, kernels: str):
+    """The document's run: (reusable layers in the profile's codec, fence layers' native states)."""
     cfg = model.cfg
-    kernels = resolve_kernels(kernels, model)
-    tokens = np.asarray(tokens, np.int32)
     n = int(tokens.shape[0])
-    if n < 1:
-        raise ValueError("build_artifact: empty document")
     width = bucket(n)
     ids = jnp.asarray(np.pad(tokens, (0, width - n)))[None]
     cap = -(-width // cfg.hca_rate) * cfg.hca_rate
@@ -153,23 +156,60 @@ def build_artifact(model: Model, profile: RedKnotProfile, tokens, *, checkpoint_
     n_new = jnp.full((1,), n, jnp.int32)
     local = tuple(bool(v) for v in local_head_mask(model, profile))
     reusable = set(profile.reusable_layers(cfg.num_layers))
-    parts = ("prefix",) + profile_parts(profile)
+    ffn = "ffn" in profile_parts(profile)
     layers, prefix = {}, {}
     for i, blk in enumerate(model.layers):  # one jitted program per distinct layer structure
         graphdef, state = nnx.split(blk)
         keep = "reusable" if i in reusable else "fence"
         x, d = _layer(state, x, ids, n_new, graphdef=graphdef, freqs=model.freqs(i), block=min(256, width),
-                      cap=cap, local=local, keep=keep, ffn=keep == "reusable" and "ffn" in parts, kernels=kernels)
+                      cap=cap, local=local, keep=keep, ffn=keep == "reusable" and ffn, kernels=kernels)
         m = blk.attn.compressor.m if blk.attn.compressor is not None else 1
         cut = {"kv": n, "zl": n, "far": n, "topk": n, "ffn": n, "entries": n // m}
         if blk.attn.indexer is not None:
             cut["idx_entries"] = n // blk.attn.indexer.m
-        (layers if keep == "reusable" else prefix)[i] = {k: (v[: cut[k]] if k in cut else v) for k, v in d.items()}
+        d = {k: (v[: cut[k]] if k in cut else v) for k, v in d.items()}
+        if keep == "reusable":
+            layers[i] = d if profile.artifact_codec == "dense" else _encode(
+                d, codec=profile.artifact_codec, rope_dim=cfg.rope_dim)
+        else:
+            prefix[i] = d
+    return layers, prefix
+
+
+def stored_bytes(cfg, profile: RedKnotProfile, n: int, dtype=jnp.bfloat16) -> dict:
+    """What an artifact of an n-token document holds, by shape alone (the producer traced on an
+    abstract model of `cfg` in `dtype`: no weights, nothing computed; any size, Flash's
+    included): {"reusable": bytes of the reusable layers (what a pool packs), "prefix": bytes
+    of the fence layers' native states, "total", "per_token": total / n}."""
+    abstract = nnx.eval_shape(lambda: Model(cfg, dtype))
+    graphdef, state = nnx.split(abstract)
+    tokens = np.zeros(n, np.int32)
+    shapes = jax.eval_shape(lambda st: _produce(nnx.merge(graphdef, st), profile, tokens, ""), state)
+    size = lambda tree: int(sum(np.prod(a.shape) * np.dtype(a.dtype).itemsize for a in jax.tree.leaves(tree)))
+    out = {"reusable": size(shapes[0]), "prefix": size(shapes[1])}
+    out["total"] = out["reusable"] + out["prefix"]
+    out["per_token"] = out["total"] / n
+    return out
+
+
+def build_artifact(model: Model, profile: RedKnotProfile, tokens, *, checkpoint_fingerprint: str,
+                   generation: int = 1, tp: TPGeometry | None = None, kernels: str = "auto") -> Artifact:
+    """Run `tokens` alone at position 0 and keep what reusable layers need, and every fence
+    layer's native attention state (the "prefix" part; with `profile.ffn_rows == "restore"`
+    the "ffn" part too), reusable layers in `profile.artifact_codec`. kernels: the Mosaic GPU
+    kernels the run uses (`redknot_jax.pallas.resolve_kernels`; "auto": on a GPU those measured
+    faster than XLA, as the Recomputed arm runs)."""
+    cfg = model.cfg
+    tokens = np.asarray(tokens, np.int32)
+    if tokens.shape[0] < 1:
+        raise ValueError("build_artifact: empty document")
+    layers, prefix = _produce(model, profile, tokens, resolve_kernels(kernels, model))
+    parts = ("prefix",) + profile_parts(profile)
     tp = tp or single_rank()
     art = Artifact(tokens=tokens, layers=layers, certificate=None, prefix_layers=prefix)
     art.certificate = Certificate(
         checkpoint_fingerprint=checkpoint_fingerprint, token_digest=token_digest(tokens),
         profile_digest=profile.digest(), model_digest=cfg.fingerprint(), tp=tp, generation=generation,
         format_version=FORMAT_VERSION, layers=tuple(sorted(art.stored_layers())), parts=tuple(sorted(parts)),
-        payload_digest=payload_digest(art.payload()))
+        codec=profile.artifact_codec, payload_digest=payload_digest(art.payload()))
     return art

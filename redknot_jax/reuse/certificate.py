@@ -3,7 +3,7 @@
 A certificate binds an artifact slice to everything its contents depend on: the checkpoint,
 the document's token ids, the profile, the model config, the TP geometry of the rank that
 reads it, the artifact generation and format, the layers it holds, the optional parts it holds
-(format 4: `PARTS`) and a checksum of its arrays. A consumer calls `validate` with what *it* expects; any difference is a
+(format 4: `PARTS`), the codec its rows are stored in (format 5: `reuse.codec`) and a checksum of its arrays. A consumer calls `validate` with what *it* expects; any difference is a
 `FallbackReason` and the request falls back to full recomputation before any reuse-specific
 collective (cross-rank agreement on (verdict, `Certificate.digest()`) lives in
 `redknot_jax/sharding/`, which reports `RANK_DISAGREEMENT`).
@@ -26,12 +26,15 @@ from typing import Any, Iterable, Mapping
 
 import numpy as np
 
+from redknot_jax.reuse.codec import CODECS
+
 # Bump when the artifact layout changes. 2: per-row controller statistic `far` in every reusable
-# layer; 3: chunked payload digest; 4: optional parts (`PARTS`) named in the certificate.
-FORMAT_VERSION = 4
+# layer; 3: chunked payload digest; 4: optional parts (`PARTS`) named in the certificate; 5: the
+# codec (`reuse.codec`) its rows are stored in.
+FORMAT_VERSION = 5
 # Formats a consumer still reads: a format-3 artifact relocates, but holds no optional part (so it
-# cannot serve as an exact prefix, `can_prefix`).
-READABLE_VERSIONS = (3, 4)
+# cannot serve as an exact prefix, `can_prefix`); formats 3 and 4 are "dense".
+READABLE_VERSIONS = (3, 4, 5)
 # Optional parts of an artifact (format >= 4): "prefix" = every fence layer's native attention
 # state (the document can be an exact prefix, DESIGN §4); "ffn" = each reusable layer's
 # canonical FFN sub-layer output (profile ffn_rows="restore").
@@ -167,6 +170,9 @@ class TPGeometry:
         return cls(tp_size=d["tp_size"], rank=d["rank"], channel_ranges=d["channel_ranges"])
 
 
+_SINCE = {"parts": 4, "codec": 5}  # certificate fields and the format that introduced them
+
+
 @dataclasses.dataclass(frozen=True)
 class Certificate:
     """What one artifact slice (layer group x TP rank x channel range) was built from."""
@@ -181,6 +187,7 @@ class Certificate:
     layers: tuple[int, ...]
     payload_digest: str
     parts: tuple[str, ...] = ()  # optional parts held (sorted, of PARTS); format >= 4 only
+    codec: str = "dense"  # how its rows are stored (reuse.codec.CODECS); format >= 5 only
 
     def __post_init__(self):
         if not isinstance(self.checkpoint_fingerprint, str) or not self.checkpoint_fingerprint:
@@ -209,22 +216,28 @@ class Certificate:
         if parts and self.format_version < 4:
             raise CertificateError(f"Certificate.parts: format {self.format_version} holds no optional part, got {parts}")
         object.__setattr__(self, "parts", parts)
+        if self.codec not in CODECS:
+            raise CertificateError(f"Certificate.codec: expected one of {CODECS}, got {self.codec!r}")
+        if self.codec != "dense" and self.format_version < 5:
+            raise CertificateError(f"Certificate.codec: format {self.format_version} is dense only, got {self.codec!r}")
 
     def to_dict(self) -> dict:
         """Plain JSON-able form (stored beside the artifact; also what `digest` hashes). Before
-        format 4 there is no `parts` field (so older certificates keep their digests)."""
+        format 4 there is no `parts` field, before 5 no `codec` (so older certificates keep their
+        digests)."""
         d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         d["tp"] = self.tp.to_dict()
         d["layers"] = list(self.layers)
         d["parts"] = list(self.parts)
-        if self.format_version < 4:
-            del d["parts"]
+        for name, since in _SINCE.items():
+            if self.format_version < since:
+                del d[name]
         return d
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "Certificate":
         names = {f.name for f in dataclasses.fields(cls)}
-        need = names - ({"parts"} if d.get("format_version", FORMAT_VERSION) < 4 else set())
+        need = names - {n for n, since in _SINCE.items() if d.get("format_version", FORMAT_VERSION) < since}
         if not need <= set(d) <= names:
             raise CertificateError(f"Certificate.from_dict: unknown fields {sorted(set(d) - names)}, "
                                    f"missing fields {sorted(need - set(d))}")
@@ -251,6 +264,7 @@ class FallbackReason(enum.Enum):
     RANK_DISAGREEMENT = "rank_disagreement"
     UNKNOWN_ARTIFACT = "unknown_artifact"
     MISSING_PART = "missing_part"  # an optional part the profile needs (e.g. "ffn") is absent
+    CODEC_MISMATCH = "codec_mismatch"  # rows stored in another codec than the profile reads
     NO_PREFIX_STATE = "no_prefix_state"  # asked to be an exact prefix, the artifact cannot (`can_prefix`)
 
 
@@ -262,8 +276,8 @@ def can_prefix(cert) -> bool:
 
 def explain(cert, *, expected_tokens_digest: str, profile_digest: str, model_digest: str,
             checkpoint_fingerprint: str, tp: TPGeometry, min_generation: int,
-            required_layers: Iterable[int], actual_payload_digest: str, required_parts: Iterable[str] = ()
-            ) -> tuple[FallbackReason, str] | None:
+            required_layers: Iterable[int], actual_payload_digest: str, required_parts: Iterable[str] = (),
+            codec: str = "dense") -> tuple[FallbackReason, str] | None:
     """Like `validate`, but also returns a message with the offending values (for logs)."""
     # Anything that is not a certificate of a readable format cannot be read field by field.
     if not isinstance(cert, Certificate):
@@ -271,6 +285,8 @@ def explain(cert, *, expected_tokens_digest: str, profile_digest: str, model_dig
     if cert.format_version not in READABLE_VERSIONS:
         return (FallbackReason.UNKNOWN_ARTIFACT,
                 f"format_version: expected one of {READABLE_VERSIONS}, got {cert.format_version}")
+    if cert.codec != codec:  # before the profile digest, which binds the codec too: the specific reason
+        return FallbackReason.CODEC_MISMATCH, f"codec: expected {codec!r}, got {cert.codec!r}"
     required = sorted(set(required_layers))
     checks = (
         (FallbackReason.TOKEN_MISMATCH, "token_digest", expected_tokens_digest, cert.token_digest),
@@ -301,10 +317,11 @@ def explain(cert, *, expected_tokens_digest: str, profile_digest: str, model_dig
 def validate(cert, *, expected_tokens_digest: str, profile_digest: str, model_digest: str,
              checkpoint_fingerprint: str, tp: TPGeometry, min_generation: int,
              required_layers: Iterable[int], actual_payload_digest: str,
-             required_parts: Iterable[str] = ()) -> FallbackReason | None:
+             required_parts: Iterable[str] = (), codec: str = "dense") -> FallbackReason | None:
     """None if `cert` may be consumed by this rank, else the first failing check's reason.
 
-    Order: format (UNKNOWN_ARTIFACT unless in READABLE_VERSIONS), tokens, profile, model config,
+    Order: format (UNKNOWN_ARTIFACT unless in READABLE_VERSIONS), codec (`codec`: the profile's
+    `artifact_codec`), tokens, profile, model config,
     checkpoint, TP geometry, generation (stale iff `cert.generation < min_generation`), required
     layers, required optional parts (MISSING_PART), payload checksum. The checksum is last because it is the one check that needs the data read.
     `RANK_DISAGREEMENT` is never returned here: it comes from the cross-rank agreement.
@@ -312,7 +329,7 @@ def validate(cert, *, expected_tokens_digest: str, profile_digest: str, model_di
     r = explain(cert, expected_tokens_digest=expected_tokens_digest, profile_digest=profile_digest,
                 model_digest=model_digest, checkpoint_fingerprint=checkpoint_fingerprint, tp=tp,
                 min_generation=min_generation, required_layers=required_layers,
-                actual_payload_digest=actual_payload_digest, required_parts=required_parts)
+                actual_payload_digest=actual_payload_digest, required_parts=required_parts, codec=codec)
     return None if r is None else r[0]
 
 

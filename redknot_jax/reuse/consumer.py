@@ -62,6 +62,7 @@ from redknot_jax.pallas.restore import restore as restore_kernel
 from redknot_jax.pallas.seg_attention import Segment, seg_attention
 from redknot_jax.pallas.sparse_attention import HEADS as SPARSE_HEADS
 from redknot_jax.pallas.sparse_attention import row_lists, sparse_attention
+from redknot_jax.reuse import codec
 from redknot_jax.reuse.artifact import local_head_mask
 from redknot_jax.reuse.fanout import fanout_keep
 from redknot_jax.reuse.layout import NEVER, build_layout, common_sizes, frame_rows
@@ -275,7 +276,7 @@ def ffn_args(ffn_rows: str, tab, pool_layer) -> dict:
         raise ValueError("ffn_rows='restore': the pool holds no canonical FFN outputs (artifacts built "
                          "under a profile without ffn_rows='restore')")
     zr = tab["zl_row"]
-    y = pool_layer["ffn"][jnp.maximum(zr, 0)]
+    y = codec.dense(pool_layer)["ffn"][jnp.maximum(zr, 0)]
     return {"rows": tab["prot_idx"], "restored": jnp.where((zr >= 0)[..., None], y, 0)}
 
 
@@ -361,6 +362,7 @@ def reusable_attention(blk, x, tab, pool_layer, *, freqs, glob, block, reduce=No
     attn = blk.attn
     t = x.shape[1]
     h, k, g, w = attn.h, attn.k, attn.g, attn.window
+    pool_layer = codec.dense(pool_layer)  # dequantised here, inside the layer's program (fused into its reads)
     u, post, comb = blk.hc_attn.pre(x)
     xa = blk.attn_norm(u)[0]  # [t, d]
     pos, d_row = tab["pos"], tab["d"]
@@ -533,6 +535,7 @@ def decode_attention(blk, x, tab, pool_layer, keys, t0, *, freqs, kernels: str =
     document) instead of turning every entry. Returns (x, keys with the new rows written in)."""
     attn = blk.attn
     g = x.shape[1]
+    pool_layer = codec.dense(pool_layer)
     u, post, comb = blk.hc_attn.pre(x)
     xa = blk.attn_norm(u)[0]  # [g, d]
     rows = t0 + jnp.arange(g)
@@ -918,7 +921,8 @@ class Consumer:
             rows = L + np.arange(x.shape[1])
             d_row, pool_row = frame_rows(plan.frames, pool, rows[-1] + 1)
             gd, st = self.defs[self.reusable[0]]
-            kv = jax.device_put(pool_layer["kv"], x.sharding)  # TP: the controller runs on one device
+            kv = jax.device_put(codec.decode(pool_layer["kv"], codec.produced_dtype(pool_layer)),
+                                x.sharding)  # TP: the controller runs on one device
             dev = np.zeros(plan.n_rows)
             dev[L:] = np.asarray(_deviation_jit(st, x, kv, jnp.asarray(pool_row[rows], jnp.int32),
                                                 jnp.asarray(rows - d_row[rows], jnp.int32), graphdef=gd,

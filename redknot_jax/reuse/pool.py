@@ -16,6 +16,7 @@ import numpy as np
 import jax
 import jax.numpy as jnp
 
+from redknot_jax.reuse import codec
 from redknot_jax.reuse.artifact import Artifact
 from redknot_jax.store.tiers import host_memory_kind
 
@@ -66,16 +67,25 @@ def _pad_rows(a: jax.Array, n: int) -> jax.Array:
 
 def _fields(p: dict, dtype, conv) -> dict:
     """The fields of one document's layer payload a pool keeps, each through conv(array, its
-    pool dtype): rows and entries in `dtype`, compressor states fp32, top-k ids int32."""
-    d = {"kv": conv(p["kv"], dtype), "zl": conv(p["zl"], dtype)}
+    pool dtype): dense rows and entries in `dtype`, an encoded field's arrays (`reuse.codec`) in
+    their own dtypes (dequantised only inside the consumer's layer programs), compressor states
+    fp32, top-k ids as stored (int32, or int16 in a compact codec)."""
+    def field(v):
+        if not isinstance(v, dict):
+            return conv(v, dtype)
+        if "nope" in v:  # a latent: FP8 NoPE part, the RoPE part as produced
+            return {"nope": field(v["nope"]), "rope": conv(v["rope"], dtype)}
+        return {k: conv(a, a.dtype) for k, a in v.items()}
+
+    d = {"kv": field(p["kv"]), "zl": field(p["zl"])}
     for name, state in (("entries", "cmp"), ("idx_entries", "idx")):
         if name in p:
-            d[name] = conv(p[name], dtype)
+            d[name] = field(p[name])
             d[state] = {s: conv(p[state][s], jnp.float32) for s in ("kv", "gate")}
     if "topk" in p:
-        d["topk"] = conv(p["topk"], jnp.int32)
+        d["topk"] = conv(p["topk"], p["topk"].dtype)
     if "ffn" in p:  # canonical FFN outputs (profiles with ffn_rows="restore")
-        d["ffn"] = conv(p["ffn"], dtype)
+        d["ffn"] = field(p["ffn"])
     return d
 
 
@@ -84,12 +94,12 @@ def _pack(per: list[dict], dtype, put=lambda x, dt: jnp.asarray(x, dt), buckets:
     brings one document's array onto the device as dt. Rows pad to `buckets` of POOL_ROW_PAD,
     entries of ENTRY_PAD, boundary rings to `buckets.docs` documents (padding is never read)."""
     fs = [_fields(p, dtype, put) for p in per]
-    cat = lambda name: jnp.concatenate([f[name] for f in fs])
-    rows = buckets(sum(f["kv"].shape[0] for f in fs), POOL_ROW_PAD)
-    d = {name: _pad_rows(cat(name), rows) for name in ("kv", "zl", "ffn") if name in fs[0]}
+    cat = lambda name, n: jax.tree.map(lambda *xs: _pad_rows(jnp.concatenate(xs), n), *[f[name] for f in fs])
+    rows = buckets(sum(codec.shape(f["kv"])[0] for f in fs), POOL_ROW_PAD)
+    d = {name: cat(name, rows) for name in ("kv", "zl", "ffn") if name in fs[0]}
     for name, state in (("entries", "cmp"), ("idx_entries", "idx")):
         if name in fs[0]:
-            d[name] = _pad_rows(cat(name), buckets(sum(f[name].shape[0] for f in fs), ENTRY_PAD))
+            d[name] = cat(name, buckets(sum(codec.shape(f[name])[0] for f in fs), ENTRY_PAD))
             ring = fs[0][state]["kv"].shape[0]
             d[state] = {s: _pad_rows(jnp.concatenate([f[state][s] for f in fs]), ring * buckets.docs(len(fs)))
                         for s in ("kv", "gate")}
@@ -106,6 +116,11 @@ class DocPool:
     size share compiled layer programs; the padding is never indexed."""
 
     def __init__(self, artifacts: list[Artifact], layers, dtype, buckets: Buckets = EXACT):
+        codecs = sorted({getattr(a.certificate, "codec", "dense") for a in artifacts})
+        if len(codecs) > 1:
+            raise ValueError(f"DocPool: the documents' artifacts are stored in different codecs {codecs}; "
+                             "one pool packs one codec")
+        self.codec = codecs[0] if codecs else "dense"
         self.buckets = buckets
         self.index = {id(a): k for k, a in enumerate(artifacts)}
         self.artifacts = list(artifacts)

@@ -13,7 +13,10 @@ A profile fixes the execution roles and the online policy of the RedKnot arm:
 * what the FFN sub-layer of an unprotected document row of a reusable layer does (`ffn_rows`):
   "omit" (no router, no expert: the row's streams pass it unchanged), "restore" (the
   artifact's canonical FFN output enters through the native mHC post/comb) or "run" (the
-  native MoE with the fan-out rule, the control).
+  native MoE with the fan-out rule, the control);
+* how the artifacts store their rows (`artifact_codec`, `reuse.codec`): "dense" as produced,
+  "fp8" or "fp4" compact (z_L and the FFN output in FP8 / NVFP4, the latents' NoPE part in
+  FP8), which changes the answers a little, so it is part of the profile.
 
 Profiles are frozen, serialise to plain JSON (`to_dict` / `from_dict`), and their `digest()`
 is hashed into artifact certificates.
@@ -28,6 +31,7 @@ from typing import Any, Mapping
 
 from redknot_jax.config import ModelConfig
 from redknot_jax.reuse.certificate import json_digest
+from redknot_jax.reuse.codec import CODECS
 
 LATENT_REFRESH = ("none", "protected")
 ITOP_RANKS = ("indexer", "deviation")
@@ -95,6 +99,7 @@ class RedKnotProfile:
     fanout_min: int = 3
     budget_override: float | None = None
     ffn_rows: str = "run"
+    artifact_codec: str = "dense"
 
     def __post_init__(self):
         if not isinstance(self.name, str) or not self.name:
@@ -108,6 +113,8 @@ class RedKnotProfile:
             raise ProfileError(f"itop_rank: expected one of {ITOP_RANKS}, got {self.itop_rank!r}")
         if self.ffn_rows not in FFN_ROWS:
             raise ProfileError(f"ffn_rows: expected one of {FFN_ROWS}, got {self.ffn_rows!r}")
+        if self.artifact_codec not in CODECS:
+            raise ProfileError(f"artifact_codec: expected one of {CODECS}, got {self.artifact_codec!r}")
         if self.fanout_mode not in FANOUT_MODES:
             raise ProfileError(f"fanout_mode: expected one of {FANOUT_MODES}, got {self.fanout_mode!r}")
 
@@ -182,10 +189,12 @@ class RedKnotProfile:
 
     # --------------------------------------------------------------------------- I/O
     def to_dict(self) -> dict[str, Any]:
-        """Plain JSON-able dict (tuples as lists)."""
+        """Plain JSON-able dict (tuples as lists; `artifact_codec` only when not "dense")."""
         d = dataclasses.asdict(self)
         d["budgets"] = list(self.budgets)
         d["concentration_thresholds"] = list(self.concentration_thresholds)
+        if self.artifact_codec == "dense":  # so profiles from before the field keep their digests
+            del d["artifact_codec"]
         return d
 
     @classmethod

@@ -97,7 +97,7 @@ class ReuseRuntime:
                           profile_digest=self.profile.digest(), model_digest=self.cfg.fingerprint(),
                           checkpoint_fingerprint=self.fingerprint, tp=self.tp, min_generation=self.min_generation,
                           required_layers=self.reusable, actual_payload_digest=self.hot_payload_digest(art),
-                          required_parts=profile_parts(self.profile))
+                          required_parts=profile_parts(self.profile), codec=self.profile.artifact_codec)
             if bad is not None:
                 return bad[0], f"segment {i}: {bad[1]}"
         return None
@@ -347,7 +347,7 @@ class ReuseRuntime:
             canon = np.zeros((plan.n_rows, x.shape[-1]), np.float32)
             for f in plan.frames:
                 if f.artifact is not None and f.doc_len:
-                    canon[f.start:f.start + f.doc_len] = np.asarray(f.artifact.layers[layer]["ffn"], np.float32)
+                    canon[f.start:f.start + f.doc_len] = np.asarray(f.artifact.layer(layer)["ffn"], np.float32)
             _, post, comb = blk.hc_ffn.pre(x)
             alt = HyperConnection.post(x, jnp.asarray(canon, x.dtype)[None], post, comb)
         return jnp.where(jnp.asarray(skip)[None, :, None, None], alt, y), keep, ~skip
@@ -401,7 +401,7 @@ class ReuseRuntime:
             for f in plan.candidate_frames:
                 rows = slice(f.start, f.start + f.doc_len)
                 kv = first.attn.latent(xa[:, rows], jnp.arange(f.doc_len)[None], freqs)[0]
-                dev[rows] = np.asarray(latent_deviation(kv, f.artifact.layers[li]["kv"]))
+                dev[rows] = np.asarray(latent_deviation(kv, f.artifact.layer(li)["kv"]))
         fill_itop(plan, scores, budget, row_risk(plan, self.reusable), dev)
 
     def _reusable_layer(self, i: int, blk, x, plan: Plan):
@@ -459,7 +459,7 @@ class ReuseRuntime:
                 if kinds == CSA:
                     mine = jnp.zeros((t, ent.shape[0]), bool)
                     if f.artifact is not None and f.doc_len and not collapse:
-                        tk = f.artifact.layers[i]["topk"]  # [doc_len, K] document-local ids
+                        tk = f.artifact.layer(i)["topk"]  # [doc_len, K] document-local ids
                         rows = jnp.arange(f.start, f.start + f.doc_len)
                         hit = jnp.zeros((f.doc_len, ent.shape[0] + 1), bool).at[
                             jnp.arange(f.doc_len)[:, None], jnp.where(tk >= 0, tk, ent.shape[0])].set(True)
@@ -490,7 +490,7 @@ class ReuseRuntime:
             if f.artifact is None:
                 continue
             rows = np.arange(f.start, f.start + f.doc_len)
-            z_art = f.artifact.layers[layer]["zl"].astype(z_l.dtype)
+            z_art = f.artifact.layer(layer)["zl"].astype(z_l.dtype)
             z_l = z_l.at[rows].set(jnp.where(jnp.asarray(unprot[rows])[:, None, None], z_art, z_l[rows]))
         return z_l
 
@@ -506,7 +506,7 @@ class ReuseRuntime:
         x_f = xa[:, rows]
         kv = attn.latent(x_f, cpos[None], freqs)[0]
         out = {}
-        art = f.artifact.layers[layer] if f.artifact is not None else None
+        art = f.artifact.layer(layer) if f.artifact is not None else None
         ref = jnp.asarray(refresh[rows])
         if art is not None:
             use_art = (jnp.arange(n) < f.doc_len) & ~ref

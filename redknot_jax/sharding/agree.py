@@ -80,7 +80,8 @@ def reslice(slices: Sequence[Artifact], cfg: ModelConfig, tp: int) -> list[Artif
             raise ValueError(f"reslice: slice {r} is from another artifact than slice 0 ({ident} vs {base})")
     check_tp(cfg, tp)
     first = slices[0]
-    whole = {i: {**d, "zl": np.concatenate([np.asarray(s.layers[i]["zl"]) for s in slices], axis=1)}
+    whole = {i: {**d, "zl": jax.tree.map(lambda *zs: np.concatenate([np.asarray(z) for z in zs], axis=1),
+                                         *[s.layers[i]["zl"] for s in slices])}
              for i, d in first.layers.items()}
     merged = Artifact(first.tokens, whole, None, prefix_layers=dict(first.prefix_layers))
     merged.certificate = dataclasses.replace(first.certificate, tp=tp_geometry(cfg, 1, 0),
@@ -108,12 +109,13 @@ class Expectation:
     min_generation: int
     required_layers: tuple[int, ...]
     required_parts: tuple[str, ...] = ()  # optional artifact parts the profile needs
+    codec: str = "dense"  # the codec the profile reads (`RedKnotProfile.artifact_codec`)
 
     @classmethod
     def of_runtime(cls, rt) -> "Expectation":
         """From a `reuse.runtime.ReuseRuntime` (its profile, config, fingerprint, generation)."""
         return cls(rt.profile.digest(), rt.cfg.fingerprint(), rt.fingerprint, rt.min_generation,
-                   tuple(rt.reusable), profile_parts(rt.profile))
+                   tuple(rt.reusable), profile_parts(rt.profile), rt.profile.artifact_codec)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -151,7 +153,7 @@ def rank_verdict(segments: Iterable, expect: Expectation, geometry: TPGeometry,
         bad = explain(cert, expected_tokens_digest=token_digest(seg.tokens), profile_digest=expect.profile_digest,
                       model_digest=expect.model_digest, checkpoint_fingerprint=expect.checkpoint_fingerprint,
                       tp=geometry, min_generation=expect.min_generation, required_layers=expect.required_layers,
-                      required_parts=expect.required_parts, actual_payload_digest=digest(art) if digest else payload_digest(art.payload()))
+                      required_parts=expect.required_parts, codec=expect.codec, actual_payload_digest=digest(art) if digest else payload_digest(art.payload()))
         if bad is not None:
             return RankVerdict(bad[0], f"segment {i}: {bad[1]}", NO_DIGEST)
     return RankVerdict(None, "", json_digest({"format": FORMAT_VERSION, "segments": idents}))

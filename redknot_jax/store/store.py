@@ -66,7 +66,9 @@ from pathlib import Path
 from typing import Any, Iterable, Iterator, Mapping, Sequence
 
 import numpy as np
+import jax
 
+from redknot_jax.reuse.codec import shape as field_shape
 from redknot_jax.reuse.certificate import (CertCounters, Certificate, CertificateError, FallbackReason, TPGeometry,
                                            canonical_json, json_digest, payload_digest, token_digest)
 from redknot_jax.store.codecs import TileError, canonical, codec as get_codec, fsync_dir, is_no_space, sha256_of, write_file
@@ -923,12 +925,11 @@ def split_tp(artifact, tp_size: int) -> list:
     for r in range(tp_size):
         layers, g, o = {}, None, None
         for layer, d in artifact.layers.items():
-            zl = np.asarray(d["zl"])  # [L, g, o]
-            g, o = zl.shape[1], zl.shape[2]
+            g, o = field_shape(d["zl"])[1:]  # [L, g, o]; an encoded z_L keeps the group axis in every array
             if g % tp_size:
                 raise ValueError(f"split_tp: {g} output groups do not split over tp_size {tp_size}")
             per = g // tp_size
-            layers[layer] = {**d, "zl": zl[:, r * per:(r + 1) * per]}
+            layers[layer] = {**d, "zl": jax.tree.map(lambda z: np.asarray(z)[:, r * per:(r + 1) * per], d["zl"])}
         per = g // tp_size
         tp = TPGeometry(tp_size, r, ((r * per * o, (r + 1) * per * o),))
         art = Artifact(tokens=np.asarray(artifact.tokens), layers=layers, certificate=None,

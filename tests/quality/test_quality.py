@@ -422,6 +422,9 @@ def test_eval_quality_variant_names():
     (_, omit), (_, restore) = ev.variants(["b10-k3-omit", "default-restore"], range(3, 9), 12)
     assert (omit["budget_override"], omit["fanout_mode"], omit["ffn_rows"]) == (0.1, "k3", "omit")
     assert restore["ffn_rows"] == "restore" and "budget_override" not in restore
+    (_, fp4), (_, fp8) = ev.variants(["default-restore-fp4", "b10-k3-fp8-omit"], range(3, 9), 12)
+    assert (fp4["artifact_codec"], fp4["ffn_rows"]) == ("fp4", "restore")
+    assert (fp8["artifact_codec"], fp8["ffn_rows"], fp8["budget_override"]) == ("fp8", "omit", 0.1)
     # bands anywhere in the model, e.g. the reference 3F-6R-3F beside a shipped 5F-4R-3F
     (_, band), = ev.variants(["reuse-3-8"], range(5, 9), 12)
     assert (band["fence_first"], band["fence_last"]) == (3, 3)
@@ -436,7 +439,7 @@ def test_eval_quality_variant_names():
         p = dataclasses.replace(shipped, **{k: v for k, v in ov.items() if not k.startswith("_")})
         assert (p.budget_override, p.itop_rank, p.latent_refresh) == want, name
     for bad in ("b0-tau", "b101-native", "b50-x", "x-refresh", "reuse-2-12-refresh", "reuse-5-4", "refresh", "x-dev", "dev", "omit",
-                "x-omit"):
+                "x-omit", "fp4", "default-fp16"):
         with pytest.raises(SystemExit, match=f"unknown \\['{bad}'\\]"):
             ev.variants([bad], range(3, 9), 12)
 
@@ -461,9 +464,13 @@ def test_eval_quality_smoke(tmp_path):
     writes, write = [], ev.write
     ev.write = lambda *a, final: writes.append(final) or write(*a, final=final)
     res = ev.main(["--checkpoint", str(tmp_path / "ckpt"), "--n", "1", "--docs", "3", "--per-doc", "2",
-                   "--variants", "reuse-3-4,reuse-2-4,thin", "--max-new", "1", "--bootstrap", "50",
-                   "--out", str(tmp_path / "q")])
-    assert set(res["summary"]) == {"reuse-3-4", "reuse-2-4", "thin"}
+                   "--variants", "reuse-3-4,reuse-2-4,thin-fp4", "--max-new", "1", "--bootstrap", "50",
+                   "--paired-with", "thin-fp4", "--out", str(tmp_path / "q")])
+    assert set(res["summary"]) == {"reuse-3-4", "reuse-2-4", "thin-fp4"}
+    # thin-fp4 against itself, question by question: no difference; the others differ from it
+    self_pair = res["summary"]["thin-fp4"]["all"]["vs_paired"]
+    assert self_pair["diff_em"] == 0 and self_pair["mean_kl"] == 0
+    assert res["summary"]["reuse-3-4"]["all"]["vs_paired"]["mean_kl"] > 0
     # written after the world (a run cut short keeps it) and at the end
     assert writes == [False, True] and res["complete"] and res["worlds_done"] == 1
     assert json.loads((tmp_path / "q.json").read_text())["complete"]
@@ -471,7 +478,8 @@ def test_eval_quality_smoke(tmp_path):
         assert cert["validated"] == 2 and not any(cert["fallback"].values())  # no silent recomputation
     # the band variants ran on artifacts built for their own fences (layers 3-4 only, a band of the
     # grid; 2-4, any other range of the model's layers; the shipped profile of this model reuses 1-4)
-    assert res["artifact_layers"] == {"reuse-3-4": [3, 4], "reuse-2-4": [2, 3, 4], "thin": [1, 2, 3, 4]}
+    assert res["artifact_layers"] == {"reuse-3-4": [3, 4], "reuse-2-4": [2, 3, 4], "thin-fp4": [1, 2, 3, 4]}
+    assert res["certification"]["thin-fp4"]["validated"] == 2  # compact artifacts, certified as such
     for bad in ("reuse-3-2", "reuse-2-6", "reuse-x"):  # not a range, outside the model's layers 0-5, not numbers
         with pytest.raises(SystemExit, match=bad):
             ev.variants([bad], range(1, 5), 6)
@@ -480,7 +488,7 @@ def test_eval_quality_smoke(tmp_path):
     # thin: fixed protection cut to 1/16 and 1/8 of this model's 8-row window, below the shipped
     # profile's (half a window, one window); at this size the controller's budget decides the
     # protected share of both variants
-    thin, base = res["variants"]["thin"], res["profile"]
+    thin, base = res["variants"]["thin-fp4"], res["profile"]
     assert (thin["boundary_rows"], thin["tail_rows"]) == (1, 1) and (base["boundary_rows"], base["tail_rows"]) == (4, 8)
     assert (tmp_path / "q.md").read_text().startswith("| variant")
 

@@ -34,13 +34,16 @@ def _profile(cfg, mode, **kw):
     return dataclasses.replace(tiny_profile(cfg.num_layers), ffn_rows=mode, **kw)
 
 
-@pytest.mark.parametrize("mode", ["omit", "restore"])
-def test_consumer_equals_reference_and_skips_the_rows(model, mode, monkeypatch):
+@pytest.mark.parametrize("mode,codec", [("omit", "fp8"), ("restore", "fp4")])
+def test_consumer_equals_reference_and_skips_the_rows(model, mode, codec, monkeypatch):
+    """Also: artifacts in a compact codec (reuse/codec.py), which the consumer dequantises in its
+    layer programs and the eager reference through `Artifact.layer`: the same arithmetic."""
     cfg, m = model
-    prof = _profile(cfg, mode)
+    prof = _profile(cfg, mode, artifact_codec=codec)
     req, arts = _request(cfg, prof, m, 3)
+    assert all(a.certificate.codec == codec for a in arts)
     if mode == "restore":
-        assert all(a.layers[i]["ffn"].shape == (a.length, cfg.hidden_size) for a in arts
+        assert all(a.layer(i)["ffn"].shape == (a.length, cfg.hidden_size) for a in arts
                    for i in prof.reusable_layers(cfg.num_layers))
     rt = ReuseRuntime(m, prof, "fp")
     ref = rt.prefill(req, "redknot", require_reuse=True, path="reference")
@@ -56,6 +59,8 @@ def test_consumer_equals_reference_and_skips_the_rows(model, mode, monkeypatch):
     fast = rt.prefill(req, "redknot", require_reuse=True, pool=pool, decode_rows=4)
     monkeypatch.setattr(MoE, "__call__", call)
     monkeypatch.setattr(Attention, "latent", latent)
+    host = rt.prefill(req, "redknot", require_reuse=True, pool=rt.consumer.pool(arts, resident="host"))
+    assert rel_err(host.logits, fast.logits) == 0  # the host tier streams the encoded arrays, the same programs
     plan = fast.plan
     assert (plan.protected == ref.plan.protected).all() and 0 < plan.fraction_protected() < 1
     assert rel_err(fast.logits, ref.logits) < TOL["consumer_vs_reference"][0]

@@ -77,6 +77,7 @@ def test_tiny_profile():
     ("concentration_thresholds", (1.2, 0.5), "concentration_thresholds.*1.2"),
     ("fanout_mode", "top2", "fanout_mode.*'top2'"),
     ("ffn_rows", "skip", "ffn_rows.*'skip'"),
+    ("artifact_codec", "int8", "artifact_codec.*'int8'"),
     ("tau", 0.0, "tau.*0.0"),
     ("tau", 1.5, "tau.*1.5"),
     ("tau", float("nan"), "tau.*nan"),
@@ -101,7 +102,7 @@ def test_profile_layer_errors():
 PROFILE_ALTERNATIVES = dict(
     name="other", fence_first=2, fence_last=4, global_head=3, latent_refresh="protected", itop_rank="deviation",
     boundary_rows=64, tail_rows=4096, budgets=(0.05, 0.20, 0.25), concentration_thresholds=(0.9, 0.5),
-    fanout_mode="k3", tau=0.8, fanout_min=4, budget_override=1.0, ffn_rows="omit")
+    fanout_mode="k3", tau=0.8, fanout_min=4, budget_override=1.0, ffn_rows="omit", artifact_codec="fp4")
 
 
 def test_profile_round_trip():
@@ -130,6 +131,8 @@ def test_profile_digest_stable_and_sensitive():
         changed = dataclasses.replace(base, **{field: value})
         assert changed.digest() not in seen, f"digest blind to {field}"
         seen.add(changed.digest())
+    # a dense profile hashes as before the codec field existed (stored artifacts stay valid)
+    assert "artifact_codec" not in base.to_dict()
 
 
 def test_controller_rule():
@@ -279,6 +282,7 @@ def test_certificate_accepts_matching():
     assert validate(_cert(), **_expect(required_layers=[4])) is None    # a subset suffices
     assert validate(_cert(format_version=3), **_expect()) is None       # an older format still relocates
     assert validate(_cert(parts=("ffn", "prefix")), **_expect(required_parts=["ffn"])) is None
+    assert validate(_cert(codec="fp4"), **_expect(codec="fp4")) is None
 
 
 @pytest.mark.parametrize("cert_over,expect_over,reason", [
@@ -296,6 +300,9 @@ def test_certificate_accepts_matching():
     (dict(format_version=2), {}, FallbackReason.UNKNOWN_ARTIFACT),
     (dict(parts=("prefix",)), dict(required_parts=["ffn"]), FallbackReason.MISSING_PART),
     (dict(format_version=3), dict(required_parts=["ffn"]), FallbackReason.MISSING_PART),
+    (dict(codec="fp8"), {}, FallbackReason.CODEC_MISMATCH),
+    ({}, dict(codec="fp4"), FallbackReason.CODEC_MISMATCH),
+    (dict(format_version=4), dict(codec="fp8"), FallbackReason.CODEC_MISMATCH),  # format 4 is dense
 ])
 def test_certificate_each_check(cert_over, expect_over, reason):
     assert validate(_cert(**cert_over), **_expect(**expect_over)) is reason
@@ -318,7 +325,7 @@ def test_certificate_check_order_and_messages():
 CERT_ALTERNATIVES = dict(
     checkpoint_fingerprint="ckpt-B", token_digest=token_digest([5, 6]), profile_digest=H("1"),
     model_digest=H("2"), tp=TPGeometry(8, 3, ((3072, 4095),)), generation=5,
-    format_version=FORMAT_VERSION + 1, layers=(3, 4), payload_digest=H("3"), parts=("prefix",))
+    format_version=FORMAT_VERSION + 1, layers=(3, 4), payload_digest=H("3"), parts=("prefix",), codec="fp8")
 
 
 def test_certificate_digest_stable_and_sensitive():
@@ -326,6 +333,8 @@ def test_certificate_digest_stable_and_sensitive():
     assert c.digest() == _cert().digest() and len(c.digest()) == 64
     back = Certificate.from_dict(json.loads(json.dumps(c.to_dict())))
     assert back == c and back.digest() == c.digest()
+    old = _cert(format_version=4)  # before format 5 no codec field: older certificates keep their digests
+    assert "codec" not in old.to_dict() and Certificate.from_dict(old.to_dict()) == old
     assert set(CERT_ALTERNATIVES) == {f.name for f in dataclasses.fields(Certificate)}
     seen = {c.digest()}
     for field, value in CERT_ALTERNATIVES.items():
@@ -348,6 +357,8 @@ def test_certificate_digest_stable_and_sensitive():
     (dict(parts=("zl",)), "parts"),
     (dict(parts=("prefix", "ffn")), "parts"),  # sorted
     (dict(format_version=3, parts=("prefix",)), "format 3"),
+    (dict(codec="int8"), "codec.*'int8'"),
+    (dict(format_version=4, codec="fp8"), "format 4 is dense only"),
 ])
 def test_certificate_malformed(over, match):
     with pytest.raises(CertificateError, match=match):

@@ -9,7 +9,9 @@ import numpy as np
 import pytest
 import jax
 
-from redknot_jax.reuse.certificate import CertCounters, FallbackReason
+from redknot_jax.reuse import codec
+from redknot_jax.reuse.artifact import Artifact
+from redknot_jax.reuse.certificate import CertCounters, FallbackReason, payload_digest
 from redknot_jax.sharding import make_mesh
 from redknot_jax.sharding.agree import Decision, RankVerdict, agree, rank_verdict, reslice, tp_geometry
 from redknot_jax.store import split_tp
@@ -116,6 +118,22 @@ def test_tp8_artifacts_rejected_at_tp2_unless_resliced(art):
     _corrupt(broken, 3)
     with pytest.raises(ValueError, match="slice 3: payload"):
         reslice(broken, CFG, 2)
+
+
+def test_compact_artifacts_cut_and_reslice_by_group(art):
+    """An NVFP4 z_L (reuse/codec.py) keeps the output-group axis in its codes and both scales, so
+    a rank's slice decodes to exactly the whole's groups, and re-slicing gives the direct cut."""
+    layers = {i: jax.tree.map(np.asarray, codec.encode_layer(d, "fp4", CFG.rope_dim)) for i, d in art.layers.items()}
+    enc = Artifact(art.tokens, layers, None)
+    enc.certificate = dataclasses.replace(art.certificate, codec="fp4", payload_digest=payload_digest(enc.payload()))
+    whole = enc.layer(1)["zl"]
+    per = CFG.o_groups // 8
+    slices8 = cut(enc, 8)
+    for r, sl in enumerate(slices8):
+        assert sl.certificate.codec == "fp4"
+        np.testing.assert_array_equal(sl.layer(1)["zl"], whole[:, r * per:(r + 1) * per])
+    for a, b in zip(reslice(slices8, CFG, 2), cut(enc, 2)):
+        assert a.certificate == b.certificate
 
 
 def test_agreement_is_per_tp_group(art):

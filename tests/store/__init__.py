@@ -8,6 +8,7 @@ config (CSA layers 1, 3 with indexer state; HCA layers 2, 4) and a valid certifi
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import pickle
 import subprocess
@@ -49,16 +50,25 @@ def payload_of(layers) -> dict:
     return {k: a for k, (_, _, a) in flatten_layers(layers).items()}
 
 
-def synthetic(seed: int, n: int = 40, tp: TPGeometry | None = None, zl_dtype=np.float32, tokens=None):
-    """An Artifact with random contents and a certificate that matches them."""
+def synthetic(seed: int, n: int = 40, tp: TPGeometry | None = None, zl_dtype=np.float32, tokens=None,
+              artifact_codec: str = "dense"):
+    """An Artifact with random contents and a certificate that matches them (its reusable layers
+    in `artifact_codec`, certified for PROFILE with that codec)."""
+    from redknot_jax.reuse import codec
     from redknot_jax.reuse.artifact import Artifact, single_rank
 
     rng = np.random.default_rng(seed)
     toks = np.asarray(tokens if tokens is not None else rng.integers(2, CFG.vocab_size, n), np.int32)
     layers = synthetic_layers(rng, len(toks), zl_dtype)
-    cert = Certificate(checkpoint_fingerprint=FP, token_digest=token_digest(toks), profile_digest=PROFILE.digest(),
+    if artifact_codec != "dense":
+        import jax
+
+        layers = {i: jax.tree.map(np.asarray, codec.encode_layer(d, artifact_codec, CFG.rope_dim))
+                  for i, d in layers.items()}
+    profile = dataclasses.replace(PROFILE, artifact_codec=artifact_codec)
+    cert = Certificate(checkpoint_fingerprint=FP, token_digest=token_digest(toks), profile_digest=profile.digest(),
                        model_digest=CFG.fingerprint(), tp=tp or single_rank(), generation=1,
-                       format_version=FORMAT_VERSION, layers=tuple(sorted(layers)),
+                       format_version=FORMAT_VERSION, layers=tuple(sorted(layers)), codec=artifact_codec,
                        payload_digest=payload_digest(payload_of(layers)))
     return Artifact(tokens=toks, layers=layers, certificate=cert)
 

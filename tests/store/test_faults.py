@@ -10,6 +10,7 @@
   temporary removed, the store still verifies.
 """
 
+import dataclasses
 import errno
 import os
 import signal
@@ -103,34 +104,37 @@ def _targets(store, doc):
     meta = store.open_slice(doc, 1)
     g = store.gen_dir(doc, 1)
     if meta.codec == "raw":
-        tile = meta.path / meta.tiles["3/['zl']"]["file"]
-    else:  # the largest file of the Orbax item holding layer 3 (its array data)
-        files = [p for p in (meta.path / "group-1").rglob("*") if p.is_file()]
-        tile = max(files, key=lambda p: p.stat().st_size)
+        zl = "3/['zl']" if "3/['zl']" in meta.tiles else "3/['zl']['e2m1']"  # dense, or NVFP4 codes
+        tile = meta.path / meta.tiles[zl]["file"]
+    else:  # every data file of the Orbax item holding layer 3 (which one holds a given array is
+        # TensorStore's business, and OCDBT may leave files no longer referenced)
+        tile = [p for p in (meta.path / "group-1").rglob("*") if p.is_file() and p.parent.name == "d"]
     return {"tile": tile, "manifest": meta.path / "manifest.json", "generation.json": g / "generation.json",
             "generation.sha256": g / "generation.sha256", "tokens": g / "tokens.bin"}
 
 
-CASES = [("raw", t) for t in ("tile", "manifest", "generation.json", "generation.sha256", "tokens")] + [
-    ("orbax", "tile")]
+CASES = [("raw", t, "dense") for t in ("tile", "manifest", "generation.json", "generation.sha256", "tokens")] + [
+    ("orbax", "tile", "dense"), ("raw", "tile", "fp4"), ("orbax", "tile", "fp8")]
 
 
 @pytest.mark.parametrize("damage", ["flip", "truncate"])
-@pytest.mark.parametrize("codec,target", CASES)
-def test_damaged_files_are_checksum_failures(tmp_path, codec, target, damage):
+@pytest.mark.parametrize("codec,target,art_codec", CASES)
+def test_damaged_files_are_checksum_failures(tmp_path, codec, target, art_codec, damage):
     store = ArtifactStore(tmp_path / "s", codec=codec, layer_group_size=2)
-    art = synthetic(41)
+    art = synthetic(41, artifact_codec=art_codec)  # art_codec: how the rows are stored (reuse/codec.py)
     doc = store.publish(art).doc_id
-    path = _targets(store, doc)[target]
-    if damage == "flip":
-        _flip(path)
-    else:
-        os.truncate(path, path.stat().st_size // 2)
+    paths = _targets(store, doc)[target]
+    for path in paths if isinstance(paths, list) else [paths]:
+        if damage == "flip":
+            _flip(path)
+        else:
+            os.truncate(path, path.stat().st_size // 2)
     with pytest.raises(StoreIntegrityError) as e:
         store.load(doc)
     assert e.value.reason == FallbackReason.CHECKSUM
     c = CertCounters()
-    assert store.lookup_for_request(art.tokens, PROFILE, CFG, FP, counters=c) == FallbackReason.CHECKSUM
+    profile = dataclasses.replace(PROFILE, artifact_codec=art_codec)
+    assert store.lookup_for_request(art.tokens, profile, CFG, FP, counters=c) == FallbackReason.CHECKSUM
     assert c.fallback[FallbackReason.CHECKSUM] == 1
     assert [err is not None for _, _, err in store.fsck()] == [True]
     if target == "tile":

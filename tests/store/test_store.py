@@ -62,16 +62,22 @@ def test_tile_names_are_the_certificate_payload_names():
 
 
 # ---------------------------------------------------------------------------- round trip
-@pytest.mark.parametrize("n", [40, 10])  # 10 rows: HCA layers have zero-size entries [0, 32]
-@pytest.mark.parametrize("codec", ["raw", "orbax"])
-def test_round_trip_is_exact(tmp_path, codec, n):
-    art = synthetic(2, n=n, zl_dtype=jax.numpy.bfloat16)  # one ml_dtypes tile
+@pytest.mark.parametrize("n,art_codec", [(40, "dense"), (10, "dense"), (40, "fp4")])  # 10 rows: HCA layers
+@pytest.mark.parametrize("codec", ["raw", "orbax"])  # have zero-size entries [0, 32]; fp4: reuse/codec.py's tiles
+def test_round_trip_is_exact(tmp_path, codec, n, art_codec):
+    art = synthetic(2, n=n, zl_dtype=jax.numpy.bfloat16, artifact_codec=art_codec)  # ml_dtypes tiles
     with ArtifactStore(tmp_path / codec, codec=codec, layer_group_size=2) as s:
         p = s.publish(art)
         assert p.created and p.generation == 1
         back = s.load(p.doc_id)
         assert_same(art, back)
-        assert back.layers[1]["zl"].dtype.name == "bfloat16"
+        zl = back.layers[1]["zl"]
+        if art_codec == "dense":
+            assert zl.dtype.name == "bfloat16"
+        else:  # e2m1 codes, e4m3 block scales, an fp32 row scale; top-k ids int16
+            assert {k: v.dtype.name for k, v in zl.items()} == {"e2m1": "uint8", "e4m3": "float8_e4m3fn",
+                                                                 "fp32": "float32"}
+            assert back.layers[1]["topk"].dtype.name == "int16" and back.certificate.codec == "fp4"
         assert back.certificate == art.certificate  # generation 1 == the build's
         p2 = s.publish(art)
         assert p2.generation == 2 and s.load(p.doc_id).certificate.generation == 2

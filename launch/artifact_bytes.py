@@ -1,0 +1,125 @@
+"""Bytes per stored token of each artifact codec (reuse/codec.py) at DeepSeek-V4 shapes (issue #47).
+
+The producer (`reuse.artifact.stored_bytes`) is traced on an abstract model of the preset, so
+the figures are the exact array sizes `build_artifact` writes (no weights, nothing computed; a
+CPU does it in seconds). Per preset, FFN mode (the profile's `ffn_rows`: "restore" stores each
+row's FFN output, "omit" / "run" do not) and codec: KiB per stored token, split into the reusable
+layers (what a documents' pool packs on the device) and the fence layers' native states (the
+"prefix" part), and the device bytes of a pool of 65,536 and 262,144 document tokens.
+
+With `--quality FILE` (an `eval_quality.py --paired-with` JSON comparing compact artifacts with
+dense ones) it also writes the headline `docs/results/artifacts_headline.json`.
+
+    python launch/artifact_bytes.py --out docs/results/artifact_bytes.json
+    python launch/artifact_bytes.py --quality docs/results/quality_codec_s34.json \\
+        --headline docs/results/artifacts_headline.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import pathlib
+import sys
+
+import jax
+import jax.numpy as jnp
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+
+from redknot_jax import config  # noqa: E402
+from redknot_jax.reuse.artifact import stored_bytes  # noqa: E402
+from redknot_jax.reuse.codec import CODECS  # noqa: E402
+from redknot_jax.reuse.profile import flash_profile, pro_profile  # noqa: E402
+
+PRESETS = {"flash": (config.flash, flash_profile), "pro": (config.pro, pro_profile)}
+KIB = 1024
+GB = 1e9
+
+
+def table(presets, n: int) -> list[dict]:
+    rows = []
+    for name in presets:
+        make_cfg, make_profile = PRESETS[name]
+        cfg = make_cfg()
+        for ffn in ("omit", "restore"):
+            for c in CODECS:
+                prof = dataclasses.replace(make_profile(), ffn_rows=ffn, artifact_codec=c)
+                b = stored_bytes(cfg, prof, n, jnp.bfloat16)
+                per_pool = b["reusable"] / n
+                rows.append({"preset": name, "ffn_rows": ffn, "codec": c, "profile": prof.name,
+                             "kib_per_token": round(b["per_token"] / KIB, 1),
+                             "bytes_per_token": round(b["per_token"]),
+                             "pool_kib_per_token": round(per_pool / KIB, 1),
+                             "prefix_kib_per_token": round(b["prefix"] / n / KIB, 1),
+                             "pool_gb_65536": round(per_pool * 65536 / GB, 1),
+                             "pool_gb_262144": round(per_pool * 262144 / GB, 1)})
+    return rows
+
+
+def markdown(rows) -> str:
+    lines = ["| preset | FFN of unprotected rows | codec | KiB / token | of which pool | of which prefix | "
+             "pool GB at 64K | pool GB at 256K |", "|" + "---|" * 8]
+    for r in rows:
+        lines.append(f"| {r['preset']} | {r['ffn_rows']} | {r['codec']} | {r['kib_per_token']} | "
+                     f"{r['pool_kib_per_token']} | {r['prefix_kib_per_token']} | {r['pool_gb_65536']} | "
+                     f"{r['pool_gb_262144']} |")
+    return "\n".join(lines)
+
+
+def headline(rows, quality: dict, compact: str) -> dict:
+    """`artifacts_headline.json` (issue #47): the Flash formats' bytes under the shipped FFN
+    mode, and the compact codec's quality from an eval_quality.py --paired-with run."""
+    ffn = flash_profile().ffn_rows
+    flash = {r["codec"]: r for r in rows if r["preset"] == "flash" and r["ffn_rows"] == ffn}
+    per = quality["summary"][next(v for v in quality["summary"] if v.endswith(f"-{compact}"))]
+    delta = {qt: round(per[qt]["vs_paired"]["diff_em"], 1) for qt in ("lookup", "two_hop")}
+    ci = {qt: [round(x, 1) for x in per[qt]["vs_paired"]["diff_em_ci"]] for qt in ("lookup", "two_hop")}
+    return {"device": "none (array sizes by shape; quality on a CPU)", "date": datetime.date.today().isoformat(),
+            "command": "python launch/artifact_bytes.py " + " ".join(sys.argv[1:]),
+            "ffn_rows": ffn,
+            "formats": {("bf16" if c == "dense" else c): {"bytes_per_token": r["bytes_per_token"]}
+                        for c, r in flash.items()},
+            "compact": {"format": compact, "bytes_per_token": flash[compact]["bytes_per_token"],
+                        "delta_em_points": delta, "ci": ci, "vs": quality["paired_with"],
+                        "quality_command": quality["command"], "first_token_kl": {
+                            qt: round(per[qt]["vs_paired"]["mean_kl"], 5) for qt in ("lookup", "two_hop")}},
+            "ttft_262144": None}
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--presets", default="flash,pro")
+    ap.add_argument("--tokens", type=int, default=65536, help="document length the sizes are taken at")
+    ap.add_argument("--out", default=None, help="JSON of the table (a .md beside it)")
+    ap.add_argument("--quality", default=None, help="eval_quality.py --paired-with JSON (dense vs compact)")
+    ap.add_argument("--compact", default="fp4", choices=[c for c in CODECS if c != "dense"])
+    ap.add_argument("--headline", default=None, help="write artifacts_headline.json here (needs --quality)")
+    args = ap.parse_args(argv)
+    presets = args.presets.split(",")
+    bad = [p for p in presets if p not in PRESETS]
+    if bad:
+        raise SystemExit(f"--presets: unknown {bad}; known: {sorted(PRESETS)}")
+    if args.headline and not args.quality:
+        raise SystemExit("--headline needs --quality (the compact codec's quality run)")
+    rows = table(presets, args.tokens)
+    print(markdown(rows))
+    result = {"command": "python launch/artifact_bytes.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+              "date": datetime.date.today().isoformat(), "jax": jax.__version__, "tokens": args.tokens,
+              "dtype": "bfloat16", "rows": rows}
+    if args.out:
+        p = pathlib.Path(args.out)
+        p.write_text(json.dumps(result, indent=1) + "\n")
+        p.with_suffix(".md").write_text(markdown(rows) + "\n")
+    if args.headline:
+        q = json.loads(pathlib.Path(args.quality).read_text())
+        if not q.get("paired_with"):
+            raise SystemExit(f"--quality {args.quality}: not an eval_quality.py --paired-with run")
+        pathlib.Path(args.headline).write_text(json.dumps(headline(rows, q, args.compact), indent=1) + "\n")
+    return result
+
+
+if __name__ == "__main__":
+    main()
