@@ -15,6 +15,15 @@ import logging
 import os
 
 
+def _warmup_buckets(text: str):
+    from redknot_jax.server.state import parse_warmup_buckets
+
+    try:
+        return parse_warmup_buckets(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--checkpoint", help="safetensors dir with config.json (+ tokenizer.json, chat template, "
@@ -40,7 +49,13 @@ def main(argv=None):
                          "at most the cache): one compiled program, long prompts in few calls")
     ap.add_argument("--max-body-bytes", type=int, default=1 << 20)
     ap.add_argument("--shutdown-grace-s", type=float, default=10.0)
-    ap.add_argument("--no-warmup", action="store_true")
+    ap.add_argument("--no-warmup", action="store_true",
+                    help="no warm-up at all: /healthz answers 200 at once, the first requests compile")
+    ap.add_argument("--warmup-buckets", type=_warmup_buckets, metavar="N[,N...]",
+                    help="prompt lengths in tokens (e.g. 512,4096) whose plain-path programs (chunked prefill, a "
+                         "decode step) the model worker compiles at start-up while the socket is open and /healthz "
+                         "answers 503 'warming'; default: a prompt of two --prefill-chunk chunks, which covers every "
+                         "plain prompt length. Document requests (RedKnot arm) are not warmed")
     ap.add_argument("--kernels", default="auto",
                     help="Mosaic GPU kernels: auto (on a GPU those measured faster than XLA that the model's shapes "
                          "allow), xla (none), mosaic (all), or a comma list of indexer, restore, ragged_dot, "
@@ -52,6 +67,8 @@ def main(argv=None):
                     help="persistent XLA compilation cache ('' to disable): later starts skip most compiles")
     ap.add_argument("--log-level", default="info")
     args = ap.parse_args(argv)
+    if args.no_warmup and args.warmup_buckets:
+        ap.error("--warmup-buckets and --no-warmup: give one of them")
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     import jax
@@ -65,14 +82,19 @@ def main(argv=None):
     from redknot_jax.server.app import create_app
     from redknot_jax.server.state import ServeConfig, build_state
 
-    sc = ServeConfig(checkpoint=args.checkpoint, preset=args.preset, dtype=args.dtype, profile=args.profile,
-                     artifact_store=args.artifact_store, host=args.host, port=args.port,
-                     api_keys_file=args.api_keys_file, model_name=args.model_name, slots=args.slots,
-                     max_queue=args.max_queue, max_model_len=args.max_model_len,
-                     max_tokens_limit=args.max_tokens_limit, max_body_bytes=args.max_body_bytes,
-                     prefill_chunk=args.prefill_chunk,
-                     shutdown_grace_s=args.shutdown_grace_s, warmup=not args.no_warmup, kernels=args.kernels,
-                     shape_buckets=args.shape_buckets)
+    try:
+        sc = ServeConfig(checkpoint=args.checkpoint, preset=args.preset, dtype=args.dtype, profile=args.profile,
+                         artifact_store=args.artifact_store, host=args.host, port=args.port,
+                         api_keys_file=args.api_keys_file, model_name=args.model_name, slots=args.slots,
+                         max_queue=args.max_queue, max_model_len=args.max_model_len,
+                         max_tokens_limit=args.max_tokens_limit, max_body_bytes=args.max_body_bytes,
+                         prefill_chunk=args.prefill_chunk,
+                         shutdown_grace_s=args.shutdown_grace_s, warmup=not args.no_warmup,
+                         warmup_buckets=args.warmup_buckets, kernels=args.kernels,
+                         shape_buckets=args.shape_buckets)
+    except ValueError as e:  # a flag's value the config refuses: named by its flag, as argparse names its own
+        field, sep, rest = str(e).partition(":")
+        ap.error(f"--{field.replace('_', '-')}:{rest}" if sep and field in ServeConfig.__dataclass_fields__ else str(e))
     state = build_state(sc)
     uvicorn.run(create_app(state), host=sc.host, port=sc.port, log_level=args.log_level,
                 timeout_graceful_shutdown=int(sc.shutdown_grace_s) + 1)

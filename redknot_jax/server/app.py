@@ -15,6 +15,14 @@ OpenAI extension fields (both completion endpoints):
   `max_tokens` (stop strings still apply), so a benchmark gets a fixed output length.
 `POST /tokenize` (vLLM's shape): {"prompt": str} -> {"tokens": [...], "count", "max_model_len"},
 the ids the completion endpoints would see for that text.
+Start-up: the socket opens while the model worker warms up (`Scheduler.warmup`): `GET
+/healthz` answers 503 `{"status": "warming", ...}` with Retry-After until the warm-up ends, then
+200 (`"failed"` with the error, 503, if it failed). Routes that need the model worker
+(completions, chat, document registration) answer 503 meanwhile (code `warming_up`, with
+Retry-After; `warmup_failed` without one): a Kubernetes readiness probe on /healthz keeps
+traffic away until it is ready, and a request that still arrives is told when to retry rather
+than held through minutes of compiling. Everything else (models, tokenize, documents read /
+delete, metrics) answers at once.
 Responses carry a `redknot` object (arm that ran, fallback reason, generated token ids, cached
 rows, ledgers) and `usage.prompt_tokens_details.cached_tokens` = prompt rows not computed: the
 exact prefix's rows and the relocated documents' rows restored from artifacts (candidate rows
@@ -40,7 +48,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from redknot_jax.server import documents as docmod
-from redknot_jax.server.scheduler import Job, QueueFull, Sampling, ShuttingDown
+from redknot_jax.server.scheduler import WARMING_RETRY_AFTER_S, Job, NotReady, QueueFull, Sampling, ShuttingDown
 from redknot_jax.server.tokenizer import chat_prompt
 
 log = logging.getLogger("redknot.server")
@@ -49,13 +57,28 @@ ANON = "anonymous"
 
 class ApiError(Exception):
     def __init__(self, status: int, message: str, type_: str = "invalid_request_error", code: str | None = None,
-                 param: str | None = None):
+                 param: str | None = None, headers: dict | None = None):
         super().__init__(message)
         self.status, self.message, self.type, self.code, self.param = status, message, type_, code, param
+        self.headers = headers
 
     def response(self) -> JSONResponse:
         return JSONResponse({"error": {"message": self.message, "type": self.type, "code": self.code,
-                                       "param": self.param}}, status_code=self.status)
+                                       "param": self.param}}, status_code=self.status, headers=self.headers)
+
+
+def not_ready_error(e: NotReady) -> ApiError:
+    if e.retry_after is None:
+        return ApiError(503, str(e), "server_error", "warmup_failed")
+    return ApiError(503, str(e), "server_error", "warming_up", headers={"Retry-After": str(e.retry_after)})
+
+
+def require_ready(state) -> None:
+    """503 (see the module docstring) unless the model worker's warm-up has finished well."""
+    try:
+        state.scheduler.check_ready()
+    except NotReady as e:
+        raise not_ready_error(e)
 
 
 def bad(param: str, message: str, code: str = "invalid_value") -> ApiError:
@@ -311,6 +334,8 @@ def submit(state, job: Job) -> None:
         raise ApiError(429, str(e), "rate_limit_error", "queue_full")
     except ShuttingDown as e:
         raise ApiError(503, str(e), "server_error", "shutting_down")
+    except NotReady as e:
+        raise not_ready_error(e)
 
 
 def make_job(state, p: Parsed) -> Job:
@@ -497,6 +522,7 @@ def endpoint(fn):
 @endpoint
 async def completions(state, request):
     tenant = tenant_of(state, request)
+    require_ready(state)
     body = await read_json(state, request)
     p = parse_common(state, body, COMPLETION_FIELDS, tenant, parse_prompt(state, body))
     return await run_completion(state, request, p, chat=False, endpoint="completions")
@@ -505,6 +531,7 @@ async def completions(state, request):
 @endpoint
 async def chat_completions(state, request):
     tenant = tenant_of(state, request)
+    require_ready(state)
     body = await read_json(state, request)
     toks = state.tokenizer.encode(parse_messages(state, body))
     p = parse_common(state, body, CHAT_FIELDS, tenant, toks)
@@ -529,6 +556,7 @@ async def tokenize(state, request):
 @endpoint
 async def create_document(state, request):
     tenant = tenant_of(state, request)
+    require_ready(state)
     body = await read_json(state, request)
     unknown = sorted(set(body) - {"text", "token_ids", "shared"})
     if unknown:
@@ -607,10 +635,19 @@ async def models(state, request):
 
 
 async def healthz(request):
+    """200 {"status": "ok"} once the warm-up has finished and the model worker runs; else 503:
+    "warming" (with Retry-After), "failed" (the warm-up's error), "unavailable" (worker gone).
+    Every answer carries the warm-up's progress (`warmup`: lengths, done, programs, seconds)."""
     state = request.app.state.server
-    ok = state.scheduler.alive
-    return JSONResponse({"status": "ok" if ok else "unavailable", "model": state.model_name},
-                        status_code=200 if ok else 503)
+    sched = state.scheduler
+    body = {"model": state.model_name, "warmup": sched.warmup_status()}
+    if sched.phase == "warming":
+        return JSONResponse({"status": "warming", **body}, status_code=503,
+                            headers={"Retry-After": str(WARMING_RETRY_AFTER_S)})
+    if sched.phase == "failed":
+        return JSONResponse({"status": "failed", "error": sched.warmup_error, **body}, status_code=503)
+    ok = sched.alive
+    return JSONResponse({"status": "ok" if ok else "unavailable", **body}, status_code=200 if ok else 503)
 
 
 async def metrics(request):

@@ -9,15 +9,61 @@ tests can build several apps in one process).
   each other (DESIGN §6);
 * certification: `redknot_cert_validated_total` and `redknot_cert_fallback_total{reason}`,
   read from `ReuseRuntime.counters` at scrape time;
-* queue depth, active decode slots, rows per batched decode step, documents registered.
+* queue depth, active decode slots, rows per batched decode step, documents registered;
+* `redknot_compiled_programs_total`: XLA programs this process lowered (jit cache misses, each
+  then compiled or read from the persistent compilation cache), counted through
+  `jax.monitoring`: after the start-up warm-up it grows only for request shapes the warm-up
+  did not cover.
 """
 
 from __future__ import annotations
 
+import threading
+
+import jax.monitoring
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Summary, generate_latest
 from prometheus_client.core import CounterMetricFamily
 
 LAT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+
+
+# JAX records this event once per program it lowers to MLIR: every jit cache miss (a program
+# then compiled, or read from the persistent compilation cache), eager primitives included.
+LOWERING_EVENT = "/jax/core/compile/jaxpr_to_mlir_module_duration"
+_programs = 0
+_programs_lock = threading.Lock()
+_listening = False
+
+
+def _on_duration(event: str, duration_secs: float, **kwargs) -> None:
+    global _programs
+    if event == LOWERING_EVENT:
+        with _programs_lock:
+            _programs += 1
+
+
+def count_compiled_programs() -> None:
+    """Start counting the programs this process lowers (idempotent: one listener per process)."""
+    global _listening
+    with _programs_lock:
+        if not _listening:
+            jax.monitoring.register_event_duration_secs_listener(_on_duration)
+            _listening = True
+
+
+def compiled_programs() -> int:
+    """Programs lowered since `count_compiled_programs` was first called (process-wide)."""
+    with _programs_lock:
+        return _programs
+
+
+class _CompileCollector:
+    def collect(self):
+        m = CounterMetricFamily("redknot_compiled_programs", "XLA programs lowered by this process (jit cache "
+                                "misses: compiled, or read from the persistent compilation cache); growth after "
+                                "the warm-up means a request shape it did not cover")
+        m.add_metric([], compiled_programs())
+        yield m
 
 
 class _CertCollector:
@@ -70,6 +116,8 @@ class Metrics:
             "store, verified), built (constructed for this request)",
             ["tier"], registry=r)
         r.register(_CertCollector(cert_counters))
+        count_compiled_programs()
+        r.register(_CompileCollector())
 
     def record_ledgers(self, ledgers: dict, cached: int) -> None:
         self.head_row_last.set(ledgers["head_row"]["saving"])

@@ -2,7 +2,7 @@
 
 What is batched: plain completions (no documents, or `arm="recompute"`, whose document tokens
 are then ordinary prompt tokens) share one decode batch of `slots` sequences: a joining
-sequence is prefilled alone (batch 1, chunked in 16-row chunks so one shape compiles) and its
+sequence is prefilled alone (batch 1, in chunks of `prefill_chunk` rows: one shape compiles) and its
 cache is spliced into a free slot of the batch cache; every decode step then runs all slots
 at once with a per-slot active mask (`Engine.decode(tokens, cache, active)`), so sequences join
 and leave between steps (continuous batching). Sampling is per slot on the host (each request
@@ -15,6 +15,16 @@ documents' artifacts that stays hot while they are cited) and artifact builds ru
 each such job runs alone on the worker between two decode steps, so it pauses the batch for its
 duration. Model work never runs on the event loop: the HTTP side only enqueues jobs and reads
 their events.
+
+Warm-up (`warmup=` prompt lengths): the worker's first task, before any job, runs what a plain
+request of each length runs (`_prefill_slot`: the chunked prefill, the splice into a slot, the
+logits read back; then one batched decode step), so a later request of those lengths compiles
+nothing. Until it ends `phase` is "warming" and `submit` raises `NotReady` (HTTP 503 with
+Retry-After: a readiness probe keeps traffic away meanwhile, and a request that still arrives
+is told when to come back instead of holding a connection through minutes of compiling); a
+failure is logged and leaves `phase` "failed" with `warmup_error`, every submission refused.
+Document requests (RedKnot arm) are not warmed: their programs follow the number of cited
+documents and each one's length and the prompt's (padded by `Buckets`), not one length.
 
 Back-pressure: `submit` raises `QueueFull` when `max_queue` jobs wait (HTTP 429). Cancellation:
 a job's `cancelled` event (set when the client goes away) frees its slot before the next step.
@@ -42,6 +52,7 @@ from redknot_jax.reuse.artifact import build_artifact
 from redknot_jax.reuse.certificate import FallbackReason
 from redknot_jax.reuse.planner import Request, Segment
 from redknot_jax.reuse.runtime import ReuseRuntime
+from redknot_jax.server.metrics import compiled_programs
 
 log = logging.getLogger("redknot.server")
 
@@ -52,6 +63,18 @@ class QueueFull(RuntimeError):
 
 class ShuttingDown(RuntimeError):
     pass
+
+
+class NotReady(RuntimeError):
+    """The start-up warm-up is running (`retry_after` seconds: try again then) or failed
+    (`retry_after` None: it will not become ready)."""
+
+    def __init__(self, message: str, retry_after: int | None):
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+WARMING_RETRY_AFTER_S = 5  # what 503s during the warm-up tell clients (Retry-After)
 
 
 @dataclasses.dataclass
@@ -114,11 +137,25 @@ class _Slot:
 
 class Scheduler:
     def __init__(self, engine: Engine, runtime: ReuseRuntime, metrics, *, slots: int = 8, max_queue: int = 64,
-                 checkpoint_fingerprint: str = "", store_root: str | None = None, prefill_chunk: int = 256):
+                 checkpoint_fingerprint: str = "", store_root: str | None = None, prefill_chunk: int = 256,
+                 warmup=None):
+        """warmup: prompt lengths the worker warms before its first job (a sequence of ints),
+        "auto" (`default_warmup`), or None (no warm-up: ready at once)."""
         self.eng, self.rt, self.metrics = engine, runtime, metrics
         # one compiled prefill program: prompts run in chunks of this many rows (the last one
         # padded), the largest power of two within both the flag and the cache's capacity
         self.prefill_chunk = 1 << (min(prefill_chunk, engine.capacity).bit_length() - 1)
+        self.warmup_lengths = self._warmup_lengths(warmup)
+        self.phase = "warming" if self.warmup_lengths else "ready"  # -> "ready" | "failed"
+        self.warmup_error: str | None = None
+        self.warmup_done = 0  # lengths warmed so far
+        self.warmup_programs = 0  # programs the warm-up lowered (compiled or read from the persistent cache)
+        self.warmup_s: float | None = None
+        self._warm_t0: float | None = None
+        self._warm_p0 = 0
+        self.warmed = threading.Event()  # set when the warm-up has ended (ready or failed)
+        if not self.warmup_lengths:
+            self.warmed.set()
         self.store_root, self._stores = store_root, {}
         self.slots_n, self.max_queue, self.fp = slots, max_queue, checkpoint_fingerprint
         self._cond = threading.Condition()
@@ -133,11 +170,91 @@ class Scheduler:
         self.alive = False
         self._pools: collections.OrderedDict = collections.OrderedDict()  # hot tier: packed DocPools
 
+    # ------------------------------------------------------------------ warm-up
+    def default_warmup(self) -> tuple[int, ...]:
+        """One prompt a row longer than a prefill chunk (within the cache): two chunks, so every
+        program of the plain path (the chunk program, its logits merge, the splice, the batched
+        decode step) compiles; any other prompt length runs the same programs."""
+        return (min(self.prefill_chunk + 1, self.eng.capacity - 1),)
+
+    def _warmup_lengths(self, warmup) -> tuple[int, ...]:
+        if warmup is None:
+            return ()
+        if isinstance(warmup, str):
+            if warmup != "auto":
+                raise ValueError(f"warmup: expected 'auto', None or prompt lengths, got {warmup!r}")
+            return self.default_warmup()
+        lengths = tuple(warmup)
+        for n in lengths:
+            if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n < self.eng.capacity:
+                raise ValueError(f"warmup: prompt length {n!r} outside [1, {self.eng.capacity - 1}] (a prompt leaves "
+                                 f"at least one row of the cache capacity {self.eng.capacity} to generate)")
+        return tuple(sorted(set(lengths)))
+
+    def warmup_status(self) -> dict:
+        """What /healthz reports of the warm-up."""
+        elapsed, programs = self.warmup_s, self.warmup_programs
+        if elapsed is None and self._warm_t0 is not None:  # under way
+            elapsed, programs = time.perf_counter() - self._warm_t0, compiled_programs() - self._warm_p0
+        return {"lengths": list(self.warmup_lengths), "done": self.warmup_done, "total": len(self.warmup_lengths),
+                "programs": programs, "seconds": None if elapsed is None else round(elapsed, 3)}
+
+    def check_ready(self) -> None:
+        """Raise `NotReady` unless the warm-up has finished well."""
+        if self.phase == "warming":
+            st = self.warmup_status()
+            raise NotReady(f"server is warming up (compiling prompt lengths {st['lengths']}: {st['done']} of "
+                           f"{st['total']} done); retry in {WARMING_RETRY_AFTER_S} s", WARMING_RETRY_AFTER_S)
+        if self.phase == "failed":
+            raise NotReady(f"server warm-up failed, it will not serve: {self.warmup_error}", None)
+
+    def warmup(self, lengths=None) -> None:
+        """Compile what a plain request of each prompt length runs (`lengths`, default
+        `self.warmup_lengths`): its batch-1 chunked prefill spliced into a slot with the logits
+        read back, then a batched decode step with that slot active (the slot is free
+        afterwards: the next admission splices over it). Synchronous, on the calling thread."""
+        vocab = self.eng.cfg.vocab_size
+        for n in self.warmup_lengths if lengths is None else lengths:
+            if self._stopping:  # shut down while warming: the rest would be thrown away
+                break
+            self._prefill_slot([int(t) for t in np.arange(n) % vocab], 0)
+            toks, active = np.zeros(self.slots_n, np.int32), np.zeros(self.slots_n, np.int32)
+            active[0] = 1
+            self._decode_batch(toks, active)
+            if lengths is None:
+                self.warmup_done += 1
+
+    def _warm(self) -> bool:
+        """The worker's warm-up: phase "ready" on success; on a failure, logged, phase "failed"
+        with `warmup_error` (the worker then exits: nothing is served)."""
+        self._warm_p0 = p0 = compiled_programs()
+        self._warm_t0 = time.perf_counter()
+        log.info("warming up: prompt lengths %s (plain path, prefill chunks of %d rows + a decode step); /healthz "
+                 "answers 503 'warming' until done", list(self.warmup_lengths), self.prefill_chunk)
+        try:
+            self.warmup()
+        except Exception as e:
+            self.warmup_error = f"{type(e).__name__}: {e}"
+            self.warmup_programs = compiled_programs() - p0
+            self.warmup_s = time.perf_counter() - self._warm_t0
+            log.error("warm-up failed after %.1fs (%d of %d lengths done); the server will not serve, /healthz "
+                      "answers 503 'failed':\n%s", self.warmup_s, self.warmup_done, len(self.warmup_lengths),
+                      traceback.format_exc())
+            self.phase = "failed"
+            return False
+        self.warmup_programs = compiled_programs() - p0
+        self.warmup_s = time.perf_counter() - self._warm_t0
+        log.info("warm-up done in %.1fs: prompt lengths %s, %d programs compiled (or read from the persistent "
+                 "cache); ready", self.warmup_s, list(self.warmup_lengths), self.warmup_programs)
+        self.phase = "ready"
+        return True
+
     # ------------------------------------------------------------------ event-loop side
     def submit(self, job: Job) -> None:
         with self._cond:
             if self._stopping:
                 raise ShuttingDown("server is shutting down")
+            self.check_ready()
             if len(self._pending) >= self.max_queue:
                 self.metrics.rejected.inc()
                 raise QueueFull(f"queue full ({self.max_queue} requests waiting); retry later")
@@ -161,20 +278,18 @@ class Scheduler:
         if self._thread is not None:
             self._thread.join(grace_s + 30)
 
-    def warmup(self) -> None:
-        """Compile the plain path (batch-1 chunk prefill, splice, batch decode) before serving."""
-        logits, one = self.eng.prefill([[2, 3]], chunk=self.prefill_chunk)
-        self.cache = self._splice(self.cache, one, 0)
-        logits, self.cache = self.eng.decode(np.zeros(self.slots_n, np.int32), self.cache,
-                                             np.zeros(self.slots_n, np.int32))
-        jax.block_until_ready(logits)
-
     # ------------------------------------------------------------------ worker
     def _active(self) -> int:
         return sum(s is not None for s in self._slots)
 
     def _run(self) -> None:
         try:
+            if self.warmup_lengths:
+                try:
+                    if not self._warm():
+                        return
+                finally:
+                    self.warmed.set()
             while True:
                 admit, special = [], None
                 with self._cond:
@@ -242,15 +357,27 @@ class Scheduler:
         if job.cancelled.is_set():
             self._count_cancel(job)
             return
-        logits, one = self.eng.prefill([job.tokens], chunk=self.prefill_chunk)
-        self.cache = self._splice(self.cache, one, slot)
+        row = self._prefill_slot(job.tokens, slot)
         rng = np.random.default_rng(job.sampling.seed)
-        tok = sample_host(np.asarray(logits[0]), job.sampling, rng)
+        tok = sample_host(row, job.sampling, rng)
         fin = self._token(job, tok, 1, None, job.arm)
         if fin is not None:
             job.emit("done", fin, {"arm": job.arm, "cached_tokens": 0})
             return
         self._slots[slot] = _Slot(job, tok, 1, rng, time.perf_counter())
+
+    def _prefill_slot(self, tokens, slot: int) -> np.ndarray:
+        """Prefill one prompt (batch 1, chunked) into `slot` of the batch cache; its last row's
+        logits [vocab] on the host. What an admission and the warm-up run."""
+        logits, one = self.eng.prefill([tokens], chunk=self.prefill_chunk)
+        self.cache = self._splice(self.cache, one, slot)
+        return np.asarray(logits[0])
+
+    def _decode_batch(self, toks: np.ndarray, active: np.ndarray) -> np.ndarray:
+        """One batched decode step of every slot (inactive ones not written): logits [slots, vocab]
+        on the host. What a decode step and the warm-up run."""
+        logits, self.cache = self.eng.decode(toks, self.cache, active)
+        return np.asarray(logits)
 
     def _decode_step(self) -> None:
         toks = np.zeros(self.slots_n, np.int32)
@@ -267,8 +394,7 @@ class Scheduler:
             return
         self.metrics.batch_rows.observe(int(active.sum()))
         try:
-            logits, self.cache = self.eng.decode(toks, self.cache, active)
-            logits = np.asarray(logits)
+            logits = self._decode_batch(toks, active)
         except Exception as e:
             log.error("decode step failed:\n%s", traceback.format_exc())
             for i, s in enumerate(self._slots):

@@ -8,6 +8,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import time
 
 import jax.numpy as jnp
@@ -46,7 +47,11 @@ class ServeConfig:
     max_tokens_limit: int = 256
     max_body_bytes: int = 1 << 20
     shutdown_grace_s: float = 10.0
-    warmup: bool = True
+    warmup: bool = True  # False (--no-warmup): no warm-up at all, ready at once
+    # prompt lengths (tokens) the model worker warms before serving (--warmup-buckets); None: the
+    # default (Scheduler.default_warmup: a prompt one row longer than a prefill chunk, so two
+    # chunks: every plain-path program)
+    warmup_buckets: tuple[int, ...] | None = None
     kernels: str = "auto"  # Mosaic GPU kernels (redknot_jax.pallas.resolve_kernels): auto | xla | mosaic | a list
     shape_buckets: int = 8  # RedKnot requests' padded sizes per octave (reuse.pool.Buckets; 0: exact)
 
@@ -59,10 +64,35 @@ class ServeConfig:
             raise ValueError(f"checkpoint {self.checkpoint!r} and preset {self.preset!r}: give one of them")
         if self.dtype not in ("float32", "bfloat16"):
             raise ValueError(f"dtype: expected float32 or bfloat16, got {self.dtype!r}")
+        if self.warmup_buckets is not None:
+            if not isinstance(self.warmup_buckets, tuple) or not self.warmup_buckets:
+                raise ValueError(f"warmup_buckets: expected a non-empty tuple of prompt lengths, got "
+                                 f"{self.warmup_buckets!r}")
+            if not self.warmup:
+                raise ValueError(f"warmup_buckets {list(self.warmup_buckets)} given with warmup=False (--no-warmup): "
+                                 f"give one of them")
+            for n in self.warmup_buckets:
+                if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n < self.max_model_len:
+                    raise ValueError(f"warmup_buckets: prompt length {n!r} outside [1, {self.max_model_len - 1}] "
+                                     f"(a prompt leaves room for one generated token within max_model_len "
+                                     f"{self.max_model_len})")
         try:
             Buckets(self.shape_buckets)
         except ValueError as e:
             raise ValueError(f"shape_buckets: {e}") from None
+
+
+def parse_warmup_buckets(text: str) -> tuple[int, ...]:
+    """`--warmup-buckets 512,4096`: comma-separated positive prompt lengths in tokens (sorted,
+    duplicates dropped); anything else is a ValueError naming the bad item."""
+    items = [x.strip() for x in text.split(",")]
+    out = set()
+    for x in items:
+        if not re.fullmatch(r"[0-9]+", x) or int(x) < 1:  # no sign, no blank, no "1e3"
+            raise ValueError(f"warmup buckets {text!r}: expected comma-separated positive integers (prompt lengths "
+                             f"in tokens, e.g. 512,4096), got {x!r}")
+        out.add(int(x))
+    return tuple(sorted(out))
 
 
 def model_source(sc: ServeConfig) -> tuple[str | None, str | None]:
@@ -147,13 +177,13 @@ def build_state(sc: ServeConfig) -> ServerState:
     # artifacts persist in per-tenant artifact stores under the registry's directory
     store_root = os.path.join(sc.artifact_store, "artifacts") if sc.artifact_store else None
     sched = Scheduler(eng, rt, metrics, slots=sc.slots, max_queue=sc.max_queue, checkpoint_fingerprint=fp,
-                      prefill_chunk=sc.prefill_chunk,
-                      store_root=store_root)
-    if sc.warmup:
-        sched.warmup()
+                      prefill_chunk=sc.prefill_chunk, store_root=store_root,
+                      warmup=(sc.warmup_buckets or "auto") if sc.warmup else None)
     keys = load_api_keys(sc.api_keys_file, os.environ.get(sc.api_keys_env))
-    log.info("model %s (%d layers), profile %s, kernels %r, %d API keys, ready in %.1fs", name, cfg.num_layers,
-             prof.name, rt.consumer.kernels or "none (XLA)", len(keys), time.perf_counter() - t0)
+    log.info("model %s (%d layers), profile %s, kernels %r, %d API keys, loaded in %.1fs; warm-up: %s (on the model "
+             "worker once the server listens)", name, cfg.num_layers, prof.name, rt.consumer.kernels or "none (XLA)",
+             len(keys), time.perf_counter() - t0,
+             f"prompt lengths {list(sched.warmup_lengths)}" if sched.warmup_lengths else "none")
     return ServerState(cfg=sc, model_name=name, vocab_size=cfg.vocab_size, eos_id=cfg.eos_token_id,
                        capacity=sc.max_model_len, tokenizer=load_tokenizer(ckpt, cfg.vocab_size),
                        chat_template=load_chat_template(ckpt),

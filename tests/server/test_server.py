@@ -24,6 +24,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -105,8 +106,13 @@ def start_server(tmp, args, wait_s: float = 240) -> Server:
             log.seek(0)
             pytest.fail(f"server exited with {proc.returncode}:\n{log.read()[-4000:]}")
         try:
-            if srv.request("GET", "/healthz", key=None, timeout=2)[0] == 200:
+            st, health = srv.request("GET", "/healthz", key=None, timeout=2)
+            if st == 200:
                 return srv
+            if isinstance(health, dict) and health.get("status") == "failed":  # will never be ready
+                proc.kill()
+                log.seek(0)
+                pytest.fail(f"server warm-up failed: {health}\n{log.read()[-4000:]}")
         except OSError:
             pass
         if time.time() > deadline:
@@ -251,6 +257,57 @@ def test_document_reuse_first_token_equals_recompute(server):
     for r in (first, swapped):
         assert _ext(r)["arm"] == "redknot" and _ext(r)["fallback"] is None
         assert r.usage.prompt_tokens_details.cached_tokens > 0
+
+
+def test_concurrent_document_requests_match_each_alone(server):
+    """Document-citing requests sent at once (threads released together by a barrier, greedy,
+    fixed max_tokens, ignore_eos) each get exactly the tokens the same request gets alone:
+    jobs sharing the worker, its hot pools (evicted and repacked: more document sets than the
+    pool cache keeps) and the continuous batch (Recomputed-arm and plain requests, longer, so
+    they share decode steps: checked on the batch-rows histogram) do not leak into each other.
+    Documents of DOC's length and a 6-token one, prompts of QUESTION's length: the shapes
+    test_document_reuse compiled."""
+    texts = [DOC, DOC.swapcase(), DOC[::-1]]
+    ids = [server.request("POST", "/v1/documents", {"text": t})[1]["id"] for t in texts]
+    short = server.request("POST", "/v1/documents", {"token_ids": [21, 22, 23, 24, 25, 26]})[1]["id"]
+    q2 = QUESTION.upper()
+    cases = [([ids[0]], QUESTION, "redknot", 4), ([ids[1]], QUESTION, "redknot", 4), ([ids[2]], q2, "redknot", 4),
+             ([ids[0], short], q2, "redknot", 4), ([short, ids[1]], QUESTION, "redknot", 4),
+             ([ids[2], short], QUESTION, "redknot", 4), ([ids[1]], q2, "recompute", 12),
+             ([ids[0], short], QUESTION, "recompute", 12), ([], QUESTION, "engine", 12), ([], q2, "engine", 12)]
+
+    def send(case):
+        docs, prompt, arm, mt = case
+        body = {"model": MODEL, "prompt": prompt, "max_tokens": mt, "temperature": 0, "ignore_eos": True}
+        if docs:
+            body |= {"documents": docs, "arm": "recompute" if arm == "recompute" else "redknot"}
+        st, r = server.request("POST", "/v1/completions", body)
+        assert st == 200, (case, r)
+        ext = r["redknot"]
+        assert ext["arm"] == arm and ext["fallback"] is None, (case, ext)  # reuse really ran where cited
+        assert len(ext["token_ids"]) == mt
+        return ext["token_ids"]
+
+    def shared_steps():  # batched decode steps that ran more than one sequence so far
+        return (server.metric("redknot_decode_batch_rows_count")
+                - server.metric("redknot_decode_batch_rows_bucket", 'le="1.0"'))
+
+    s0 = shared_steps()
+    alone = [send(c) for c in cases]
+    assert shared_steps() == s0  # alone: every decode step ran one sequence
+    gate = threading.Barrier(len(cases))
+
+    def together(case):
+        gate.wait(60)
+        return send(case)
+
+    with concurrent.futures.ThreadPoolExecutor(len(cases)) as ex:
+        at_once = list(ex.map(together, cases))
+    assert shared_steps() > s0  # the batch really held several of them at once
+    for case, a, b in zip(cases, alone, at_once):
+        assert b == a, (case, a, b)
+    # distinct requests gave distinct answers somewhere: the comparison could tell them apart
+    assert len({tuple(a) for a in alone}) > 1, alone
 
 
 def test_tenant_isolation_and_document_crud(server):
@@ -584,3 +641,163 @@ def test_kernels_flag_is_resolved_or_refused():
     assert build_state(ServeConfig(preset="tiny", shape_buckets=2, warmup=False)).runtime.consumer.buckets.per_octave == 2
     with pytest.raises(ValueError, match="shape_buckets: Buckets: per_octave must be 0 or a power of two, got 3"):
         ServeConfig(shape_buckets=3)
+
+
+# ------------------------------------------------------------------ start-up warm-up (in-process)
+def test_warmup_buckets_flag_is_parsed_or_refused(capsys):
+    """--warmup-buckets: comma-separated positive prompt lengths; anything else is refused naming
+    the item (the parser, ServeConfig, and serve.py's argparse message, before any model loads)."""
+    import importlib.util
+
+    from redknot_jax.server.state import ServeConfig, parse_warmup_buckets
+
+    assert parse_warmup_buckets("512,4096") == (512, 4096)
+    assert parse_warmup_buckets(" 64, 8 ,64") == (8, 64)
+    for text, item in (("abc", "'abc'"), ("0", "'0'"), ("-3", "'-3'"), ("5,,6", "''"), ("", "''"), ("1e3", "'1e3'"),
+                       ("2.5", "'2.5'"), ("²", "'²'")):
+        with pytest.raises(ValueError, match=f"expected comma-separated positive integers .*got {re.escape(item)}$"):
+            parse_warmup_buckets(text)
+    with pytest.raises(ValueError, match=r"warmup_buckets: prompt length 64 outside \[1, 63\]"):
+        ServeConfig(max_model_len=64, warmup_buckets=(8, 64))
+    with pytest.raises(ValueError, match=r"warmup_buckets \[8\] given with warmup=False \(--no-warmup\)"):
+        ServeConfig(warmup=False, warmup_buckets=(8,))
+    with pytest.raises(ValueError, match="warmup_buckets: expected a non-empty tuple"):
+        ServeConfig(warmup_buckets=())
+
+    spec = importlib.util.spec_from_file_location("serve_cli", ROOT / "launch" / "serve.py")
+    serve = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(serve)
+    for argv, msg in ((["--warmup-buckets", "512,x"], "argument --warmup-buckets: warmup buckets '512,x': expected "
+                                                      "comma-separated positive integers"),
+                      (["--warmup-buckets", "8", "--no-warmup"], "--warmup-buckets and --no-warmup: give one of them"),
+                      (["--warmup-buckets", "4096", "--max-model-len", "2048"],
+                       r"--warmup-buckets: prompt length 4096 outside \[1, 2047\]")):
+        with pytest.raises(SystemExit) as e:  # '' keeps this process's compilation cache setting
+            serve.main([*argv, "--compilation-cache", "", "--log-level", "warning"])
+        assert e.value.code == 2
+        assert re.search(msg, capsys.readouterr().err), argv
+
+
+class _Serving:
+    """An app served by uvicorn on a thread over a real socket, listening before uvicorn runs
+    (early connections wait in the backlog: no start-up polling)."""
+
+    def __init__(self, state):
+        import uvicorn
+
+        from redknot_jax.server.app import create_app
+
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(64)
+        self.uv = uvicorn.Server(uvicorn.Config(create_app(state), log_level="warning"))
+        self.thread = threading.Thread(target=self.uv.run, kwargs={"sockets": [self.sock]}, daemon=True)
+        self.srv = Server(None, self.sock.getsockname()[1], None)
+
+    def __enter__(self) -> Server:
+        self.thread.start()
+        return self.srv
+
+    def __exit__(self, *exc):
+        self.uv.should_exit = True
+        self.thread.join(60)
+        self.sock.close()
+
+
+def _get(srv: Server, path: str, body=None):
+    """(status, headers, parsed JSON) without auth (the warm-up state has no API keys)."""
+    conn = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=120)
+    conn.request("POST" if body is not None else "GET", path, None if body is None else json.dumps(body),
+                 {"Content-Type": "application/json"})
+    r = conn.getresponse()
+    out = r.status, dict(r.getheaders()), json.loads(r.read())
+    conn.close()
+    return out
+
+
+@pytest.fixture(scope="module")
+def warm_state():
+    """The tiny model's server state (not started): warm-up of a 5-token prompt, 16-row prefill chunks."""
+    from redknot_jax.server.state import ServeConfig, build_state
+
+    import dataclasses as dc
+
+    st = build_state(ServeConfig(preset="tiny", profile="tiny-exact", max_model_len=64, prefill_chunk=16, slots=2,
+                                 warmup_buckets=(5,)))
+    return dc.replace(st, keys={})  # no auth, whatever $REDKNOT_API_KEYS holds
+
+
+def test_healthz_is_503_warming_until_the_warmup_ends_and_the_warmed_length_compiles_nothing(warm_state):
+    """The socket answers while the model worker warms (held on an event here): /healthz 503
+    "warming" with Retry-After, model routes 503 `warming_up` with Retry-After, other routes
+    answer; once warm, /healthz 200 and a prompt of the warmed length lowers no program
+    (redknot_compiled_programs_total unchanged), while a prompt of several chunks, which the
+    one-chunk warm-up did not cover, does (the counter sees request-time compiles). Runs before
+    any other in-process prefill of this module (the negative control needs its programs new)."""
+    sched = warm_state.scheduler
+    assert sched.phase == "warming" and sched.warmup_lengths == (5,)
+    entered, gate = threading.Event(), threading.Event()
+    real = sched.warmup
+
+    def held(lengths=None):
+        entered.set()
+        assert gate.wait(300), "test never opened the warm-up gate"
+        real(lengths)
+
+    sched.warmup = held
+    with _Serving(warm_state) as srv:
+        assert entered.wait(120), "the worker never started its warm-up"
+        st, hdr, body = _get(srv, "/healthz")
+        assert st == 503 and body["status"] == "warming" and hdr.get("retry-after") == "5", (st, hdr, body)
+        assert body["warmup"]["lengths"] == [5] and body["warmup"]["done"] == 0
+        for path, req in (("/v1/completions", {"model": MODEL, "prompt": "hello", "max_tokens": 2}),
+                          ("/v1/documents", {"text": "a document"})):
+            st, hdr, body = _get(srv, path, req)
+            assert st == 503 and body["error"]["code"] == "warming_up" and hdr.get("retry-after") == "5", (path, body)
+            assert "warming up" in body["error"]["message"]
+        assert _get(srv, "/v1/models")[0] == 200  # no model work: answered while warming
+        assert sched.alive and not sched.warmed.is_set()
+
+        gate.set()
+        assert sched.warmed.wait(300)
+        st, hdr, body = _get(srv, "/healthz")
+        assert st == 200 and body["status"] == "ok" and "retry-after" not in hdr, body
+        assert body["warmup"]["done"] == 1 and body["warmup"]["programs"] > 0 and body["warmup"]["seconds"] > 0
+
+        def lowered(prompt_len):
+            before = srv.metric("redknot_compiled_programs_total")
+            st, _, r = _get(srv, "/v1/completions", {"model": MODEL, "prompt": [7] * prompt_len, "max_tokens": 3,
+                                                     "ignore_eos": True})
+            assert st == 200 and r["usage"]["completion_tokens"] == 3, r
+            return srv.metric("redknot_compiled_programs_total") - before
+
+        assert lowered(5) == 0  # the warmed length: prefill, splice, logits read back, decode steps
+        assert lowered(40) > 0  # three chunks: merging the chunks' logits was not warmed
+
+
+def test_warmup_failure_is_reported_and_logged_not_half_ready(warm_state, caplog):
+    """A warm-up that raises: logged with its traceback, /healthz 503 "failed" naming the error
+    (no Retry-After: it will not recover), model routes 503 `warmup_failed`; the worker exits."""
+    import dataclasses as dc
+
+    from redknot_jax.server.scheduler import Scheduler
+
+    sched = Scheduler(warm_state.scheduler.eng, warm_state.runtime, warm_state.metrics, slots=1, prefill_chunk=16,
+                      warmup=(5,))
+
+    def fail(lengths=None):
+        raise RuntimeError("injected: compiling ran out of memory")
+
+    sched.warmup = fail
+    with caplog.at_level("ERROR", logger="redknot.server"), _Serving(dc.replace(warm_state, scheduler=sched)) as srv:
+        assert sched.warmed.wait(120)
+        st, hdr, body = _get(srv, "/healthz")
+        assert st == 503 and body["status"] == "failed" and "retry-after" not in hdr, (hdr, body)
+        assert body["error"] == "RuntimeError: injected: compiling ran out of memory"
+        st, hdr, body = _get(srv, "/v1/completions", {"model": MODEL, "prompt": "hello", "max_tokens": 2})
+        assert st == 503 and body["error"]["code"] == "warmup_failed" and "retry-after" not in hdr, body
+        assert "injected" in body["error"]["message"]
+        sched._thread.join(30)
+        assert not sched.alive and sched.phase == "failed"
+    failed = [r for r in caplog.records if "warm-up failed" in r.getMessage()]
+    assert failed and "injected: compiling ran out of memory" in failed[0].getMessage()
