@@ -63,6 +63,10 @@ def main(argv=None):
     ap.add_argument("--shape-buckets", type=int, default=8,
                     help="padded sizes per octave of RedKnot requests (rows, entries, decode capacities, pools): "
                          "requests of similar sizes share compiled programs, at most 1/N padding; 0 for exact sizes")
+    ap.add_argument("--arena-rows", type=int, default=0,
+                    help="document rows the device arena of hot documents holds (every document request reads it; "
+                         "least recently used documents leave it for host memory); default 8 x --max-model-len")
+    ap.add_argument("--arena-docs", type=int, default=64, help="documents the device arena holds at once")
     ap.add_argument("--compilation-cache", default=os.path.expanduser("~/.cache/redknot_jax/xla"),
                     help="persistent XLA compilation cache ('' to disable): later starts skip most compiles")
     ap.add_argument("--log-level", default="info")
@@ -91,7 +95,7 @@ def main(argv=None):
                          prefill_chunk=args.prefill_chunk,
                          shutdown_grace_s=args.shutdown_grace_s, warmup=not args.no_warmup,
                          warmup_buckets=args.warmup_buckets, kernels=args.kernels,
-                         shape_buckets=args.shape_buckets)
+                         shape_buckets=args.shape_buckets, arena_rows=args.arena_rows, arena_docs=args.arena_docs)
     except ValueError as e:  # a flag's value the config refuses: named by its flag, as argparse names its own
         field, sep, rest = str(e).partition(":")
         ap.error(f"--{field.replace('_', '-')}:{rest}" if sep and field in ServeConfig.__dataclass_fields__ else str(e))

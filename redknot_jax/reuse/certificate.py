@@ -265,6 +265,7 @@ class FallbackReason(enum.Enum):
     UNKNOWN_ARTIFACT = "unknown_artifact"
     MISSING_PART = "missing_part"  # an optional part the profile needs (e.g. "ffn") is absent
     CODEC_MISMATCH = "codec_mismatch"  # rows stored in another codec than the profile reads
+    ARENA_FULL = "arena_full"  # the cited documents do not fit the device arena beside pinned ones (server)
     NO_PREFIX_STATE = "no_prefix_state"  # asked to be an exact prefix, the artifact cannot (`can_prefix`)
 
 

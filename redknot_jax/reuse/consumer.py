@@ -63,6 +63,7 @@ from redknot_jax.pallas.seg_attention import Segment, seg_attention
 from redknot_jax.pallas.sparse_attention import HEADS as SPARSE_HEADS
 from redknot_jax.pallas.sparse_attention import row_lists, sparse_attention
 from redknot_jax.reuse import codec
+from redknot_jax.reuse.arena import DocArena
 from redknot_jax.reuse.artifact import local_head_mask
 from redknot_jax.reuse.fanout import fanout_keep
 from redknot_jax.reuse.layout import NEVER, build_layout, common_sizes, frame_rows
@@ -775,6 +776,19 @@ class Consumer:
         if resident != "device":
             raise ValueError(f"pool: resident must be one of ['device', 'host'], got {resident!r}")
         return DocPool(artifacts, self.reusable, self.model.dtype, self.buckets)
+
+    def arena(self, rows: int, docs: int = 64) -> DocArena:
+        """A device arena of `rows` document rows and `docs` documents (`arena.py`): one pool for
+        every request, whatever documents it cites; `DocArena.acquire` the request's artifacts
+        before running it over the arena, `release` them after its last decode step."""
+        rates = {}
+        for i in self.reusable:
+            attn = self.model.layers[i].attn
+            rates[i] = {"entries": attn.compressor.m} if attn.compressor is not None else {}
+            if attn.indexer is not None:
+                rates[i]["idx_entries"] = attn.indexer.m
+        return DocArena(self.reusable, self.model.dtype, rows, docs, rates, unit=self.cfg.hca_rate,
+                        topk=self.cfg.index_topk, buckets=self.buckets)
 
     # -------------------------------------------------------------- pieces
     def _rows(self, n: int) -> int:

@@ -10,6 +10,8 @@ tests can build several apps in one process).
 * certification: `redknot_cert_validated_total` and `redknot_cert_fallback_total{reason}`,
   read from `ReuseRuntime.counters` at scrape time;
 * queue depth, active decode slots, rows per batched decode step, documents registered;
+* the device arena of hot documents: `redknot_arena_rows_used`, `_rows_capacity`, `_documents`,
+  `_bytes`, `redknot_arena_admissions_total`, `redknot_arena_evictions_total`;
 * `redknot_compiled_programs_total`: XLA programs this process lowered (jit cache misses, each
   then compiled or read from the persistent compilation cache), counted through
   `jax.monitoring`: after the start-up warm-up it grows only for request shapes the warm-up
@@ -22,7 +24,7 @@ import threading
 
 import jax.monitoring
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Summary, generate_latest
-from prometheus_client.core import CounterMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 LAT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 
@@ -82,6 +84,31 @@ class _CertCollector:
         yield fb
 
 
+class _ArenaCollector:
+    """The device arena of hot documents (`reuse.arena.DocArena`), read at scrape time."""
+
+    def __init__(self):
+        self.arena = None
+
+    def collect(self):
+        if self.arena is None:
+            return
+        snap = self.arena.snapshot()
+        for name, key, help_ in (("rows_used", "rows_used", "Document rows held by the device arena"),
+                                 ("rows_capacity", "rows_capacity", "Document rows the device arena can hold"),
+                                 ("documents", "docs", "Documents resident in the device arena"),
+                                 ("bytes", "bytes", "Device bytes of the arena's arrays")):
+            g = GaugeMetricFamily(f"redknot_arena_{name}", help_)
+            g.add_metric([], snap[key])
+            yield g
+        for name, key, help_ in (("admissions", "admitted", "Documents written into the device arena"),
+                                 ("evictions", "evicted", "Documents evicted from the device arena (least recently "
+                                  "used, to host memory) to make room")):
+            c = CounterMetricFamily(f"redknot_arena_{name}", help_)
+            c.add_metric([], snap[key])
+            yield c
+
+
 class Metrics:
     def __init__(self, cert_counters):
         r = self.registry = CollectorRegistry()
@@ -112,12 +139,18 @@ class Metrics:
                                    "document rows) per RedKnot request", registry=r)
         self.artifact_tier = Counter(
             "redknot_artifact_tier_hits", "Artifacts a RedKnot request cited, by where they were found: device "
-            "(in a packed device pool already), host (in memory, packed now), disk (read from the artifact "
-            "store, verified), built (constructed for this request)",
+            "(resident in the device arena already), host (in memory, written into the arena now), disk (read "
+            "from the artifact store, verified), built (constructed for this request)",
             ["tier"], registry=r)
         r.register(_CertCollector(cert_counters))
         count_compiled_programs()
         r.register(_CompileCollector())
+        self._arena = _ArenaCollector()
+        r.register(self._arena)
+
+    def watch_arena(self, arena) -> None:
+        """Report this device arena's occupancy, admissions and evictions (the latest one given)."""
+        self._arena.arena = arena
 
     def record_ledgers(self, ledgers: dict, cached: int) -> None:
         self.head_row_last.set(ledgers["head_row"]["saving"])

@@ -9,8 +9,9 @@ and leave between steps (continuous batching). Sampling is per slot on the host 
 keeps its own temperature, top_p and seed).
 
 What is not batched: requests citing documents in the RedKnot arm run through
-`ReuseRuntime` (jitted per layer, one request at a time, over a device pool of the cited
-documents' artifacts that stays hot while they are cited) and artifact builds run
+`ReuseRuntime` (jitted per layer, one request at a time, over the device arena of hot documents,
+`reuse/arena.py`: one copy of each document whatever set cites it, fixed shapes so a new set
+compiles nothing, least recently used documents back to host memory) and artifact builds run
 `build_artifact`;
 each such job runs alone on the worker between two decode steps, so it pauses the batch for its
 duration. Model work never runs on the event loop: the HTTP side only enqueues jobs and reads
@@ -48,6 +49,7 @@ import numpy as np
 import jax
 
 from redknot_jax.generate import Engine
+from redknot_jax.reuse.arena import ArenaFull
 from redknot_jax.reuse.artifact import build_artifact
 from redknot_jax.reuse.certificate import FallbackReason
 from redknot_jax.reuse.planner import Request, Segment
@@ -138,7 +140,7 @@ class _Slot:
 class Scheduler:
     def __init__(self, engine: Engine, runtime: ReuseRuntime, metrics, *, slots: int = 8, max_queue: int = 64,
                  checkpoint_fingerprint: str = "", store_root: str | None = None, prefill_chunk: int = 256,
-                 warmup=None):
+                 warmup=None, arena_rows: int = 16384, arena_docs: int = 64):
         """warmup: prompt lengths the worker warms before its first job (a sequence of ints),
         "auto" (`default_warmup`), or None (no warm-up: ready at once)."""
         self.eng, self.rt, self.metrics = engine, runtime, metrics
@@ -168,7 +170,10 @@ class Scheduler:
         self._splice = jax.jit(lambda big, one, i: jax.tree.map(
             lambda b, o: jax.lax.dynamic_update_index_in_dim(b, o[0], i, 0), big, one), donate_argnums=(0,))
         self.alive = False
-        self._pools: collections.OrderedDict = collections.OrderedDict()  # hot tier: packed DocPools
+        # the hot tier: one device arena of documents for every document request (reuse/arena.py)
+        self.arena = runtime.consumer.arena(arena_rows, arena_docs) if runtime is not None else None
+        if self.arena is not None:
+            metrics.watch_arena(self.arena)
 
     # ------------------------------------------------------------------ warm-up
     def default_warmup(self) -> tuple[int, ...]:
@@ -449,26 +454,19 @@ class Scheduler:
             self._stores[key] = ArtifactStore(os.path.join(self.store_root, key))
         return self._stores[key]
 
-    def _hot_pool(self, docs, keep: int = 4):
-        """The device pool of these documents' artifacts (the hot tier): reused while the same
-        documents are cited, in any order (a pool finds each artifact's rows by identity, so
-        its packing order is not the request's), and through decode; built otherwise; the
-        `keep` most recent pools stay resident. Every cited artifact is counted by the tier it
-        came from."""
-        fetched = [self._ensure_artifact(d) for d in docs]
-        key = frozenset(id(d.artifact) for d in docs)
-        pool = self._pools.get(key)
-        if pool is not None:
-            self._pools.move_to_end(key)
-            self.metrics.artifact_tier.labels("device").inc(len(docs))
-            return pool
-        for where in fetched:
-            self.metrics.artifact_tier.labels(where or "host").inc()
-        unique = list({id(d.artifact): d.artifact for d in docs}.values())  # a document cited twice
-        pool = self._pools[key] = self.rt.consumer.pool(unique)
-        while len(self._pools) > keep:
-            self._pools.popitem(last=False)
-        return pool
+    def _acquire(self, docs, fetched) -> list:
+        """The cited documents' artifacts, resident in the device arena (the hot tier) and pinned
+        until `arena.release`: a document resident already (cited before, by any request, in any
+        set) is a hit; the others are written in now, evicting the least recently used unpinned
+        ones. Each cited artifact is counted by the tier it came from (`fetched`: what
+        `_ensure_artifact` said). `ArenaFull` if they do not fit beside the documents pinned by
+        requests in flight."""
+        arts = [d.artifact for d in docs]
+        resident = [self.arena.resident(a) for a in arts]
+        self.arena.acquire(arts)
+        for where, hot in zip(fetched, resident):
+            self.metrics.artifact_tier.labels("device" if hot else (where or "host")).inc()
+        return arts
 
     def _run_build(self, job: Job) -> None:
         self._ensure_artifact(job.doc)
@@ -478,18 +476,35 @@ class Scheduler:
         """A request citing documents, RedKnot arm (falls back to recomputation, counted, when
         an artifact fails certification). Decoding after the first token follows
         `ReuseRuntime.generate` (plan frozen, generated tokens appended as protected new rows;
-        each runs alone over the prompt's cached keys) with this request's sampling; the documents'
-        device pool is reused across requests citing the same documents."""
+        each runs alone over the prompt's cached keys) with this request's sampling. Its certified
+        documents are pinned in the device arena until it ends (cancelled or not); when they do
+        not fit there, it runs the Recomputed arm, counted as ARENA_FULL."""
         if job.cancelled.is_set():
             self._count_cancel(job)
             return
-        pool = self._hot_pool(job.docs)
+        fetched = [self._ensure_artifact(d) for d in job.docs]
         segs = [Segment(np.asarray(d.tokens, np.int32), d.artifact) for d in job.docs]
         req = Request(segs + [Segment(np.asarray(job.tokens, np.int32))])
-        first = self.rt.prefill(req, "redknot", pool=pool, decode_rows=max(0, job.sampling.max_tokens - 1))
+        arts, pool, arm, detail = [], None, "redknot", ""
+        if self.rt.certify(req) is None:  # only certified artifacts enter the arena (each hashed once)
+            try:
+                arts, pool = self._acquire(job.docs, fetched), self.arena
+            except ArenaFull as e:  # served, recomputed: counted like a certificate fallback
+                log.warning("document request recomputed: %s", e)
+                self.rt.counters.record_fallback(FallbackReason.ARENA_FULL)
+                req = Request([Segment(s.tokens) for s in req.segments])
+                arm, detail = "recompute", str(e)
+        try:  # a certificate that fails: the runtime falls back, counted
+            self._generate(job, req, pool, arm, detail)
+        finally:
+            self.arena.release(arts)
+
+    def _generate(self, job: Job, req: Request, pool, arm: str, detail: str) -> None:
+        first = self.rt.prefill(req, arm, pool=pool, decode_rows=max(0, job.sampling.max_tokens - 1))
         arm = first.arm
-        info = {"arm": arm, "fallback": first.fallback.value if first.fallback else None,
-                "fallback_detail": first.fallback_detail, "cached_tokens": 0}
+        fallback = first.fallback or (FallbackReason.ARENA_FULL if detail else None)
+        info = {"arm": arm, "fallback": fallback.value if fallback else None,
+                "fallback_detail": first.fallback_detail or detail, "cached_tokens": 0}
         if first.ledgers is not None:
             plan = first.plan
             # rows not computed: the exact prefix's, and the documents' rows restored from artifacts

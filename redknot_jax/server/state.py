@@ -54,9 +54,14 @@ class ServeConfig:
     warmup_buckets: tuple[int, ...] | None = None
     kernels: str = "auto"  # Mosaic GPU kernels (redknot_jax.pallas.resolve_kernels): auto | xla | mosaic | a list
     shape_buckets: int = 8  # RedKnot requests' padded sizes per octave (reuse.pool.Buckets; 0: exact)
+    arena_rows: int = 0  # the device arena's document rows (reuse.arena.DocArena; 0: 8 x max_model_len)
+    arena_docs: int = 64  # documents the arena holds at once
 
     def __post_init__(self):
-        for f in ("slots", "max_queue", "max_model_len", "max_tokens_limit", "max_body_bytes", "prefill_chunk"):
+        if not isinstance(self.arena_rows, int) or self.arena_rows < 0:
+            raise ValueError(f"arena_rows: expected an int >= 0 (0: 8 x max_model_len), got {self.arena_rows!r}")
+        for f in ("slots", "max_queue", "max_model_len", "max_tokens_limit", "max_body_bytes", "prefill_chunk",
+                  "arena_docs"):
             v = getattr(self, f)
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"{f}: expected a positive int, got {v!r}")
@@ -178,7 +183,8 @@ def build_state(sc: ServeConfig) -> ServerState:
     store_root = os.path.join(sc.artifact_store, "artifacts") if sc.artifact_store else None
     sched = Scheduler(eng, rt, metrics, slots=sc.slots, max_queue=sc.max_queue, checkpoint_fingerprint=fp,
                       prefill_chunk=sc.prefill_chunk, store_root=store_root,
-                      warmup=(sc.warmup_buckets or "auto") if sc.warmup else None)
+                      warmup=(sc.warmup_buckets or "auto") if sc.warmup else None,
+                      arena_rows=sc.arena_rows or 8 * sc.max_model_len, arena_docs=sc.arena_docs)
     keys = load_api_keys(sc.api_keys_file, os.environ.get(sc.api_keys_env))
     log.info("model %s (%d layers), profile %s, kernels %r, %d API keys, loaded in %.1fs; warm-up: %s (on the model "
              "worker once the server listens)", name, cfg.num_layers, prof.name, rt.consumer.kernels or "none (XLA)",

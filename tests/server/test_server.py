@@ -241,19 +241,22 @@ def test_document_reuse_first_token_equals_recompute(server):
     assert server.metric("redknot_cached_tokens_last") == cached
     assert server.metric("redknot_cert_fallback_total", 'reason="token_mismatch"') == 0
     assert server.metric("redknot_ttft_seconds_count", 'arm="redknot"') >= 1
-    # artifact tiers: built at registration, packed into a device pool at the first citation
-    # (host), then found in that pool (device)
+    # artifact tiers: built at registration, written into the device arena at the first citation
+    # (host), then found there (device)
     assert tier("host") == host0 + 1 and tier("device") == dev0
     c.completions.create(model=MODEL, prompt=QUESTION, max_tokens=1, extra_body={"documents": [doc["id"]]})
     assert tier("device") == dev0 + 1 and tier("host") == host0 + 1
-    # a pool serves its documents cited in any order: [doc, other] packs one, [other, doc] finds it
+    # one arena copy per document, whatever set and order cite it: [doc, other] finds doc and
+    # writes other in, [other, doc] finds both
     other = server.request("POST", "/v1/documents", {"token_ids": [21, 22, 23, 24, 25, 26]})[1]["id"]
     first = c.completions.create(model=MODEL, prompt=QUESTION, max_tokens=2,
                                  extra_body={"documents": [doc["id"], other]})
-    assert tier("host") == host0 + 3 and tier("device") == dev0 + 1
+    assert tier("host") == host0 + 2 and tier("device") == dev0 + 2
     swapped = c.completions.create(model=MODEL, prompt=QUESTION, max_tokens=2,
                                    extra_body={"documents": [other, doc["id"]]})
-    assert tier("host") == host0 + 3 and tier("device") == dev0 + 3
+    assert tier("host") == host0 + 2 and tier("device") == dev0 + 4
+    assert server.metric("redknot_arena_documents") >= 2 and server.metric("redknot_arena_evictions_total") == 0
+    assert 0 < server.metric("redknot_arena_rows_used") <= server.metric("redknot_arena_rows_capacity")
     for r in (first, swapped):
         assert _ext(r)["arm"] == "redknot" and _ext(r)["fallback"] is None
         assert r.usage.prompt_tokens_details.cached_tokens > 0
@@ -262,8 +265,7 @@ def test_document_reuse_first_token_equals_recompute(server):
 def test_concurrent_document_requests_match_each_alone(server):
     """Document-citing requests sent at once (threads released together by a barrier, greedy,
     fixed max_tokens, ignore_eos) each get exactly the tokens the same request gets alone:
-    jobs sharing the worker, its hot pools (evicted and repacked: more document sets than the
-    pool cache keeps) and the continuous batch (Recomputed-arm and plain requests, longer, so
+    jobs sharing the worker, the device arena of documents and the continuous batch (Recomputed-arm and plain requests, longer, so
     they share decode steps: checked on the batch-rows histogram) do not leak into each other.
     Documents of DOC's length and a 6-token one, prompts of QUESTION's length: the shapes
     test_document_reuse compiled."""
@@ -586,7 +588,8 @@ def test_byte_tokenizer_and_tenant_salted_ids(tmp_path):
 def test_artifacts_persist_in_per_tenant_stores(tmp_path):
     """With an artifact store, a built artifact is published; after a restart (a new scheduler
     on the same directory) it is read back verified ("disk") and certifies; another tenant's
-    store never serves it (no cross-tenant reuse of stored artifacts)."""
+    store never serves it (no cross-tenant reuse of stored artifacts). A document the device
+    arena cannot hold is served recomputed, counted."""
     import dataclasses as dc
 
     import jax.numpy as jnp
@@ -622,6 +625,24 @@ def test_artifacts_persist_in_per_tenant_stores(tmp_path):
     assert scheduler()._ensure_artifact(doc) == "disk"  # a restart reads it back, verified
     assert rt.certify(Request([Segment(toks, doc.artifact), Segment(toks[:5])])) is None
     assert scheduler()._ensure_artifact(Doc("b" * 64, "tenant-b", toks)) == "built"  # not a's store
+    # a document longer than the whole device arena: the request is served by the Recomputed arm,
+    # counted as ARENA_FULL and said in its `redknot` info, and it pins nothing
+    import asyncio
+
+    from redknot_jax.reuse.certificate import FallbackReason
+    from redknot_jax.server.scheduler import Job, Sampling
+
+    small = Scheduler(Engine(model, capacity=64), rt, Metrics(rt.counters), slots=1, checkpoint_fingerprint="fp-test",
+                      arena_rows=cfg.hca_rate)
+    job = Job("reuse", asyncio.new_event_loop(), tokens=[5, 6, 7], docs=[doc], sampling=Sampling(max_tokens=2))
+    events = []
+    job.emit = lambda *ev: events.append(ev)
+    small._run_reuse(job)
+    info = next(e[1] for e in events if e[0] == "info")
+    assert (info["arm"], info["fallback"]) == ("recompute", "arena_full") and "more than the arena" in info[
+        "fallback_detail"], info
+    assert events[-1][0] == "done" and rt.counters.fallback[FallbackReason.ARENA_FULL] == 1
+    assert small.arena.snapshot()["docs"] == 0
 
 
 def test_kernels_flag_is_resolved_or_refused():
@@ -641,6 +662,10 @@ def test_kernels_flag_is_resolved_or_refused():
     assert build_state(ServeConfig(preset="tiny", shape_buckets=2, warmup=False)).runtime.consumer.buckets.per_octave == 2
     with pytest.raises(ValueError, match="shape_buckets: Buckets: per_octave must be 0 or a power of two, got 3"):
         ServeConfig(shape_buckets=3)
+    with pytest.raises(ValueError, match="arena_rows: expected an int >= 0.*got -1"):
+        ServeConfig(arena_rows=-1)
+    with pytest.raises(ValueError, match="arena_docs: expected a positive int, got 0"):
+        ServeConfig(arena_docs=0)
 
 
 # ------------------------------------------------------------------ start-up warm-up (in-process)

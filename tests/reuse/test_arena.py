@@ -1,0 +1,93 @@
+"""The device arena of hot documents (reuse/arena.py): requests over it give exactly the logits of
+a pool packed for their documents alone; a new combination of resident documents compiles
+nothing; one copy per document whatever set cites it; least recently used unpinned documents
+are evicted (and give the same logits when admitted again); pinned ones never are."""
+
+import dataclasses
+
+import numpy as np
+import jax.numpy as jnp
+import pytest
+
+from redknot_jax import config
+from redknot_jax.init import random_model
+from redknot_jax.reuse.arena import ArenaFull
+from redknot_jax.reuse.arena import doc_key as arena_key
+from redknot_jax.reuse.artifact import build_artifact
+from redknot_jax.reuse.planner import Request, Segment
+from redknot_jax.reuse.profile import tiny_profile
+from redknot_jax.reuse.runtime import ReuseRuntime
+from redknot_jax.reuse import consumer
+
+
+def layer_programs() -> int:
+    """Programs compiled so far by the consumer's jitted layer functions (the minutes-long
+    compiles at model scale; small eager ops over artifact-sized arrays are not counted)."""
+    return sum(f._cache_size() for name, f in vars(consumer).items() if name.endswith("_jit") and
+               hasattr(f, "_cache_size"))
+
+
+@pytest.fixture(scope="module")
+def setup():
+    cfg = config.tiny("mixed")
+    model = random_model(cfg, seed=7, dtype=jnp.float32)
+    prof = dataclasses.replace(tiny_profile(cfg.num_layers), budget_override=0.2, tail_rows=8, artifact_codec="fp8")
+    rng = np.random.default_rng(3)
+    docs = [rng.integers(2, cfg.vocab_size, n) for n in (40, 33, 25, 50)]
+    arts = [build_artifact(model, prof, d, checkpoint_fingerprint="fp") for d in docs]
+    q = rng.integers(2, cfg.vocab_size, 7)
+    req = lambda ix: Request([Segment(docs[i], arts[i]) for i in ix] + [Segment(q)])
+    return cfg, ReuseRuntime(model, prof, "fp"), arts, req
+
+
+def test_requests_over_the_arena_equal_their_own_pools_and_compile_nothing_new(setup):
+    cfg, rt, arts, req = setup
+    unit = cfg.hca_rate
+    arena = rt.consumer.arena(rows=16 * unit, docs=8)
+    seen = {}
+    for ix in ([0, 2, 1], [1, 3, 2], [3, 0, 2]):  # three sets; the first two fall in one request size bucket
+        arena.acquire([arts[i] for i in ix])
+        before = layer_programs()
+        got = rt.prefill(req(ix), "redknot", require_reuse=True, pool=arena)
+        seen[tuple(ix)] = layer_programs() - before
+        arena.release([arts[i] for i in ix])
+        if ix[0] == 0:  # the arena's rows for a document are the pool's: the same arithmetic
+            own = rt.prefill(req(ix), "redknot", require_reuse=True, pool=rt.consumer.pool([arts[i] for i in ix]))
+            np.testing.assert_array_equal(got.logits, own.logits)
+    assert seen[(0, 2, 1)] > 0 and seen[(1, 3, 2)] == 0, seen  # a new set, same buckets: no new program
+    snap = arena.snapshot()  # one copy of each document: 4 admitted, 5 citations of resident ones
+    assert (snap["docs"], snap["admitted"], snap["hits"], snap["evicted"]) == (4, 4, 5, 0)
+    assert snap["rows_used"] == sum(-(-a.length // unit) * unit for a in arts)
+    assert arena.codec == "fp8" and snap["bytes"] == arena.nbytes() > 0
+
+
+def test_lru_eviction_pins_and_errors(setup):
+    cfg, rt, arts, req = setup
+    unit = cfg.hca_rate
+    need = [-(-a.length // unit) * unit for a in arts]
+    arena = rt.consumer.arena(rows=need[0] + need[1] + need[2], docs=3)
+    ref = rt.prefill(req([0, 1]), "redknot", pool=rt.consumer.pool([arts[0], arts[1]])).logits
+    arena.acquire(arts[:3])  # rows [0, 48), [48, 96), [96, 128)
+    arena.release(arts[:3])
+    arena.acquire([arts[2]])  # pinned, and the most recently used: 0 is the least
+    arena.acquire([arts[3]])  # no room: evicts 0, then 1 (unpinned), never the pinned 2
+    assert [arena.resident(a) for a in arts] == [False, False, True, True] and arena.stats["evicted"] == 2
+    with pytest.raises(ArenaFull, match=r"48 rows asked; 32 of 128 free \(the longest free range 32 rows\).*"
+                                        "every resident document is pinned"):
+        arena.acquire([arts[0], arts[2]])  # 2 and 3 pinned, 32 rows left for 0
+    assert arena.resident(arts[2]) and arena.resident(arts[3])
+    assert arena._res[arena_key(arts[2])].pins == 1  # the failed acquire took back its own pin
+    arena.release([arts[2], arts[3]])
+    arena.acquire([arts[1]])
+    arena.acquire([arts[0]])  # both evicted once, written in again elsewhere: the same logits
+    got = rt.prefill(req([0, 1]), "redknot", pool=arena).logits
+    np.testing.assert_array_equal(got, ref)
+    gone = [a for a in arts[2:] if not arena.resident(a)]
+    with pytest.raises(KeyError, match="not resident"):
+        arena.doc(gone[0])
+    with pytest.raises(ArenaFull, match="more than the arena's"):
+        rt.consumer.arena(rows=unit, docs=1).acquire([arts[3]])
+    dense = dataclasses.replace(arts[2], certificate=dataclasses.replace(arts[2].certificate, codec="dense"))
+    arena.release([arts[0], arts[1]])
+    with pytest.raises(ValueError, match="codec 'dense'; this arena holds 'fp8'"):
+        arena.acquire([dense])
