@@ -11,8 +11,8 @@ With `--quality FILE` (an `eval_quality.py --paired-with` JSON comparing compact
 dense ones) it also writes the headline `docs/results/artifacts_headline.json`.
 
     python launch/artifact_bytes.py --out docs/results/artifact_bytes.json
-    python launch/artifact_bytes.py --quality docs/results/quality_codec_s34.json \\
-        --headline docs/results/artifacts_headline.json
+    python launch/artifact_bytes.py --quality docs/results/quality_3x4_n64_codec_s34.json \\
+        --quality-omit docs/results/quality_3x4_n64_codec_omit_s34.json --headline docs/results/artifacts_headline.json
 """
 
 from __future__ import annotations
@@ -69,24 +69,32 @@ def markdown(rows) -> str:
     return "\n".join(lines)
 
 
-def headline(rows, quality: dict, compact: str) -> dict:
-    """`artifacts_headline.json` (issue #47): the Flash formats' bytes under the shipped FFN
-    mode, and the compact codec's quality from an eval_quality.py --paired-with run."""
-    ffn = flash_profile().ffn_rows
-    flash = {r["codec"]: r for r in rows if r["preset"] == "flash" and r["ffn_rows"] == ffn}
+def _compact(rows, ffn: str, quality: dict, compact: str) -> dict:
+    """The compact codec's Flash bytes under `ffn` and its quality from an eval_quality.py
+    --paired-with run (RedKnot over compact artifacts against RedKnot over dense ones)."""
+    row = next(r for r in rows if (r["preset"], r["ffn_rows"], r["codec"]) == ("flash", ffn, compact))
     per = quality["summary"][next(v for v in quality["summary"] if v.endswith(f"-{compact}"))]
-    delta = {qt: round(per[qt]["vs_paired"]["diff_em"], 1) for qt in ("lookup", "two_hop")}
-    ci = {qt: [round(x, 1) for x in per[qt]["vs_paired"]["diff_em_ci"]] for qt in ("lookup", "two_hop")}
-    return {"device": "none (array sizes by shape; quality on a CPU)", "date": datetime.date.today().isoformat(),
-            "command": "python launch/artifact_bytes.py " + " ".join(sys.argv[1:]),
-            "ffn_rows": ffn,
-            "formats": {("bf16" if c == "dense" else c): {"bytes_per_token": r["bytes_per_token"]}
-                        for c, r in flash.items()},
-            "compact": {"format": compact, "bytes_per_token": flash[compact]["bytes_per_token"],
-                        "delta_em_points": delta, "ci": ci, "vs": quality["paired_with"],
-                        "quality_command": quality["command"], "first_token_kl": {
-                            qt: round(per[qt]["vs_paired"]["mean_kl"], 5) for qt in ("lookup", "two_hop")}},
-            "ttft_262144": None}
+    qts = ("lookup", "two_hop")
+    return {"format": compact, "ffn_rows": ffn, "bytes_per_token": row["bytes_per_token"],
+            "delta_em_points": {qt: round(per[qt]["vs_paired"]["diff_em"], 1) for qt in qts},
+            "ci": {qt: [round(x, 1) for x in per[qt]["vs_paired"]["diff_em_ci"]] for qt in qts},
+            "first_token_kl": {qt: float(f"{per[qt]['vs_paired']['mean_kl']:.3g}") for qt in qts},
+            "vs": quality["paired_with"], "quality_command": quality["command"]}
+
+
+def headline(rows, quality: dict, compact: str, quality_omit: dict | None = None) -> dict:
+    """`artifacts_headline.json` (issue #47): the Flash formats' bytes under the shipped FFN
+    mode, the compact codec's bytes and quality there, and (`quality_omit`) without the FFN part."""
+    ffn = flash_profile().ffn_rows
+    out = {"device": "none (array sizes by shape; quality on a CPU)", "date": datetime.date.today().isoformat(),
+           "command": "python launch/artifact_bytes.py " + " ".join(sys.argv[1:]), "ffn_rows": ffn,
+           "formats": {("bf16" if r["codec"] == "dense" else r["codec"]): {"bytes_per_token": r["bytes_per_token"]}
+                       for r in rows if r["preset"] == "flash" and r["ffn_rows"] == ffn},
+           "compact": _compact(rows, ffn, quality, compact)}
+    if quality_omit is not None:
+        out["compact_without_ffn"] = _compact(rows, "omit", quality_omit, compact)
+    out["ttft_262144"] = None  # not measured: no GPU was lent (docs/benchmarks.md says what it takes)
+    return out
 
 
 def main(argv=None):
@@ -95,6 +103,7 @@ def main(argv=None):
     ap.add_argument("--tokens", type=int, default=65536, help="document length the sizes are taken at")
     ap.add_argument("--out", default=None, help="JSON of the table (a .md beside it)")
     ap.add_argument("--quality", default=None, help="eval_quality.py --paired-with JSON (dense vs compact)")
+    ap.add_argument("--quality-omit", default=None, help="the same comparison under ffn_rows=omit")
     ap.add_argument("--compact", default="fp4", choices=[c for c in CODECS if c != "dense"])
     ap.add_argument("--headline", default=None, help="write artifacts_headline.json here (needs --quality)")
     args = ap.parse_args(argv)
@@ -114,10 +123,14 @@ def main(argv=None):
         p.write_text(json.dumps(result, indent=1) + "\n")
         p.with_suffix(".md").write_text(markdown(rows) + "\n")
     if args.headline:
-        q = json.loads(pathlib.Path(args.quality).read_text())
-        if not q.get("paired_with"):
-            raise SystemExit(f"--quality {args.quality}: not an eval_quality.py --paired-with run")
-        pathlib.Path(args.headline).write_text(json.dumps(headline(rows, q, args.compact), indent=1) + "\n")
+        read = {}
+        for flag, path in (("--quality", args.quality), ("--quality-omit", args.quality_omit)):
+            if path is not None:
+                read[flag] = json.loads(pathlib.Path(path).read_text())
+                if not read[flag].get("paired_with"):
+                    raise SystemExit(f"{flag} {path}: not an eval_quality.py --paired-with run")
+        out = headline(rows, read["--quality"], args.compact, read.get("--quality-omit"))
+        pathlib.Path(args.headline).write_text(json.dumps(out, indent=1) + "\n")
     return result
 
 

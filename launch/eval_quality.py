@@ -214,7 +214,7 @@ def markdown(summary, labels) -> str:
         for var, qt, p in paired:
             ci_e, ci_f = p["diff_em_ci"], p["diff_f1_ci"]
             lines.append(f"| {labels.get(var, var)} | {qt} | {p['diff_em']:+.1f} [{ci_e[0]:+.1f}, {ci_e[1]:+.1f}] | "
-                         f"{p['diff_f1']:+.1f} [{ci_f[0]:+.1f}, {ci_f[1]:+.1f}] | {p['mean_kl']:.4f} |")
+                         f"{p['diff_f1']:+.1f} [{ci_f[0]:+.1f}, {ci_f[1]:+.1f}] | {p['mean_kl']:.2e} |")
     return "\n".join(lines)
 
 

@@ -93,7 +93,9 @@ def test_bench_ttft_store_host_resident_cold_layers(monkeypatch, tmp_path):
     (["--shape-buckets", "3"], "--shape-buckets: Buckets: per_octave must be 0 or a power of two, got 3"),
     (["--topk-stages", "0"], "--topk-stages: expected distinct ints >= 1"),
     (["--topk-stages", "2,2"], "--topk-stages: expected distinct ints >= 1"),
-    (["--topk-stages", "a"], "--topk-stages: expected distinct ints >= 1, comma-separated, got 'a'")])
+    (["--topk-stages", "a"], "--topk-stages: expected distinct ints >= 1, comma-separated, got 'a'"),
+    (["--profiles", "tail0-fp8,tail0-fp4"], "--profiles: the variants must share fences, Global head and artifact codec"),
+    (["--profiles", "tail0-fp16"], "--profiles: profile variant 'tail0-fp16': cannot read 'fp16'")])
 def test_bench_ttft_rejects_bad_flags(tmp_path, capsys, flags, named):
     """Each bad flag is refused before any work, with a message naming it."""
     with pytest.raises(SystemExit):

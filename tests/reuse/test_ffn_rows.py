@@ -16,6 +16,7 @@ from redknot_jax import config
 from redknot_jax.init import random_model
 from redknot_jax.attention import Attention
 from redknot_jax.moe import MoE
+from redknot_jax.reuse.artifact import stored_bytes
 from redknot_jax.reuse.planner import Request, plan_request
 from redknot_jax.reuse.profile import tiny_profile
 from redknot_jax.reuse.runtime import ReuseRuntime
@@ -42,6 +43,9 @@ def test_consumer_equals_reference_and_skips_the_rows(model, mode, codec, monkey
     prof = _profile(cfg, mode, artifact_codec=codec)
     req, arts = _request(cfg, prof, m, 3)
     assert all(a.certificate.codec == codec for a in arts)
+    # the byte count by shape alone (launch/artifact_bytes.py) is what the producer wrote
+    held = sum(np.asarray(v).nbytes for v in arts[0].payload().values())
+    assert stored_bytes(cfg, prof, arts[0].length, jnp.float32)["total"] == held
     if mode == "restore":
         assert all(a.layer(i)["ffn"].shape == (a.length, cfg.hidden_size) for a in arts
                    for i in prof.reusable_layers(cfg.num_layers))
