@@ -17,8 +17,11 @@ documents compiles nothing (each layer program compiles once per request size bu
   `release`. Eviction: least recently used unpinned documents, until the new ones fit; they stay
   in host memory (their `Artifact`), the host tier, and are written in again when cited.
   `ArenaFull` when the pinned documents leave no room.
-* Identity: a document is its certificate's digest (content, profile, codec, generation), so an
-  artifact loaded again from the store finds its resident copy.
+* Identity: a document is its `Artifact` object (held while resident), as in `DocPool`. The
+  server gives each tenant's document its own artifact, so tenants share no arena entry and no
+  hit tells one tenant what another cited (vLLM's cache_salt). Only certified artifacts may be
+  admitted: the runtime certifies each request's artifact objects (hashing each object once), and
+  the arena's copy is that object's payload.
 * Layout interface (`layout.py`): `doc(art)` (ring slot), `row_base[slot]`, `entry_base(art, m)`,
   `layers`, like `DocPool`; artifacts in any codec (one per arena), fields as `pool._fields` keeps them.
 """
@@ -28,6 +31,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
+import threading
 
 import numpy as np
 import jax
@@ -47,17 +51,18 @@ class ArenaFull(RuntimeError):
 
 @dataclasses.dataclass
 class _Resident:
+    art: object  # held: its id is the key
     slot: int
     start: int
     rows: int  # rows allocated (a multiple of the unit)
     pins: int = 0
 
 
-def doc_key(art) -> str:
-    """A document's identity in the arena: its certificate's digest."""
-    if art.certificate is None:
+def doc_key(art) -> int:
+    """A document's identity in the arena: its artifact object."""
+    if getattr(art, "certificate", None) is None:
         raise ValueError("DocArena: an artifact without a certificate cannot be admitted")
-    return art.certificate.digest()
+    return id(art)
 
 
 def _put(a, v, base, count):
@@ -101,8 +106,9 @@ class DocArena:
         self.row_base = np.zeros(docs, np.int64)  # slot -> first row
         self.layers: dict | None = None  # allocated at the first admission (field shapes from it)
         self.codec: str | None = None
-        self._res: collections.OrderedDict[str, _Resident] = collections.OrderedDict()  # LRU first
+        self._res: collections.OrderedDict[int, _Resident] = collections.OrderedDict()  # LRU first
         self.stats = {"admitted": 0, "hits": 0, "evicted": 0}
+        self._lock = threading.RLock()  # residency changes (a server's worker admits, its event loop evicts)
 
     # ------------------------------------------------------------------ layout interface
     def doc(self, art) -> int:
@@ -131,6 +137,10 @@ class DocArena:
 
     # ------------------------------------------------------------------ admission
     def acquire(self, artifacts) -> list:
+        with self._lock:
+            return self._acquire(artifacts)
+
+    def _acquire(self, artifacts) -> list:
         """Make every artifact resident and pin it (until `release(artifacts)`); returns the
         artifacts admitted now (the others were resident: hits). The resident ones are pinned
         first, so none of them is evicted to make room for the others."""
@@ -152,17 +162,31 @@ class DocArena:
                     pinned.append(a)
                     admitted.append(a)
         except Exception:
-            self.release(pinned)
+            self._release(pinned)
             raise
         return admitted
 
     def release(self, artifacts) -> None:
+        with self._lock:
+            self._release(artifacts)
+
+    def _release(self, artifacts) -> None:
         for k in {doc_key(a) for a in artifacts}:
             r = self._res.get(k)
             if r is not None and r.pins:
                 r.pins -= 1
 
-    def _admit(self, art, key: str) -> None:
+    def evict(self, artifacts) -> int:
+        """Free the rows of these documents now (e.g. deleted ones) unless a request in flight
+        pins them (those stay, least recently used first in line); returns how many were freed."""
+        with self._lock:
+            gone = [k for k in {doc_key(a) for a in artifacts} if k in self._res and not self._res[k].pins]
+            for k in gone:
+                del self._res[k]
+            self.stats["evicted"] += len(gone)
+            return len(gone)
+
+    def _admit(self, art, key: int) -> None:
         n = art.length
         need = ceil_to(n, self.unit)
         if need > self.capacity:
@@ -193,7 +217,7 @@ class DocArena:
                                     rates=tuple(sorted(self.rates[i].items())))
         self.codec = codec_name
         self.row_base[slot] = start
-        self._res[key] = _Resident(slot, start, need)
+        self._res[key] = _Resident(art, slot, start, need)
         self.stats["admitted"] += 1
 
     def _pad(self, field: str, a, pad: int, layer: int):

@@ -9,7 +9,9 @@ so every 4xx here is written out with the field it names (FastAPI would add pyda
 OpenAI extension fields (both completion endpoints):
 * `documents`: ["<64-hex id>", ...] cites registered documents, laid out in order before the
   prompt: Request([Segment(doc tokens, artifact), ...] + [Segment(prompt tokens)]);
-* `arm`: "redknot" (default) or "recompute" (the Recomputed arm: the same token ids run natively
+* `arm`: "auto" (default: the arm the server's break-even table, `--break-even`, says reaches
+  the first token sooner for this length and where its documents are; "redknot" without a
+  table), "redknot", or "recompute" (the Recomputed arm: the same token ids run natively
   through the batched engine, no artifacts);
 * `ignore_eos` (vLLM's extension): true keeps generating past the end-of-sequence token until
   `max_tokens` (stop strings still apply), so a benchmark gets a fixed output length.
@@ -24,7 +26,7 @@ traffic away until it is ready, and a request that still arrives is told when to
 than held through minutes of compiling. Everything else (models, tokenize, documents read /
 delete, metrics) answers at once.
 Responses carry a `redknot` object (arm that ran, fallback reason, generated token ids, cached
-rows, ledgers) and `usage.prompt_tokens_details.cached_tokens` = prompt rows not computed: the
+rows, ledgers; `arm_choice`: the table's tier and estimates when it chose the arm) and `usage.prompt_tokens_details.cached_tokens` = prompt rows not computed: the
 exact prefix's rows and the relocated documents' rows restored from artifacts (candidate rows
 not protected).
 """
@@ -260,9 +262,11 @@ def parse_common(state, body: dict, allowed: set, tenant: str, prompt_tokens: li
     ignore_eos = body.get("ignore_eos", False)
     if not isinstance(ignore_eos, bool):
         raise bad("ignore_eos", f"expected a boolean, got {ignore_eos!r}")
-    arm = body.get("arm", "redknot")
-    if arm not in ("redknot", "recompute"):
-        raise bad("arm", f"expected 'redknot' or 'recompute', got {arm!r}")
+    arm = body.get("arm", "auto")
+    if arm not in ("auto", "redknot", "recompute"):
+        raise bad("arm", f"expected 'auto', 'redknot' or 'recompute', got {arm!r}")
+    if arm == "auto" and state.scheduler.break_even is None:  # nothing to choose by: RedKnot
+        arm = "redknot"
     ids = body.get("documents") or []
     if not isinstance(ids, list):
         raise bad("documents", f"expected a list of document ids, got {type(ids).__name__}")
@@ -341,8 +345,8 @@ def submit(state, job: Job) -> None:
 def make_job(state, p: Parsed) -> Job:
     loop = asyncio.get_running_loop()
     stop = frozenset() if p.ignore_eos else frozenset({state.eos_id})
-    if p.docs and p.arm == "redknot":
-        return Job("reuse", loop, tokens=p.prompt_tokens, docs=p.docs, sampling=p.sampling, arm="redknot",
+    if p.docs and p.arm in ("auto", "redknot"):  # "auto": the scheduler's break-even table decides
+        return Job("reuse", loop, tokens=p.prompt_tokens, docs=p.docs, sampling=p.sampling, arm=p.arm,
                    stop_ids=stop)
     toks = [t for d in p.docs for t in d.tokens.tolist()] + p.prompt_tokens
     return Job("plain", loop, tokens=toks, sampling=p.sampling, arm="recompute" if p.docs else "engine",
@@ -413,7 +417,7 @@ async def run_completion(state, request: HTTPRequest, p: Parsed, chat: bool, end
         return {"arm": info.get("arm", job.arm), "fallback": info.get("fallback"),
                 "fallback_detail": info.get("fallback_detail", ""), "token_ids": ids,
                 "cached_tokens": info.get("cached_tokens", 0), "ledgers": info.get("ledgers"),
-                "documents": [d.id for d in p.docs]}
+                "arm_choice": info.get("arm_choice"), "documents": [d.id for d in p.docs]}
 
     st = StopText(tok, p.stop)
     early = {"arm": job.arm}  # the reuse job's info event (arm, cached rows, ledgers) comes first
@@ -434,7 +438,7 @@ async def run_completion(state, request: HTTPRequest, p: Parsed, chat: bool, end
                 elif ev[0] == "error":
                     raise ApiError(ev[1], ev[2], "server_error", "worker_error")
                 else:
-                    fin, info = ev[1], ev[2]
+                    fin, info = ev[1], {**early, **ev[2]}
                     break
         finally:
             job.cancelled.set()  # no-op when finished; stops the worker if this task was cancelled
@@ -487,7 +491,7 @@ async def run_completion(state, request: HTTPRequest, p: Parsed, chat: bool, end
                     yield f"data: {json.dumps(err)}\n\n"
                     break
                 else:
-                    fin, info = ev[1], ev[2]
+                    fin, info = ev[1], {**early, **ev[2]}
                     rest = st.flush()
                     if rest:
                         yield chunk(rest)
@@ -615,8 +619,12 @@ async def get_document(state, request):
 async def delete_document(state, request):
     tenant = tenant_of(state, request)
     did = _doc_id(request)
+    doc = state.registry.get(tenant, did)
     if not state.registry.delete(tenant, did):
         raise ApiError(404, f"document '{did}' not found", code="document_not_found", param="id")
+    arena = state.scheduler.arena
+    if arena is not None and doc is not None and doc.artifact is not None:
+        arena.evict([doc.artifact])  # its device rows freed now (unless a request in flight reads them)
     state.metrics.documents.set(len(state.registry))
     return JSONResponse({"id": did, "object": "document", "deleted": True})
 

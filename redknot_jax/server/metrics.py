@@ -142,6 +142,9 @@ class Metrics:
             "(resident in the device arena already), host (in memory, written into the arena now), disk (read "
             "from the artifact store, verified), built (constructed for this request)",
             ["tier"], registry=r)
+        self.arm_choice = Counter("redknot_arm_choice", "Arms the break-even table chose for requests that named "
+                                  "none (--break-even), by arm and by the request's tier (where its slowest document "
+                                  "was: device arena, host memory, disk)", ["arm", "tier"], registry=r)
         r.register(_CertCollector(cert_counters))
         count_compiled_programs()
         r.register(_CompileCollector())

@@ -51,6 +51,7 @@ import jax
 from redknot_jax.generate import Engine
 from redknot_jax.reuse.arena import ArenaFull
 from redknot_jax.reuse.artifact import build_artifact
+from redknot_jax.reuse.break_even import request_tier
 from redknot_jax.reuse.certificate import FallbackReason
 from redknot_jax.reuse.planner import Request, Segment
 from redknot_jax.reuse.runtime import ReuseRuntime
@@ -140,7 +141,7 @@ class _Slot:
 class Scheduler:
     def __init__(self, engine: Engine, runtime: ReuseRuntime, metrics, *, slots: int = 8, max_queue: int = 64,
                  checkpoint_fingerprint: str = "", store_root: str | None = None, prefill_chunk: int = 256,
-                 warmup=None, arena_rows: int = 16384, arena_docs: int = 64):
+                 warmup=None, arena_rows: int = 16384, arena_docs: int = 64, break_even=None):
         """warmup: prompt lengths the worker warms before its first job (a sequence of ints),
         "auto" (`default_warmup`), or None (no warm-up: ready at once)."""
         self.eng, self.rt, self.metrics = engine, runtime, metrics
@@ -170,6 +171,7 @@ class Scheduler:
         self._splice = jax.jit(lambda big, one, i: jax.tree.map(
             lambda b, o: jax.lax.dynamic_update_index_in_dim(b, o[0], i, 0), big, one), donate_argnums=(0,))
         self.alive = False
+        self.break_even = break_even  # reuse.break_even.BreakEven: picks the arm of "auto" requests, or None
         # the hot tier: one device arena of documents for every document request (reuse/arena.py)
         self.arena = runtime.consumer.arena(arena_rows, arena_docs) if runtime is not None else None
         if self.arena is not None:
@@ -482,6 +484,14 @@ class Scheduler:
         if job.cancelled.is_set():
             self._count_cancel(job)
             return
+        choice = self._choose_arm(job)
+        if choice is not None and choice["arm"] == "recompute":  # through the continuous batch, next
+            job.kind, job.arm = "plain", "recompute"
+            job.tokens = [t for d in job.docs for t in np.asarray(d.tokens).tolist()] + list(job.tokens)
+            job.emit("info", {"arm": "recompute", "arm_choice": choice, "cached_tokens": 0})
+            with self._cond:
+                self._pending.appendleft(job)
+            return
         fetched = [self._ensure_artifact(d) for d in job.docs]
         segs = [Segment(np.asarray(d.tokens, np.int32), d.artifact) for d in job.docs]
         req = Request(segs + [Segment(np.asarray(job.tokens, np.int32))])
@@ -495,16 +505,29 @@ class Scheduler:
                 req = Request([Segment(s.tokens) for s in req.segments])
                 arm, detail = "recompute", str(e)
         try:  # a certificate that fails: the runtime falls back, counted
-            self._generate(job, req, pool, arm, detail)
+            self._generate(job, req, pool, arm, detail, choice)
         finally:
             self.arena.release(arts)
 
-    def _generate(self, job: Job, req: Request, pool, arm: str, detail: str) -> None:
+    def _choose_arm(self, job: Job) -> dict | None:
+        """For an "auto" request with a break-even table: the arm it says reaches the first token
+        sooner at this length and the request's tier (its slowest document: resident in the arena,
+        in host memory, or to be read or built), counted by arm and tier; else None (RedKnot)."""
+        if job.arm != "auto" or self.break_even is None:
+            return None
+        tiers = ["disk" if d.artifact is None else "device" if self.arena.resident(d.artifact) else "host"
+                 for d in job.docs]
+        tokens = sum(len(d.tokens) for d in job.docs) + len(job.tokens)
+        c = self.break_even.choose(request_tier(tiers), tokens)
+        self.metrics.arm_choice.labels(c.arm, c.tier).inc()
+        return c.to_dict()
+
+    def _generate(self, job: Job, req: Request, pool, arm: str, detail: str, choice: dict | None) -> None:
         first = self.rt.prefill(req, arm, pool=pool, decode_rows=max(0, job.sampling.max_tokens - 1))
         arm = first.arm
         fallback = first.fallback or (FallbackReason.ARENA_FULL if detail else None)
         info = {"arm": arm, "fallback": fallback.value if fallback else None,
-                "fallback_detail": first.fallback_detail or detail, "cached_tokens": 0}
+                "fallback_detail": first.fallback_detail or detail, "cached_tokens": 0, "arm_choice": choice}
         if first.ledgers is not None:
             plan = first.plan
             # rows not computed: the exact prefix's, and the documents' rows restored from artifacts

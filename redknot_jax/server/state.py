@@ -18,6 +18,7 @@ from redknot_jax.generate import Engine
 from redknot_jax.quality import SHIPPED_MODEL
 from redknot_jax.quality.model_config import PROFILE_FILE
 from redknot_jax.reuse import profile as profiles
+from redknot_jax.reuse.break_even import BreakEven, BreakEvenError
 from redknot_jax.reuse.pool import Buckets
 from redknot_jax.reuse.runtime import ReuseRuntime
 from redknot_jax.server.documents import DocumentRegistry
@@ -56,8 +57,14 @@ class ServeConfig:
     shape_buckets: int = 8  # RedKnot requests' padded sizes per octave (reuse.pool.Buckets; 0: exact)
     arena_rows: int = 0  # the device arena's document rows (reuse.arena.DocArena; 0: 8 x max_model_len)
     arena_docs: int = 64  # documents the arena holds at once
+    break_even: str | None = None  # a break-even table (reuse.break_even): "auto" requests run the faster arm
 
     def __post_init__(self):
+        if self.break_even is not None:
+            try:
+                BreakEven.read(self.break_even)
+            except BreakEvenError as e:
+                raise ValueError(f"break_even: {e}") from None
         if not isinstance(self.arena_rows, int) or self.arena_rows < 0:
             raise ValueError(f"arena_rows: expected an int >= 0 (0: 8 x max_model_len), got {self.arena_rows!r}")
         for f in ("slots", "max_queue", "max_model_len", "max_tokens_limit", "max_body_bytes", "prefill_chunk",
@@ -184,7 +191,8 @@ def build_state(sc: ServeConfig) -> ServerState:
     sched = Scheduler(eng, rt, metrics, slots=sc.slots, max_queue=sc.max_queue, checkpoint_fingerprint=fp,
                       prefill_chunk=sc.prefill_chunk, store_root=store_root,
                       warmup=(sc.warmup_buckets or "auto") if sc.warmup else None,
-                      arena_rows=sc.arena_rows or 8 * sc.max_model_len, arena_docs=sc.arena_docs)
+                      arena_rows=sc.arena_rows or 8 * sc.max_model_len, arena_docs=sc.arena_docs,
+                      break_even=BreakEven.read(sc.break_even) if sc.break_even else None)
     keys = load_api_keys(sc.api_keys_file, os.environ.get(sc.api_keys_env))
     log.info("model %s (%d layers), profile %s, kernels %r, %d API keys, loaded in %.1fs; warm-up: %s (on the model "
              "worker once the server listens)", name, cfg.num_layers, prof.name, rt.consumer.kernels or "none (XLA)",

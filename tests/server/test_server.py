@@ -260,6 +260,11 @@ def test_document_reuse_first_token_equals_recompute(server):
     for r in (first, swapped):
         assert _ext(r)["arm"] == "redknot" and _ext(r)["fallback"] is None
         assert r.usage.prompt_tokens_details.cached_tokens > 0
+    # a deleted document leaves the arena at once
+    n0, e0 = server.metric("redknot_arena_documents"), server.metric("redknot_arena_evictions_total")
+    assert server.request("DELETE", f"/v1/documents/{other}")[0] == 200
+    assert server.metric("redknot_arena_documents") == n0 - 1
+    assert server.metric("redknot_arena_evictions_total") == e0 + 1
 
 
 def test_concurrent_document_requests_match_each_alone(server):
@@ -643,6 +648,24 @@ def test_artifacts_persist_in_per_tenant_stores(tmp_path):
         "fallback_detail"], info
     assert events[-1][0] == "done" and rt.counters.fallback[FallbackReason.ARENA_FULL] == 1
     assert small.arena.snapshot()["docs"] == 0
+    # arm "auto" with a break-even table saying the Recomputed arm is faster here: the request
+    # leaves for the continuous batch (a plain job, the documents' tokens first), says why, counted
+    from redknot_jax.reuse.break_even import BreakEven
+
+    table = BreakEven.from_dict({"device": "cpu", "date": "2026-12-05", "command": "test", "points": [
+        {"tier": t, "tokens": 100, "recompute_s": 0.1, "redknot_s": 1.0} for t in ("device", "host", "disk")]})
+    auto = Scheduler(Engine(model, capacity=64), rt, Metrics(rt.counters), slots=1, checkpoint_fingerprint="fp-test",
+                     break_even=table)
+    job = Job("reuse", asyncio.new_event_loop(), tokens=[5, 6, 7], docs=[doc], sampling=Sampling(max_tokens=2),
+              arm="auto")
+    events = []
+    job.emit = lambda *ev: events.append(ev)
+    auto._run_reuse(job)
+    assert (job.kind, job.arm, job.tokens) == ("plain", "recompute", doc.tokens.tolist() + [5, 6, 7])
+    assert list(auto._pending) == [job] and events[0][0] == "info"
+    choice = events[0][1]["arm_choice"]  # the document is in host memory, not in the arena: tier "host"
+    assert (choice["arm"], choice["tier"], choice["tokens"]) == ("recompute", "host", len(doc.tokens) + 3)
+    assert auto.metrics.arm_choice.labels("recompute", "host")._value.get() == 1
 
 
 def test_kernels_flag_is_resolved_or_refused():
@@ -666,6 +689,8 @@ def test_kernels_flag_is_resolved_or_refused():
         ServeConfig(arena_rows=-1)
     with pytest.raises(ValueError, match="arena_docs: expected a positive int, got 0"):
         ServeConfig(arena_docs=0)
+    with pytest.raises(ValueError, match="break_even: break-even table /nonexistent/t.json: .*No such file"):
+        ServeConfig(break_even="/nonexistent/t.json")
 
 
 # ------------------------------------------------------------------ start-up warm-up (in-process)

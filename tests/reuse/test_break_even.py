@@ -1,0 +1,54 @@
+"""The break-even table (reuse/break_even.py): validation naming the bad field, interpolation
+between measured lengths, proportional extrapolation, the choice of arm, a request's tier."""
+
+import pytest
+
+from redknot_jax.reuse.break_even import BreakEven, BreakEvenError, request_tier
+
+SRC = {"device": "cpu", "date": "2026-12-05", "command": "python launch/bench_break_even.py"}
+
+
+def table(points):
+    return BreakEven.from_dict({**SRC, "points": points})
+
+
+def test_estimates_and_choice():
+    t = table([{"tier": "device", "tokens": 1000, "recompute_s": 1.0, "redknot_s": 2.0},
+               {"tier": "device", "tokens": 3000, "recompute_s": 3.0, "redknot_s": 2.0},
+               {"tier": "disk", "tokens": 1000, "recompute_s": 1.0, "redknot_s": 4.0}])
+    assert t.estimate("device", 2000) == pytest.approx((2.0, 2.0))  # linear between the points
+    assert t.estimate("device", 500) == pytest.approx((0.5, 1.0))  # below: in proportion to the length
+    assert t.estimate("device", 6000) == pytest.approx((6.0, 4.0))  # above: likewise
+    assert t.choose("device", 1500).arm == "recompute" and t.choose("device", 2500).arm == "redknot"
+    assert t.choose("device", 2000).arm == "redknot"  # a tie: RedKnot
+    assert t.estimate("host", 1000) == (1.0, 4.0)  # no host point: the next slower tier measured (disk)
+    c = t.choose("disk", 2000).to_dict()
+    assert c == {"arm": "recompute", "tier": "disk", "tokens": 2000,
+                 "estimate_s": {"recompute": 2.0, "redknot": 8.0}, "table": "break-even"}
+    assert request_tier(["device", "disk", "host"]) == "disk" and request_tier(["device", "host"]) == "host"
+    assert request_tier([]) == "device"
+
+
+@pytest.mark.parametrize("d,match", [
+    ({"points": []}, "at least one point"),
+    ({"device": "", "points": [{"tier": "host", "tokens": 5, "recompute_s": 1, "redknot_s": 1}]},
+     "'device' must say where"),
+    ({"points": [{"tier": "ram", "tokens": 1, "recompute_s": 1, "redknot_s": 1}]}, r"points\[0\].tier.*'ram'"),
+    ({"points": [{"tier": "host", "tokens": 0, "recompute_s": 1, "redknot_s": 1}]}, r"points\[0\].tokens.*0"),
+    ({"points": [{"tier": "host", "tokens": 5, "recompute_s": -1, "redknot_s": 1}]}, r"points\[0\].recompute_s"),
+    ({"points": [{"tier": "host", "tokens": 5, "recompute_s": 1, "redknot_s": float("nan")}]}, r"redknot_s"),
+    ({"points": [{"tier": "host", "tokens": 5, "recompute_s": 1, "redknot_s": 1}] * 2}, "two points at one length"),
+])
+def test_bad_tables_are_refused_naming_the_field(d, match):
+    with pytest.raises(BreakEvenError, match=match):
+        BreakEven.from_dict({**SRC, **d})
+
+
+def test_read_errors(tmp_path):
+    with pytest.raises(BreakEvenError, match="No such file"):
+        BreakEven.read(tmp_path / "none.json")
+    (tmp_path / "bad.json").write_text("{not json")
+    with pytest.raises(BreakEvenError, match="bad.json"):
+        BreakEven.read(tmp_path / "bad.json")
+    with pytest.raises(BreakEvenError, match="tier: expected one of"):
+        table([{"tier": "host", "tokens": 5, "recompute_s": 1, "redknot_s": 1}]).estimate("ssd", 5)
