@@ -11,12 +11,13 @@ Timed, each the median of --repeats after a warm-up call (compiles excluded):
 
     python launch/bench_break_even.py --lengths 512,1024,2048 --out docs/results/break_even_cpu.json
     python launch/bench_break_even.py --preset flash-shaped --dtype bfloat16 --profile flash \\
-        --lengths 16384,65536 --out break_even_h200.json        # one H200
+        --artifact-codec fp4 --lengths 16384,65536 --out break_even_h200.json        # one H200
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import pathlib
@@ -48,6 +49,8 @@ def main(argv=None):
     ap.add_argument("--preset", default=None, help="random weights of this preset instead (e.g. flash-shaped)")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--profile", default="auto", help="auto (the checkpoint's) | flash | pro | tiny")
+    ap.add_argument("--artifact-codec", default=None, choices=["dense", "fp8", "fp4"],
+                    help="how the artifacts are stored (reuse/codec.py; default: the profile's)")
     ap.add_argument("--lengths", type=lambda t: _ints(t, "--lengths"), default=[512, 1024, 2048])
     ap.add_argument("--docs", type=int, default=4)
     ap.add_argument("--question", type=int, default=16)
@@ -88,6 +91,8 @@ def main(argv=None):
     else:
         prof = {"flash": profiles.flash_profile, "pro": profiles.pro_profile,
                 "tiny": lambda: profiles.tiny_profile(cfg.num_layers)}[args.profile]()
+    if args.artifact_codec:
+        prof = dataclasses.replace(prof, artifact_codec=args.artifact_codec)
     rt = ReuseRuntime(model, prof, fp)
     rng = np.random.default_rng(0)
     points, raw = [], []
@@ -108,7 +113,7 @@ def main(argv=None):
         arts = [build_artifact(model, prof, d, checkpoint_fingerprint=fp, kernels=rt.consumer.kernels) for d in docs]
         ids = [store.publish(a).doc_id for a in arts]
         req = lambda aa: Request([Segment(d, a) for d, a in zip(docs, aa)] + [Segment(question)])
-        arena = rt.consumer.arena(rows=2 * n, docs=4 * args.docs)
+        arena = rt.consumer.arena(rows=n + args.docs * cfg.hca_rate, docs=2 * args.docs)  # one set at a time
 
         def recompute():
             return rt.prefill(req([None] * len(docs)), "recompute")

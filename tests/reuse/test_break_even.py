@@ -52,3 +52,24 @@ def test_read_errors(tmp_path):
         BreakEven.read(tmp_path / "bad.json")
     with pytest.raises(BreakEvenError, match="tier: expected one of"):
         table([{"tier": "host", "tokens": 5, "recompute_s": 1, "redknot_s": 1}]).estimate("ssd", 5)
+
+
+def test_bench_break_even_writes_a_table_the_server_reads(tmp_path):
+    """launch/bench_break_even.py end to end on the tiny preset: every tier timed at every length,
+    and the file it writes is a valid table."""
+    import importlib.util
+    import pathlib
+
+    spec = importlib.util.spec_from_file_location(
+        "bench_break_even", pathlib.Path(__file__).resolve().parents[2] / "launch" / "bench_break_even.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out = tmp_path / "t.json"
+    res = bench.main(["--preset", "tiny", "--profile", "tiny", "--lengths", "48", "--docs", "2", "--question", "8",
+                      "--repeats", "1", "--artifact-codec", "fp8", "--out", str(out)])
+    assert [(p["tier"], p["tokens"]) for p in res["points"]] == [("device", 48), ("host", 48), ("disk", 48)]
+    assert {r["arm"] for r in res["raw"]} == {"recompute", "device", "host", "disk"}
+    table = BreakEven.read(out)
+    assert table.choose("disk", 64).arm in ("recompute", "redknot") and table.source["device"] == res["device"]
+    with pytest.raises(SystemExit):
+        bench.main(["--preset", "tiny", "--lengths", "4", "--docs", "2", "--question", "8"])  # too short
