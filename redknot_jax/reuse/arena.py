@@ -132,8 +132,10 @@ class DocArena:
         return doc_key(art) in self._res
 
     def snapshot(self) -> dict:
-        return {"rows_capacity": self.capacity, "rows_used": self.rows_used, "docs": len(self._res),
-                "docs_capacity": self.docs_capacity, "bytes": self.nbytes(), **self.stats}
+        with self._lock:
+            pinned = sum(1 for r in self._res.values() if r.pins)
+            return {"rows_capacity": self.capacity, "rows_used": self.rows_used, "docs": len(self._res),
+                    "pinned": pinned, "docs_capacity": self.docs_capacity, "bytes": self.nbytes(), **self.stats}
 
     # ------------------------------------------------------------------ admission
     def acquire(self, artifacts) -> list:

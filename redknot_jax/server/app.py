@@ -331,11 +331,14 @@ def parse_messages(state, body: dict) -> str:
 
 
 # ---------------------------------------------------------------------------------- running
+QUEUE_RETRY_AFTER_S = 1  # what a 429 (queue full) tells the client: the queue drains in about a request's time
+
+
 def submit(state, job: Job) -> None:
     try:
         state.scheduler.submit(job)
     except QueueFull as e:
-        raise ApiError(429, str(e), "rate_limit_error", "queue_full")
+        raise ApiError(429, str(e), "rate_limit_error", "queue_full", headers={"Retry-After": str(QUEUE_RETRY_AFTER_S)})
     except ShuttingDown as e:
         raise ApiError(503, str(e), "server_error", "shutting_down")
     except NotReady as e:

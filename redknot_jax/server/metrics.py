@@ -11,7 +11,7 @@ tests can build several apps in one process).
   read from `ReuseRuntime.counters` at scrape time;
 * queue depth, active decode slots, rows per batched decode step, documents registered;
 * the device arena of hot documents: `redknot_arena_rows_used`, `_rows_capacity`, `_documents`,
-  `_bytes`, `redknot_arena_admissions_total`, `redknot_arena_evictions_total`;
+  `_pinned_documents`, `_bytes`, `redknot_arena_admissions_total`, `redknot_arena_evictions_total`;
 * `redknot_compiled_programs_total`: XLA programs this process lowered (jit cache misses, each
   then compiled or read from the persistent compilation cache), counted through
   `jax.monitoring`: after the start-up warm-up it grows only for request shapes the warm-up
@@ -97,6 +97,7 @@ class _ArenaCollector:
         for name, key, help_ in (("rows_used", "rows_used", "Document rows held by the device arena"),
                                  ("rows_capacity", "rows_capacity", "Document rows the device arena can hold"),
                                  ("documents", "docs", "Documents resident in the device arena"),
+                                 ("pinned_documents", "pinned", "Arena documents pinned by requests in flight"),
                                  ("bytes", "bytes", "Device bytes of the arena's arrays")):
             g = GaugeMetricFamily(f"redknot_arena_{name}", help_)
             g.add_metric([], snap[key])

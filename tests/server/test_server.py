@@ -428,15 +428,24 @@ def test_server_still_serves_after_bad_inputs(server):
     assert server.metric("redknot_http_responses_total", 'code="500"') == 0
 
 
-def test_client_disconnect_cancels_generation(server):
+@pytest.mark.parametrize("docs", [False, True])
+def test_client_disconnect_cancels_generation(server, docs):
+    """A streaming request whose client goes away stops; a document request also unpins its
+    documents in the device arena."""
+    extra = {}
+    if docs:
+        extra["documents"] = [server.request("POST", "/v1/documents", {"text": DOC})[1]["id"]]
     before = server.metric("redknot_cancelled_total")
     conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
-    conn.request("POST", "/v1/completions", json.dumps({"model": MODEL, "prompt": "go on and on", "max_tokens": 256,
-                                                        "stream": True, "temperature": 0.8, "seed": 1}),
+    conn.request("POST", "/v1/completions", json.dumps({"model": MODEL, "prompt": QUESTION if docs else "go on and on",
+                                                        "max_tokens": 256, "stream": True, "temperature": 0.8,
+                                                        "seed": 1, "ignore_eos": True, **extra}),
                  {"Content-Type": "application/json", "Authorization": f"Bearer {KEY_A}"})
     resp = conn.getresponse()
     assert resp.status == 200
     resp.readline()  # the first event: generation is under way
+    if docs:
+        assert server.metric("redknot_arena_pinned_documents") == 1
     conn.sock.shutdown(socket.SHUT_RDWR)
     conn.close()
     deadline = time.time() + 10
@@ -444,6 +453,7 @@ def test_client_disconnect_cancels_generation(server):
         time.sleep(0.2)
     assert server.metric("redknot_cancelled_total") > before
     assert server.metric("redknot_active_sequences") == 0 or time.time() < deadline
+    assert server.metric("redknot_arena_pinned_documents") == 0
 
 
 def test_bounded_load_no_5xx_and_rss_bound(server):
@@ -525,6 +535,14 @@ def test_queue_full_is_backpressure_and_shutdown_fails_queued_jobs():
             s.submit(j)
         with pytest.raises(QueueFull, match="queue full"):
             s.submit(Job("plain", loop, tokens=[3]))
+        from types import SimpleNamespace
+
+        from redknot_jax.server.app import ApiError, submit
+
+        with pytest.raises(ApiError) as e:  # what a client sees: 429 with Retry-After
+            submit(SimpleNamespace(scheduler=s), Job("plain", loop, tokens=[3]))
+        resp = e.value.response()
+        assert resp.status_code == 429 and int(resp.headers["retry-after"]) >= 1
         s.stop(grace_s=0)
         with pytest.raises(ShuttingDown):
             s.submit(Job("plain", loop, tokens=[3]))
