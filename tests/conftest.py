@@ -32,6 +32,7 @@ jax.config.update("jax_default_matmul_precision", "highest")
 
 
 import gc  # noqa: E402
+import re  # noqa: E402
 
 import pytest  # noqa: E402
 
@@ -44,6 +45,22 @@ def _release_compiled_programs():
     yield
     jax.clear_caches()
     gc.collect()
+
+
+@pytest.fixture
+def refused(capsys):
+    """refused(main, argv, named): main(argv) stops with a non-zero exit before doing anything,
+    and what it says (argparse's message on stderr, or the SystemExit's text) matches the regex
+    `named`, so a test of one bad flag cannot pass on another error."""
+    def check(main, argv, named):
+        capsys.readouterr()
+        with pytest.raises(SystemExit) as e:
+            main(argv)
+        code = e.value.code
+        said = capsys.readouterr().err + ("" if code is None or isinstance(code, int) else str(code))
+        assert code not in (0, None), f"{argv}: exited with {code!r}"
+        assert re.search(named, said), f"{argv}: expected {named!r} in {said!r}"
+    return check
 
 
 # Files by their measured cost (seconds on the 2-core CI machine, `--durations`), heaviest first:

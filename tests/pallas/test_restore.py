@@ -256,7 +256,7 @@ def test_kernel_lowers_for_cuda(bn, steps, resident, chunk, walk, sizes):
     assert "mosaic_gpu" in text
 
 
-def test_config_budget():
+def test_config_budget(refused):
     """Shared memory: the resident form holds o_G [128, 512] (128 KB), so block_n 256 does not
     fit beside its weight slots and output rows; the defaults fit; a larger head dim is refused."""
     assert rs.default_config(1024) == rs.RestoreConfig(block_n=256, steps=3, chunk=16, sizes="ends")
@@ -271,12 +271,10 @@ def test_config_budget():
         rs.RestoreConfig(chunk=3)
     with pytest.raises(ValueError, match="RestoreConfig.walk: expected one of rows, copies, got 'chunks'"):
         rs.RestoreConfig(walk="chunks")
-    with pytest.raises(SystemExit):  # the benchmark's --walk, refused before anything runs
-        rs.main(["--walk", "rows,chunks"])
+    refused(rs.main, ["--walk", "rows,chunks"], "--walk: .*'rows,chunks'")  # refused before anything runs
     with pytest.raises(ValueError, match="RestoreConfig.sizes: expected one of pow2, ends, got 'mid'"):
         rs.RestoreConfig(chunk=16, sizes="mid")
-    with pytest.raises(SystemExit):
-        rs.main(["--sizes", "pow2,mid"])
+    refused(rs.main, ["--sizes", "pow2,mid"], "--sizes: .*'pow2,mid'")
     # the benchmark times each kernel once: chunk 1 is one kernel whatever the sizes
     got = rs.bench_configs(["tiled"], [256], [3], [1, 16], ["pow2", "ends"], ["copies"])
     assert [(c.chunk, c.sizes) for c in got] == [(1, "pow2"), (16, "pow2"), (16, "ends")]
@@ -360,6 +358,11 @@ def test_consumer_runs_the_kernel(monkeypatch):
     traced = []  # indexer kernel calls traced into the mosaic programs
     kernel = ix.indexer_scores
     monkeypatch.setattr(ix, "indexer_scores", lambda *a, **k: traced.append(a[0].shape) or kernel(*a, **k))
+    restored = []  # restoration kernel calls traced into the consumer's reusable layers
+    from redknot_jax.reuse import consumer
+
+    restore = consumer.restore_kernel
+    monkeypatch.setattr(consumer, "restore_kernel", lambda *a, **k: restored.append(a[0].shape) or restore(*a, **k))
     # the XLA side named explicitly: "auto" resolves to the faster kernels on a GPU
     xla = ReuseRuntime(model, prof, "fp", kernels="xla")
     mosaic = ReuseRuntime(model, prof, "fp", kernels="indexer,restore")
@@ -368,6 +371,7 @@ def test_consumer_runs_the_kernel(monkeypatch):
     assert 0 < b.plan.fraction_protected() < 1 and (a.plan.protected == b.plan.protected).all()
     assert rel_err(b.logits, a.logits) < TOL["kernel_bf16_o"][0]
     assert traced and mosaic.consumer.kernels == "indexer,restore" and xla.consumer.kernels == ""
+    assert len(restored) == len(mosaic.reusable)  # every reusable layer restored by the kernel, not its reference
     a, n_redknot = xla.prefill(req, "recompute"), len(traced)
     jax.clear_caches()  # the native layers retraced: the Recomputed arm's own calls are counted
     b = mosaic.prefill(req, "recompute")

@@ -493,7 +493,7 @@ def test_eval_quality_smoke(tmp_path):
     assert (tmp_path / "q.md").read_text().startswith("| variant")
 
 
-def test_train_script_writes_a_servable_checkpoint_and_continues_from_it(tmp_path):
+def test_train_script_writes_a_servable_checkpoint_and_continues_from_it(tmp_path, refused):
     """launch/train_quality_model.py end to end (qa-test size): the checkpoint holds what a
     server needs, and --init-from continues from exactly those weights with the run recorded."""
     import importlib.util
@@ -586,21 +586,31 @@ def test_train_script_writes_a_servable_checkpoint_and_continues_from_it(tmp_pat
     dist = log["teacher_forced_val_by_distance"]
     assert dist and {k.split(" ", 1)[1] for k in dist} <= {"inside", "1-2 windows", "beyond 2 windows"}
     assert sum(v["n"] for k, v in dist.items() if k.startswith("lookup")) == log["teacher_forced_val"]["lookup"]["n"]
-    with pytest.raises(SystemExit):
-        tq.main(["--init-from", str(tmp_path / "nothing"), "--out", str(tmp_path / "c")])
-    for bad in (["--curriculum-from", "0.5", "--curriculum-until", "0.4"], ["--dense-csa-until", "1.5"],
-                ["--set", "sliding_window"], ["--set", "layer_types=4"], ["--set", "head_dim=wide"],
-                ["--set", "no_such_field=1"], ["--other-weight", "2"], ["--min-lr-frac", "-0.1"], ["--op-profile", "-1"],
-                ["--init-from", str(a), "--set", "sliding_window=64"], ["--simple-facts", "town"],
-                ["--simple-facts", "city", "--simple-asks", "boss"], ["--simple-until", "2"], ["--recall-until", "-1"],
-                ["--recall-rows", "2", "--batch", "2"], ["--recall-rows", "-1"],
-                ["--simple-two-hop", "1.5"], ["--templates", "fancy"], ["--inwindow", "1,2,2"],
-                ["--inwindow", "2,1,2,6"], ["--inwindow", "1,2,1,6"], ["--inwindow", "one,2,2,6"], ["--recall-shape", "1,2,2"]):
-        with pytest.raises(SystemExit):
-            tq.main(bad + ["--out", str(tmp_path / "d")])
+    refused(tq.main, ["--init-from", str(tmp_path / "nothing"), "--out", str(tmp_path / "c")],
+            "--init-from: .*nothing has no config.json")
+    for bad, named in (
+            (["--curriculum-from", "0.5", "--curriculum-until", "0.4"], r"--curriculum-until: .*got 0.4"),
+            (["--dense-csa-until", "1.5"], "--dense-csa-until: .*got 1.5"),
+            (["--set", "sliding_window"], "--set: expected NUMERIC_FIELD=VALUE.*'sliding_window'"),
+            (["--set", "layer_types=4"], "--set: expected NUMERIC_FIELD=VALUE.*'layer_types=4'"),
+            (["--set", "head_dim=wide"], "--set: head_dim: 'wide'"),
+            (["--set", "no_such_field=1"], "--set: expected NUMERIC_FIELD=VALUE.*'no_such_field=1'"),
+            (["--other-weight", "2"], "--other-weight: .*got 2"), (["--min-lr-frac", "-0.1"], "--min-lr-frac: .*-0.1"),
+            (["--op-profile", "-1"], "--op-profile: .*-1"),
+            (["--init-from", str(a), "--set", "sliding_window=64"], "config overrides need a new model"),
+            (["--simple-facts", "town"], "Curriculum facts: .*town"),
+            (["--simple-facts", "city", "--simple-asks", "boss"], r"Curriculum asks: .*\('boss',\)"),
+            (["--simple-until", "2"], "--simple-until: .*got 2"), (["--recall-until", "-1"], "--recall-until: .*-1"),
+            (["--recall-rows", "2", "--batch", "2"], r"--recall-rows: .*\(2\), got 2"),
+            (["--recall-rows", "-1"], "--recall-rows: .*got -1"),
+            (["--simple-two-hop", "1.5"], "Curriculum two_hop: .*1.5"), (["--templates", "fancy"], "'fancy'"),
+            (["--inwindow", "1,2,2"], r"--inwindow: .*\(1, 2, 2\)"), (["--inwindow", "2,1,2,6"], r"--inwindow: .*\(2, 1, 2, 6\)"),
+            (["--inwindow", "1,2,1,6"], r"--inwindow: .*\(1, 2, 1, 6\)"), (["--inwindow", "one,2,2,6"], "--inwindow: .*'one,2,2,6'"),
+            (["--recall-shape", "1,2,2"], r"--recall-shape: .*\(1, 2, 2\)")):
+        refused(tq.main, bad + ["--out", str(tmp_path / "d")], named)
 
 
-def test_qa_diagnose_script_splits_em_by_relation_and_distance(tmp_path):
+def test_qa_diagnose_script_splits_em_by_relation_and_distance(tmp_path, refused):
     """launch/qa_diagnose.py on a tiny random checkpoint: every question lands in one relation
     group and one distance bucket, and a bad --sizes is refused."""
     import importlib.util
@@ -626,10 +636,8 @@ def test_qa_diagnose_script_splits_em_by_relation_and_distance(tmp_path):
         qd.bucket(w * window, window) for w in (0, 1, 2, 4, 8)}
     edges = [int(k.split(" ", 2)[2].strip("[>=").split(",")[0]) for k in em if k.startswith("distance: lookup")]
     assert edges == sorted(edges)  # nearest first
-    with pytest.raises(SystemExit):
-        qd.main(["--checkpoint", str(tmp_path / "ckpt"), "--sizes", "two"])
-    with pytest.raises(SystemExit):
-        qd.main(["--checkpoint", str(tmp_path / "ckpt"), "--split", "heldout"])
+    refused(qd.main, ["--checkpoint", str(tmp_path / "ckpt"), "--sizes", "two"], "--sizes: .*'two'")
+    refused(qd.main, ["--checkpoint", str(tmp_path / "ckpt"), "--split", "heldout"], "--split: .*'heldout'")
     asked = []  # the split each world set is drawn from
     draw = qd.D.eval_episodes
     qd.D.eval_episodes = lambda split, *a, **k: asked.append(split) or draw(split, *a, **k)

@@ -54,7 +54,7 @@ def test_read_errors(tmp_path):
         table([{"tier": "host", "tokens": 5, "recompute_s": 1, "redknot_s": 1}]).estimate("ssd", 5)
 
 
-def test_bench_break_even_writes_a_table_the_server_reads(tmp_path):
+def test_bench_break_even_writes_a_table_the_server_reads(tmp_path, refused):
     """launch/bench_break_even.py end to end on the tiny preset: every tier timed at every length,
     and the file it writes is a valid table."""
     import importlib.util
@@ -71,5 +71,5 @@ def test_bench_break_even_writes_a_table_the_server_reads(tmp_path):
     assert {r["arm"] for r in res["raw"]} == {"recompute", "device", "host", "disk"}
     table = BreakEven.read(out)
     assert table.choose("disk", 64).arm in ("recompute", "redknot") and table.source["device"] == res["device"]
-    with pytest.raises(SystemExit):
-        bench.main(["--preset", "tiny", "--lengths", "4", "--docs", "2", "--question", "8"])  # too short
+    refused(bench.main, ["--preset", "tiny", "--lengths", "4", "--docs", "2", "--question", "8"],
+            r"--lengths \[4\]: a request needs at least")

@@ -56,6 +56,7 @@ def test_bench_tp_cpu(tp_preset, tmp_path):
         bench_tp.main(common + ["--fp32-floor", "--tp", "2", "--ref", str(ref), "--out", str(out)])
 
 
-def test_bench_tp_rejects_bad_tp(tp_preset, tmp_path):
-    with pytest.raises(SystemExit):
-        bench_tp.main(["--preset", tp_preset, "--tp", "3", "--out", str(tmp_path / "x.json")])
+def test_bench_tp_rejects_bad_tp(tp_preset, tmp_path, refused):
+    refused(bench_tp.main, ["--preset", tp_preset, "--tp", "3", "--out", str(tmp_path / "x.json")], "--tp 3: ")
+    refused(bench_tp.main, ["--preset", tp_preset, "--tp", "two", "--out", str(tmp_path / "x.json")],
+            "--tp: expected comma-separated integers, got 'two'")
