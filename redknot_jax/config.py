@@ -150,10 +150,14 @@ class ModelConfig:
         }
 
     def to_hub_dict(self) -> dict[str, Any]:
-        """DeepSeek's hub form. Only expressible with the standard rates 4 / 128."""
-        if (self.csa_rate, self.hca_rate) != (4, 128):
-            raise ConfigError(f"hub config.json only knows compress ratios 4/128, this config has "
-                              f"{self.csa_rate}/{self.hca_rate}; use to_hf_dict")
+        """DeepSeek's hub form: its compress_ratios name the rates (4 is CSA, any other HCA), so the
+        CSA rate must be 4 and an HCA rate other than 128 needs an HCA layer to be read back."""
+        if self.csa_rate != 4:
+            raise ConfigError(f"hub config.json knows CSA only at compress ratio 4, this config has "
+                              f"{self.csa_rate}; use to_hf_dict")
+        if self.hca_rate != 128 and HCA not in self.layer_types:
+            raise ConfigError(f"hub config.json: HCA rate {self.hca_rate} without an HCA layer cannot be written "
+                              "(the compress_ratios name it); use to_hf_dict")
         n_hash = sum(self.is_hash(i) for i in range(self.num_layers))
         if tuple(self.mlp_layer_types) != (HASH_MOE,) * n_hash + (MOE,) * (self.num_layers - n_hash):
             raise ConfigError("hub config.json needs hash layers first (num_hash_layers)")
@@ -245,13 +249,19 @@ def _parse(d: dict[str, Any]) -> ModelConfig:
     # --- rates and the attention schedule (hub: compress_ratios; transformers: layer_types)
     rates = pop("compress_rates") or {}
     csa_rate = int(rates.get(CSA, 4))
-    hca_rate = int(rates.get(HCA, 128))
+    hca_rate = rates.get(HCA)
     csa_rate = int(pop("compress_rate_csa", csa_rate))
-    hca_rate = int(pop("compress_rate_hca", hca_rate))
-    if csa_rate == hca_rate:
-        raise ConfigError(f"compress rates: CSA and HCA rates must differ, both are {csa_rate}")
+    hca_rate = pop("compress_rate_hca", hca_rate)
     layer_types = pop("layer_types")
     ratios = pop("compress_ratios")
+    if hca_rate is None:  # the hub form names no rates: ratio 4 is CSA (DeepSeek's code), any other HCA
+        hca = sorted({r for r in (ratios or [])[:n] if r not in (0, csa_rate)})
+        if len(hca) > 1:
+            raise ConfigError(f"compress_ratios: two HCA (non-overlapping) ratios {hca}; a model has one HCA rate")
+        hca_rate = hca[0] if hca else 128
+    hca_rate = int(hca_rate)
+    if csa_rate == hca_rate:
+        raise ConfigError(f"compress rates: CSA and HCA rates must differ, both are {csa_rate}")
     if ratios is not None:
         by_ratio = {0: SLIDING, csa_rate: CSA, hca_rate: HCA}
         bad = [r for r in ratios if r not in by_ratio]

@@ -23,9 +23,23 @@ def test_round_trip_transformers_form(cfg):
     assert ModelConfig.from_dict(cfg.to_hf_dict()) == cfg
 
 
-@pytest.mark.parametrize("cfg", [config.flash(), config.pro()])
+@pytest.mark.parametrize("cfg", [config.flash(), config.pro(), config.tiny("mixed")])  # tiny: HCA rate 16
 def test_round_trip_hub_form(cfg):
     assert ModelConfig.from_dict(cfg.to_hub_dict()) == cfg
+
+
+def test_hub_form_takes_any_hca_ratio():
+    """DeepSeek's code reads ratio 4 as CSA (overlapping, with an indexer) and any other as HCA:
+    the HCA rate is read from compress_ratios; two different ones are refused, named."""
+    hub = config.flash().to_hub_dict()
+    hub.update(num_hidden_layers=7, num_nextn_predict_layers=0, num_hash_layers=2,
+               compress_ratios=[0, 0, 4, 32, 4, 32, 0])
+    cfg = ModelConfig.from_dict(hub)
+    assert cfg.hca_rate == 32 and cfg.layer_types[3] == HCA and cfg.layer_types[2] == CSA
+    with pytest.raises(ConfigError, match=r"two HCA \(non-overlapping\) ratios \[32, 64\]"):
+        ModelConfig.from_dict({**hub, "compress_ratios": [0, 0, 4, 32, 4, 64, 0]})
+    with pytest.raises(ConfigError, match="HCA rate 16 without an HCA layer"):
+        config.tiny("csa").to_hub_dict()
 
 
 def test_hub_form_as_published_and_transformers_agree():

@@ -7,6 +7,7 @@ than 4 x index_topk and than several HCA windows, batches of unequal lengths.
 """
 
 import functools
+import json
 
 import numpy as np
 import pytest
@@ -14,6 +15,7 @@ import jax.numpy as jnp
 from safetensors.numpy import load_file, save_file
 
 from redknot_jax import config
+from redknot_jax.config import ModelConfig
 from redknot_jax.generate import Engine, SamplingParams
 from redknot_jax.model import Model
 from redknot_jax.weights import load_checkpoint
@@ -29,7 +31,12 @@ def fixture(kind: str, tmp_root: str):
     cfg = config.tiny(kind)
     hf = build_hf(cfg, seed=KINDS.index(kind))
     d = export_hub(hf, cfg, f"{tmp_root}/{kind}")
-    model = Model(cfg, jnp.float32)
+    if kind == "mixed":  # DeepSeek's own config.json form, whose compress_ratios give an HCA rate of 16, not 128
+        with open(f"{d}/config.json", "w") as f:
+            json.dump(cfg.to_hub_dict(), f)
+    read = ModelConfig.from_json(f"{d}/config.json")  # what a user's checkpoint directory says
+    assert read == cfg, kind
+    model = Model(read, jnp.float32)
     load_checkpoint(model, cfg, d)
     return cfg, hf, model, d
 

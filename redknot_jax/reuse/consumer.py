@@ -787,7 +787,8 @@ class Consumer:
             rates[i] = {"entries": attn.compressor.m} if attn.compressor is not None else {}
             if attn.indexer is not None:
                 rates[i]["idx_entries"] = attn.indexer.m
-        return DocArena(self.reusable, self.model.dtype, rows, docs, rates, unit=self.cfg.hca_rate,
+        return DocArena(self.reusable, self.model.dtype, rows, docs, rates,
+                        unit=math.lcm(self.cfg.csa_rate, self.cfg.hca_rate),
                         topk=self.cfg.index_topk, buckets=self.buckets)
 
     # -------------------------------------------------------------- pieces
