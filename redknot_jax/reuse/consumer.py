@@ -627,17 +627,24 @@ def _decode_entries_jit(state, keys, tab, pool_layer, *, graphdef, freqs):
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "freqs", "glob", "block", "fan", "kernels", "ffn_rows"))
-def _reusable_batch_jit(state, x, ids, tab, pool_layer, *, graphdef, freqs, glob, block, fan, kernels="",
-                        ffn_rows="run"):
+def _reusable_batch_jit(state, x, ids, tab, pool_layer, keep_rows=None, *, graphdef, freqs, glob, block, fan,
+                        kernels="", ffn_rows="run"):
     """A reusable layer over a batch x [b, t, n, d]: the attention half vmapped over the
     requests (tables stacked on a leading axis, one shared pool), the MoE half once over the
-    batch's rows that run it (tokens are independent there). Returns (x, histogram per request)."""
+    batch's rows that run it (tokens are independent there). Returns (x, histogram per request),
+    and with `keep_rows` [b, R] what decoding reads of those compact rows, per request
+    (`_reusable_keys_jit`)."""
     blk = nnx.merge(graphdef, state)
-    one = lambda xx, tt: reusable_attention(blk, xx[None], tt, pool_layer, freqs=freqs, glob=np.asarray(glob),
-                                            block=block, topk_stages=1)[0]  # vmapped: no switch
-    x = jax.vmap(one)(x, tab)
-    return reusable_ffn(blk, x, ids, tab["pos"] < tab["n_real"][:, None], fan, kernels=kernels, per_request=True,
-                        **ffn_args(ffn_rows, tab, pool_layer))
+
+    def one(xx, tt, kr):
+        out = reusable_attention(blk, xx[None], tt, pool_layer, freqs=freqs, glob=np.asarray(glob), block=block,
+                                 keep_rows=kr, topk_stages=1)  # vmapped: no switch
+        return (out[0][0], out[1]) if kr is not None else (out[0], None)
+
+    x, keys = jax.vmap(one)(x, tab, keep_rows)
+    x, hist = reusable_ffn(blk, x, ids, tab["pos"] < tab["n_real"][:, None], fan, kernels=kernels, per_request=True,
+                           **ffn_args(ffn_rows, tab, pool_layer))
+    return (x, hist) if keep_rows is None else (x, hist, keys)
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "freqs", "glob", "block", "fan", "kernels", "topk_stages",
@@ -833,11 +840,11 @@ class Consumer:
         rows is followed by c padded computed rows: whole windows of both compression rates."""
         return ceil_to(max(self._cap(n), L + c), math.lcm(self.cfg.hca_rate, self.cfg.csa_rate))
 
-    def _native_cached(self, i, x, ids, pos0, n_real, cap, artifacts, state: "DecodeState | None" = None):
+    def _native_cached(self, i, x, ids, pos0, n_real, cap, artifacts, state=None):
         """Native layer i over computed rows x [b, C, ...] with a cache of `cap` rows: after each
         request's exact prefix (`artifacts`: one per request, None for a request without one,
         whose pos0 is then 0), the cache rebuilt from the artifact (`prefix.native_cache`); with
-        `state` (one request) the cache is kept for decoding."""
+        `state` (a `DecodeState`, or one per request of a batch) the cache is kept for decoding."""
         gd, st = self.defs[i]
         attn = self.model.layers[i].attn
         caches = [native_cache(attn, a.native_state(i), cap, self.model.dtype) if a is not None
@@ -848,8 +855,11 @@ class Consumer:
                              block=min(self.block, x.shape[1]),
                              kernels=self.prefill_kernels if x.shape[0] == 1 else self.batch_kernels,
                              topk_stages=self.topk_stages)
-        if state is not None:
+        if isinstance(state, DecodeState):
             state.layers[i] = cache
+        elif state is not None:  # a batch: each request's row of the cache
+            for b, st_b in enumerate(state):
+                st_b.layers[i] = jax.tree.map(lambda c: c[b:b + 1], cache)
         return x
 
     def recompute(self, tokens, query_rows, layer_times: list | None = None,
@@ -1059,22 +1069,25 @@ class Consumer:
             x = self._native(i, x, ids, t_real, t)
         return self._logits_batch(x, query_rows_list)
 
-    def redknot_batch(self, plans: list[Plan], token_lists, pool: DocPool):
+    def redknot_batch(self, plans: list[Plan], token_lists, pool: DocPool, decode_rows: int = 0):
         """The RedKnot arm for several planned requests whose artifacts are all in `pool`, in
         one jitted call per layer: fences natively over the batch, the controller per request
         (its query rows only), layouts padded to the batch's common sizes, reusable layers
         vmapped; each request's exact prefix computed in no layer (`redknot`). Returns [(logits
-        [q, vocab], fan-out histogram)] per request, equal to `redknot` request by request."""
+        [q, vocab], fan-out histogram)] per request, equal to `redknot` request by request, and
+        with `decode_rows` > 0 each request's `DecodeState` too (caches of the batch's common
+        capacity; `decode_step` then runs each request on its own)."""
         cfg, prof = self.cfg, self.profile
         Ls = [p.prefix for p in plans]
         ids, t, t_real = self._pad_batch([np.asarray(tk)[L:] for tk, L in zip(token_lists, Ls)])
         x = self._embed(ids)
-        hist, tabs = None, None
-        cap = max(self._prefix_cap(L, t, p.n_rows) for L, p in zip(Ls, plans))
+        hist, tabs, keep_rows = None, None, None
+        cap = max(self._prefix_cap(L, t, p.n_rows + decode_rows) for L, p in zip(Ls, plans))
         firsts = [p.frames[0].artifact if p.prefix else None for p in plans]
+        states = [DecodeState(p.n_rows, cap, pool) for p in plans] if decode_rows else None
         for i in range(cfg.num_layers):
             if prof.is_fence(i, cfg.num_layers):
-                x = self._native_cached(i, x, ids, Ls, t_real, cap, firsts) if any(Ls) else \
+                x = self._native_cached(i, x, ids, Ls, t_real, cap, firsts, states) if any(Ls) or states else \
                     self._native(i, x, ids, t_real, t)
                 continue
             pool_layer = pool.layers[i]
@@ -1083,11 +1096,25 @@ class Consumer:
                     self.controller(plan, x[b:b + 1], pool, pool_layer)
                 first = [self._layout(plan, pool, {"t": 0, "C": t, "P": 0, "K": 0, "rates": {}}) for plan in plans]
                 sizes = common_sizes(first)
-                tabs = jax.tree.map(lambda *a: jnp.stack(a), *[self._layout(plan, pool, sizes).tables for plan in plans])
+                layouts = [self._layout(plan, pool, sizes) for plan in plans]
+                tabs = jax.tree.map(lambda *a: jnp.stack(a), *[lay.tables for lay in layouts])
+                if states is not None:  # as `redknot`: each request's compact rows, then its decode layout
+                    for plan, lay, st_b in zip(plans, layouts, states):
+                        kept = lay.own_rows(plan.n_rows)
+                        st_b.own, st_b.own_cap = kept.size, self._rows(kept.size + decode_rows)
+                        st_b.layout = self._layout(plan.extend(decode_rows), pool, runs=bool(self.decode_kernels))
+                        if not np.array_equal(st_b.layout.own_rows(plan.n_rows), kept):
+                            raise AssertionError("decode layout: the prompt's compact rows changed")
+                    keep_rows = jnp.tile(jnp.arange(max(s.own_cap for s in states), dtype=jnp.int32), (len(plans), 1))
             gd, st = self.defs[i]
-            x, hb = _reusable_batch_jit(st, x, ids, tabs, pool_layer, graphdef=gd, freqs=self.model.freqs(i),
-                                        glob=self.glob, block=self.block, fan=self.fan, kernels=self.batch_kernels,
-                                        ffn_rows=self.ffn_rows)
+            out = _reusable_batch_jit(st, x, ids, tabs, pool_layer, keep_rows, graphdef=gd, freqs=self.model.freqs(i),
+                                      glob=self.glob, block=self.block, fan=self.fan, kernels=self.batch_kernels,
+                                      ffn_rows=self.ffn_rows)
+            x, hb = out[:2]
+            if states is not None:  # each request's compact rows, cut to its own capacity
+                for b, st_b in enumerate(states):
+                    st_b.layers[i] = jax.tree.map(lambda k: k[b, :st_b.own_cap], out[2])
             hist = hb if hist is None else hist + hb
         logits = self._logits_batch(x, [p.query_rows - p.prefix for p in plans])
-        return [(lg, None if hist is None else hist[b]) for b, lg in enumerate(logits)]
+        return [(lg, None if hist is None else hist[b]) + ((states[b],) if states else ())
+                for b, lg in enumerate(logits)]

@@ -199,13 +199,16 @@ class ReuseRuntime:
         return None
 
     def prefill_batch(self, reqs: list[Request], arm: str = "redknot", require_reuse: bool = False,
-                      pool: DocPool | None = None) -> list[PrefillResult]:
+                      pool: DocPool | None = None, decode_rows: int = 0) -> list[PrefillResult]:
         """`prefill` for several requests, each arm's requests in one jitted call per layer
         (the consumer's `recompute_batch` / `redknot_batch`; requests padded to common shapes).
         Certification, fallback and counting are per request exactly as in `prefill`: a request
         that fails joins the Recomputed batch, counted by reason (or, with `require_reuse`,
         raises before anything runs). `pool` must hold every cited artifact (default: packed
-        from the batch's own). `seconds` of every result is the whole batch's wall time."""
+        from the batch's own). `decode_rows` > 0: each result keeps a decode state for that
+        many generated rows (`next_logits` then decodes each request on its own; a request that
+        falls back is recomputed on its own with its state). `seconds` of every result is the
+        whole batch's wall time."""
         if arm not in ("recompute", "redknot"):
             raise ValueError(f"arm: expected 'recompute' or 'redknot', got {arm!r}")
         if not reqs:
@@ -230,18 +233,25 @@ class ReuseRuntime:
             if pool is None:
                 arts = {id(s.artifact): s.artifact for k in red for s in reqs[k].segments if s.artifact is not None}
                 pool = self.consumer.pool(list(arts.values()))
-            res = self.consumer.redknot_batch([plans[k] for k in red], [reqs[k].tokens for k in red], pool)
-            for k, (logits, hist) in zip(red, res):
+            res = self.consumer.redknot_batch([plans[k] for k in red], [reqs[k].tokens for k in red], pool,
+                                              decode_rows=decode_rows)
+            for k, (logits, hist, *state) in zip(red, res):
                 hist = np.asarray(hist) if hist is not None else None
                 if hist is not None:
                     hist = np.pad(hist, (0, max(0, 7 - hist.size)))
                 out[k] = PrefillResult(np.asarray(logits), "redknot", None, "", self._ledgers(plans[k], hist),
-                                       plans[k], 0.0, hist)
+                                       plans[k], 0.0, hist, state[0] if state else None)
         if rec:
-            res = self.consumer.recompute_batch([reqs[k].tokens for k in rec], [plans[k].query_rows for k in rec])
-            for k, logits in zip(rec, res):
+            if decode_rows:  # each with its own native decode state
+                res = [self.consumer.recompute(reqs[k].tokens, plans[k].query_rows, decode_rows=decode_rows)
+                       for k in rec]
+            else:
+                res = [(lg, None) for lg in self.consumer.recompute_batch([reqs[k].tokens for k in rec],
+                                                                         [plans[k].query_rows for k in rec])]
+            for k, (logits, state) in zip(rec, res):
                 reason, detail = verdicts[k] if verdicts[k] is not None else (None, "")
-                out[k] = PrefillResult(np.asarray(logits), "recompute", reason, detail, None, plans[k], 0.0)
+                out[k] = PrefillResult(np.asarray(logits), "recompute", reason, detail, None, plans[k], 0.0,
+                                       decode=state)
         dt = time.perf_counter() - t0
         for r in out:
             r.seconds = dt

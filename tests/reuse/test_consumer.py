@@ -198,7 +198,7 @@ def test_batched_prefill_equals_one_request_at_a_time():
     """`prefill_batch`: three requests of different lengths and documents (one citing an
     artifact of another model state, so it falls back) in one jitted call per layer per arm give
     each request's own `prefill` result: same arm, plan, logits (fp32), fan-out histogram and
-    counters."""
+    counters; with `decode_rows`, decode states that continue as each request's own does."""
     cfg = config.tiny("mixed")
     model = random_model(cfg, seed=7, dtype=jnp.float32)
     prof = dataclasses.replace(tiny_profile(cfg.num_layers), budget_override=0.2, tail_rows=8,
@@ -227,6 +227,15 @@ def test_batched_prefill_equals_one_request_at_a_time():
         if o.arm == "redknot":
             np.testing.assert_array_equal(b.fanout_hist, o.fanout_hist)
     assert rt_batch.counters.snapshot() == rt_one.counters.snapshot()
+
+    # with decode states: each request then decodes on its own, as after its own prefill
+    gen = [5, 9, 11]
+    for r, b in zip(reqs, rt_batch.prefill_batch(reqs, "redknot", decode_rows=len(gen))):
+        one = rt_one.prefill(r, "redknot", decode_rows=len(gen))
+        assert b.arm == one.arm and b.decode is not None and rel_err(b.logits, one.logits) < TOL["consumer_vs_reference"][0]
+        for k in range(len(gen)):
+            assert rel_err(rt_batch.next_logits(r, b, gen[:k + 1]), rt_one.next_logits(r, one, gen[:k + 1])) < \
+                TOL["consumer_vs_reference"][0], (b.arm, k)
 
     rec_one = [rt_one.prefill(r, "recompute") for r in reqs]
     rec_batch = rt_batch.prefill_batch(reqs, "recompute")
