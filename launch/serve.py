@@ -67,6 +67,9 @@ def main(argv=None):
                     help="document rows the device arena of hot documents holds (every document request reads it; "
                          "least recently used documents leave it for host memory); default 8 x --max-model-len")
     ap.add_argument("--arena-docs", type=int, default=64, help="documents the device arena holds at once")
+    ap.add_argument("--reuse-batch", type=int, default=4,
+                    help="document requests waiting together that prefill in one batch (one jitted call per layer), "
+                         "at most; 1: one at a time")
     ap.add_argument("--break-even", metavar="FILE",
                     help="a break-even table (launch/bench_break_even.py): a document request that names no arm "
                          "runs the one the table says reaches the first token sooner for its length and tier")
@@ -99,7 +102,7 @@ def main(argv=None):
                          shutdown_grace_s=args.shutdown_grace_s, warmup=not args.no_warmup,
                          warmup_buckets=args.warmup_buckets, kernels=args.kernels,
                          shape_buckets=args.shape_buckets, arena_rows=args.arena_rows, arena_docs=args.arena_docs,
-                         break_even=args.break_even)
+                         break_even=args.break_even, reuse_batch=args.reuse_batch)
     except ValueError as e:  # a flag's value the config refuses: named by its flag, as argparse names its own
         field, sep, rest = str(e).partition(":")
         ap.error(f"--{field.replace('_', '-')}:{rest}" if sep and field in ServeConfig.__dataclass_fields__ else str(e))

@@ -143,6 +143,8 @@ class Metrics:
             "(resident in the device arena already), host (in memory, written into the arena now), disk (read "
             "from the artifact store, verified), built (constructed for this request)",
             ["tier"], registry=r)
+        self.reuse_batch = Histogram("redknot_reuse_batch_requests", "Document requests prefilled together in "
+                                     "one batch (one jitted call per layer)", buckets=(2, 3, 4, 6, 8, 16), registry=r)
         self.arm_choice = Counter("redknot_arm_choice", "Arms the break-even table chose for requests that named "
                                   "none (--break-even), by arm and by the request's tier (where its slowest document "
                                   "was: device arena, host memory, disk)", ["arm", "tier"], registry=r)

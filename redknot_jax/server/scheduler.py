@@ -8,13 +8,13 @@ at once with a per-slot active mask (`Engine.decode(tokens, cache, active)`), so
 and leave between steps (continuous batching). Sampling is per slot on the host (each request
 keeps its own temperature, top_p and seed).
 
-What is not batched: requests citing documents in the RedKnot arm run through
-`ReuseRuntime` (jitted per layer, one request at a time, over the device arena of hot documents,
-`reuse/arena.py`: one copy of each document whatever set cites it, fixed shapes so a new set
-compiles nothing, least recently used documents back to host memory) and artifact builds run
-`build_artifact`;
-each such job runs alone on the worker between two decode steps, so it pauses the batch for its
-duration. Model work never runs on the event loop: the HTTP side only enqueues jobs and reads
+Requests citing documents in the RedKnot arm run through `ReuseRuntime` over the device arena
+of hot documents (`reuse/arena.py`: one copy of each document whatever set cites it, fixed
+shapes so a new set compiles nothing, least recently used documents back to host memory): up
+to `reuse_batch` of them waiting at the queue's front prefill together (one jitted call per
+layer, `prefill_batch`, each keeping its decode state), then decode one token of each in turn.
+They and artifact builds (`build_artifact`) run on the worker between two decode steps of the
+plain batch, pausing it meanwhile; their decode does not join it yet. Model work never runs on the event loop: the HTTP side only enqueues jobs and reads
 their events.
 
 Warm-up (`warmup=` prompt lengths): the worker's first task, before any job, runs what a plain
@@ -141,7 +141,7 @@ class _Slot:
 class Scheduler:
     def __init__(self, engine: Engine, runtime: ReuseRuntime, metrics, *, slots: int = 8, max_queue: int = 64,
                  checkpoint_fingerprint: str = "", store_root: str | None = None, prefill_chunk: int = 256,
-                 warmup=None, arena_rows: int = 16384, arena_docs: int = 64, break_even=None):
+                 warmup=None, arena_rows: int = 16384, arena_docs: int = 64, break_even=None, reuse_batch: int = 4):
         """warmup: prompt lengths the worker warms before its first job (a sequence of ints),
         "auto" (`default_warmup`), or None (no warm-up: ready at once)."""
         self.eng, self.rt, self.metrics = engine, runtime, metrics
@@ -172,6 +172,7 @@ class Scheduler:
             lambda b, o: jax.lax.dynamic_update_index_in_dim(b, o[0], i, 0), big, one), donate_argnums=(0,))
         self.alive = False
         self.break_even = break_even  # reuse.break_even.BreakEven: picks the arm of "auto" requests, or None
+        self.reuse_batch = reuse_batch  # document requests waiting together that prefill in one batch, at most
         # the hot tier: one device arena of documents for every document request (reuse/arena.py)
         self.arena = runtime.consumer.arena(arena_rows, arena_docs) if runtime is not None else None
         if self.arena is not None:
@@ -313,13 +314,19 @@ class Scheduler:
                             admit.append(self._pending.popleft())
                         else:
                             if not admit:  # keep FIFO: a special job runs after earlier plain admissions
-                                special = self._pending.popleft()
+                                special = [self._pending.popleft()]
+                                while (special[0].kind == "reuse" and self._pending and len(special) < self.reuse_batch
+                                       and self._pending[0].kind == "reuse"):  # document requests prefill together
+                                    special.append(self._pending.popleft())
                             break
                     self.metrics.queue_depth.set(len(self._pending))
                 for job, slot in zip(admit, free):
                     self._guard(job, self._admit, job, slot)
                 if special is not None:
-                    self._guard(special, self._run_reuse if special.kind == "reuse" else self._run_build, special)
+                    if special[0].kind == "reuse":
+                        self._run_reuse(special)  # fails each request on its own
+                    else:
+                        self._guard(special[0], self._run_build, special[0])
                 if self._active():
                     self._decode_step()
                 self.metrics.active.set(self._active())
@@ -474,16 +481,63 @@ class Scheduler:
         self._ensure_artifact(job.doc)
         job.emit("done", "built", {})
 
-    def _run_reuse(self, job: Job) -> None:
-        """A request citing documents, RedKnot arm (falls back to recomputation, counted, when
-        an artifact fails certification). Decoding after the first token follows
-        `ReuseRuntime.generate` (plan frozen, generated tokens appended as protected new rows;
-        each runs alone over the prompt's cached keys) with this request's sampling. Its certified
-        documents are pinned in the device arena until it ends (cancelled or not); when they do
-        not fit there, it runs the Recomputed arm, counted as ARENA_FULL."""
+    def _run_reuse(self, jobs: list[Job]) -> None:
+        """Requests citing documents, RedKnot arm (each falls back to recomputation, counted, when
+        an artifact fails certification). Those certified and resident in the device arena
+        prefill together, one jitted call per layer (`ReuseRuntime.prefill_batch`, each keeping
+        its decode state); a lone one, a fallback, or a batch that fails prefill on their own.
+        Decoding after the first token follows `ReuseRuntime.generate` (plan frozen, generated
+        tokens appended as protected new rows, each over the prompt's cached keys) with each
+        request's sampling, one token of each request in turn. Its certified documents stay
+        pinned in the arena until a request ends (cancelled or not); when they do not fit there,
+        it runs the Recomputed arm, counted as ARENA_FULL. One request's failure fails that
+        request only."""
+        ready = []
+        try:
+            for job in jobs:
+                try:
+                    prep = self._prepare(job)
+                except Exception as e:
+                    self._fail(job, e)
+                    continue
+                if prep is not None:
+                    ready.append(prep)
+            firsts = {}
+            batch = [p for p in ready if p["pool"] is not None]
+            if len(batch) > 1:
+                try:
+                    rows = max(p["job"].sampling.max_tokens for p in batch) - 1
+                    res = self.rt.prefill_batch([p["req"] for p in batch], "redknot", pool=self.arena,
+                                                decode_rows=max(0, rows))
+                    firsts = {id(p["job"]): r for p, r in zip(batch, res)}
+                    self.metrics.reuse_batch.observe(len(batch))
+                except Exception:  # each then prefills on its own (and fails alone if it must)
+                    log.error("batched document prefill failed; prefilling one at a time:\n%s", traceback.format_exc())
+            gens = [(p["job"], self._generation(p, firsts.get(id(p["job"])))) for p in ready]
+            while gens:  # one token of each request in turn
+                for job, g in list(gens):
+                    try:
+                        done = next(g, StopIteration) is StopIteration
+                    except Exception as e:
+                        self._fail(job, e)
+                        done = True
+                    if done:
+                        gens.remove((job, g))
+        finally:
+            for p in ready:
+                self.arena.release(p["arts"])
+
+    def _fail(self, job: Job, e: Exception) -> None:
+        log.error("job failed:\n%s", traceback.format_exc())
+        job.emit("error", 500, f"internal error: {type(e).__name__}: {e}")
+
+    def _prepare(self, job: Job) -> dict | None:
+        """A document request made ready to prefill: its arm chosen (an "auto" request the
+        table sends to the Recomputed arm goes back to the queue's front as a plain job: None),
+        artifacts fetched, certified ones pinned in the arena; None if it was cancelled."""
         if job.cancelled.is_set():
             self._count_cancel(job)
-            return
+            return None
         choice = self._choose_arm(job)
         if choice is not None and choice["arm"] == "recompute":  # through the continuous batch, next
             job.kind, job.arm = "plain", "recompute"
@@ -491,23 +545,19 @@ class Scheduler:
             job.emit("info", {"arm": "recompute", "arm_choice": choice, "cached_tokens": 0})
             with self._cond:
                 self._pending.appendleft(job)
-            return
+            return None
         fetched = [self._ensure_artifact(d) for d in job.docs]
         segs = [Segment(np.asarray(d.tokens, np.int32), d.artifact) for d in job.docs]
         req = Request(segs + [Segment(np.asarray(job.tokens, np.int32))])
-        arts, pool, arm, detail = [], None, "redknot", ""
+        prep = {"job": job, "req": req, "arts": [], "pool": None, "arm": "redknot", "detail": "", "choice": choice}
         if self.rt.certify(req) is None:  # only certified artifacts enter the arena (each hashed once)
             try:
-                arts, pool = self._acquire(job.docs, fetched), self.arena
+                prep["arts"], prep["pool"] = self._acquire(job.docs, fetched), self.arena
             except ArenaFull as e:  # served, recomputed: counted like a certificate fallback
                 log.warning("document request recomputed: %s", e)
                 self.rt.counters.record_fallback(FallbackReason.ARENA_FULL)
-                req = Request([Segment(s.tokens) for s in req.segments])
-                arm, detail = "recompute", str(e)
-        try:  # a certificate that fails: the runtime falls back, counted
-            self._generate(job, req, pool, arm, detail, choice)
-        finally:
-            self.arena.release(arts)
+                prep.update(req=Request([Segment(s.tokens) for s in req.segments]), arm="recompute", detail=str(e))
+        return prep  # a certificate that fails: the runtime falls back at prefill, counted
 
     def _choose_arm(self, job: Job) -> dict | None:
         """For an "auto" request with a break-even table: the arm it says reaches the first token
@@ -522,12 +572,16 @@ class Scheduler:
         self.metrics.arm_choice.labels(c.arm, c.tier).inc()
         return c.to_dict()
 
-    def _generate(self, job: Job, req: Request, pool, arm: str, detail: str, choice: dict | None) -> None:
-        first = self.rt.prefill(req, arm, pool=pool, decode_rows=max(0, job.sampling.max_tokens - 1))
+    def _generation(self, prep: dict, first=None):
+        """One document request's generation, a step per `next`: its prefill (unless `first`, a
+        batched prefill's result, is given), info event and first token, then a token per step."""
+        job, req, pool, detail = prep["job"], prep["req"], prep["pool"], prep["detail"]
+        if first is None:
+            first = self.rt.prefill(req, prep["arm"], pool=pool, decode_rows=max(0, job.sampling.max_tokens - 1))
         arm = first.arm
         fallback = first.fallback or (FallbackReason.ARENA_FULL if detail else None)
         info = {"arm": arm, "fallback": fallback.value if fallback else None,
-                "fallback_detail": first.fallback_detail or detail, "cached_tokens": 0, "arm_choice": choice}
+                "fallback_detail": first.fallback_detail or detail, "cached_tokens": 0, "arm_choice": prep["choice"]}
         if first.ledgers is not None:
             plan = first.plan
             # rows not computed: the exact prefix's, and the documents' rows restored from artifacts
@@ -544,6 +598,7 @@ class Scheduler:
         fin = self._token(job, toks[0], 1, None, arm)
         t_prev = time.perf_counter()
         while fin is None:
+            yield
             if job.cancelled.is_set():
                 self._count_cancel(job)
                 return

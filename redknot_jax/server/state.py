@@ -58,6 +58,7 @@ class ServeConfig:
     arena_rows: int = 0  # the device arena's document rows (reuse.arena.DocArena; 0: 8 x max_model_len)
     arena_docs: int = 64  # documents the arena holds at once
     break_even: str | None = None  # a break-even table (reuse.break_even): "auto" requests run the faster arm
+    reuse_batch: int = 4  # document requests waiting together that prefill in one batch, at most
 
     def __post_init__(self):
         if self.break_even is not None:
@@ -68,7 +69,7 @@ class ServeConfig:
         if not isinstance(self.arena_rows, int) or self.arena_rows < 0:
             raise ValueError(f"arena_rows: expected an int >= 0 (0: 8 x max_model_len), got {self.arena_rows!r}")
         for f in ("slots", "max_queue", "max_model_len", "max_tokens_limit", "max_body_bytes", "prefill_chunk",
-                  "arena_docs"):
+                  "arena_docs", "reuse_batch"):
             v = getattr(self, f)
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"{f}: expected a positive int, got {v!r}")
@@ -192,7 +193,7 @@ def build_state(sc: ServeConfig) -> ServerState:
                       prefill_chunk=sc.prefill_chunk, store_root=store_root,
                       warmup=(sc.warmup_buckets or "auto") if sc.warmup else None,
                       arena_rows=sc.arena_rows or 8 * sc.max_model_len, arena_docs=sc.arena_docs,
-                      break_even=BreakEven.read(sc.break_even) if sc.break_even else None)
+                      break_even=BreakEven.read(sc.break_even) if sc.break_even else None, reuse_batch=sc.reuse_batch)
     keys = load_api_keys(sc.api_keys_file, os.environ.get(sc.api_keys_env))
     log.info("model %s (%d layers), profile %s, kernels %r, %d API keys, loaded in %.1fs; warm-up: %s (on the model "
              "worker once the server listens)", name, cfg.num_layers, prof.name, rt.consumer.kernels or "none (XLA)",

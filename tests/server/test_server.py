@@ -662,7 +662,7 @@ def test_artifacts_persist_in_per_tenant_stores(tmp_path):
     job = Job("reuse", asyncio.new_event_loop(), tokens=[5, 6, 7], docs=[doc], sampling=Sampling(max_tokens=2))
     events = []
     job.emit = lambda *ev: events.append(ev)
-    small._run_reuse(job)
+    small._run_reuse([job])
     info = next(e[1] for e in events if e[0] == "info")
     assert (info["arm"], info["fallback"]) == ("recompute", "arena_full") and "more than the arena" in info[
         "fallback_detail"], info
@@ -680,12 +680,28 @@ def test_artifacts_persist_in_per_tenant_stores(tmp_path):
               arm="auto")
     events = []
     job.emit = lambda *ev: events.append(ev)
-    auto._run_reuse(job)
+    auto._run_reuse([job])
     assert (job.kind, job.arm, job.tokens) == ("plain", "recompute", doc.tokens.tolist() + [5, 6, 7])
     assert list(auto._pending) == [job] and events[0][0] == "info"
     choice = events[0][1]["arm_choice"]  # the document is in host memory, not in the arena: tier "host"
     assert (choice["arm"], choice["tier"], choice["tokens"]) == ("recompute", "host", len(doc.tokens) + 3)
     assert auto.metrics.arm_choice.labels("recompute", "host")._value.get() == 1
+    # document requests waiting together prefill in one batch and give each its tokens alone
+    def run(sched, prompts):
+        jobs, events = [], []
+        for k, p in enumerate(prompts):
+            j = Job("reuse", asyncio.new_event_loop(), tokens=p, docs=[doc], sampling=Sampling(max_tokens=3),
+                    arm="redknot")
+            j.emit = lambda *ev, k=k: events.append((k, ev))
+            jobs.append(j)
+        sched._run_reuse(jobs)
+        return [[ev[1] for kk, ev in events if kk == k and ev[0] == "token"] for k in range(len(prompts))]
+
+    together = Scheduler(Engine(model, capacity=64), rt, Metrics(rt.counters), slots=1, checkpoint_fingerprint="fp-test")
+    prompts = [[5, 6, 7], [9, 8, 7, 6, 5]]
+    both = run(together, prompts)
+    assert together.metrics.reuse_batch._sum.get() == 2 and all(len(t) == 3 for t in both)
+    assert both == [run(together, [p])[0] for p in prompts]
 
 
 def test_kernels_flag_is_resolved_or_refused():
