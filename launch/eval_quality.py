@@ -166,6 +166,7 @@ def summarize(records, reps: int, seed: int, paired_with: str | None = None):
     with intervals, and the mean first-token KL(paired_with || variant)."""
     out = {}
     rng = np.random.default_rng(seed)
+    ref = {(r["episode"], r["qa"]): r for r in records if r["variant"] == paired_with}
     for var in sorted({r["variant"] for r in records}, key=lambda v: [r["variant"] for r in records].index(v)):
         rows = [r for r in records if r["variant"] == var]
         out[var] = {}
@@ -184,7 +185,6 @@ def summarize(records, reps: int, seed: int, paired_with: str | None = None):
             d["mean_kl"] = float(np.mean([r["kl"] for r in sub]))
             d["protected_share"] = float(np.mean([r["protected"] for r in sub]))
             if paired_with is not None:
-                ref = {(r["episode"], r["qa"]): r for r in records if r["variant"] == paired_with}
                 d["vs_paired"] = {"variant": paired_with,
                                   "mean_kl": float(np.mean([r["kl_vs_paired"] for r in sub]))}
                 for m in ("em", "f1"):

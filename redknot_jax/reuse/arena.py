@@ -10,8 +10,9 @@ order and beside any other documents. The shapes never change, so a new combinat
 documents compiles nothing (each layer program compiles once per request size bucket).
 
 * Placement: a document takes a contiguous range of rows starting at a multiple of `unit` (the
-  coarsest compression rate), so its entries at rate m start at row_start / m in every layer;
-  first fit over the free ranges.
+  least common multiple of the compression rates), so its entries at rate m start at
+  row_start / m in every layer; first fit over the free ranges. No compaction: a pinned
+  document can split the free rows (`ArenaFull` names the longest free range).
 * Admission (`acquire`): documents not resident are written in (one jitted scatter per layer and
   document length bucket, the arena's buffers donated); each cited document is pinned until
   `release`. Eviction: least recently used unpinned documents, until the new ones fit; they stay
@@ -93,7 +94,7 @@ class DocArena:
 
     rows: document rows held at once (rounded up to `unit`); docs: documents held at once;
     layers: the reusable layers; rates: {layer: {"entries": m, "idx_entries": m'}} (the layer's
-    compressor / indexer rates); unit: the row alignment (the coarsest rate)."""
+    compressor / indexer rates); unit: the row alignment (a multiple of every rate)."""
 
     def __init__(self, layers, dtype, rows: int, docs: int, rates: dict, unit: int, topk: int,
                  buckets: Buckets = Buckets()):

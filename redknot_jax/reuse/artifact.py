@@ -63,8 +63,9 @@ class Artifact:
         from `layers` (dense). KeyError if the artifact holds neither."""
         if layer in self.prefix_layers:
             return self.prefix_layers[layer]
-        d = self.layer(layer)
-        return {k: d[k] for k in ("kv", "entries", "cmp", "idx_entries", "idx") if k in d}
+        d = self.layers[layer]  # only the latents decoded (not z_L or ffn)
+        return {k: codec.decode(d[k], codec.produced_dtype(d)) if k in codec.LATENTS else d[k]
+                for k in ("kv", "entries", "cmp", "idx_entries", "idx") if k in d}
 
     def stored_layers(self) -> dict[int, dict]:
         """Every layer's arrays as persisted and hashed: reusable layers as they are, a fence

@@ -26,8 +26,6 @@ from typing import Any, Iterable, Mapping
 
 import numpy as np
 
-from redknot_jax.reuse.codec import CODECS
-
 # Bump when the artifact layout changes. 2: per-row controller statistic `far` in every reusable
 # layer; 3: chunked payload digest; 4: optional parts (`PARTS`) named in the certificate; 5: the
 # codec (`reuse.codec`) its rows are stored in.
@@ -39,6 +37,8 @@ READABLE_VERSIONS = (3, 4, 5)
 # state (the document can be an exact prefix, DESIGN §4); "ffn" = each reusable layer's
 # canonical FFN sub-layer output (profile ffn_rows="restore").
 PARTS = ("prefix", "ffn")
+# How an artifact's rows are stored (format >= 5; `reuse/codec.py` encodes and decodes them).
+CODECS = ("dense", "fp8", "fp4")
 
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
 

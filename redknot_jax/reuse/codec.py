@@ -34,8 +34,7 @@ import jax
 import jax.numpy as jnp
 
 from checkpoints_convert.quant import FP4_E2M1_MAX, FP4_E2M1_TABLE, FP8_E4M3_MAX
-
-CODECS = ("dense", "fp8", "fp4")
+from redknot_jax.reuse.certificate import CODECS
 FP8_BLOCK = 128  # values per e8m0 scale (at most)
 FP4_BLOCK = 16  # values per e4m3 scale (NVFP4)
 _E8M0_BIAS = 127

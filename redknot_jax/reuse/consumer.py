@@ -277,7 +277,7 @@ def ffn_args(ffn_rows: str, tab, pool_layer) -> dict:
         raise ValueError("ffn_rows='restore': the pool holds no canonical FFN outputs (artifacts built "
                          "under a profile without ffn_rows='restore')")
     zr = tab["zl_row"]
-    y = codec.dense(pool_layer)["ffn"][jnp.maximum(zr, 0)]
+    y = codec.decode(pool_layer["ffn"], codec.produced_dtype(pool_layer))[jnp.maximum(zr, 0)]
     return {"rows": tab["prot_idx"], "restored": jnp.where((zr >= 0)[..., None], y, 0)}
 
 

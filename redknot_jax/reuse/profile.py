@@ -30,8 +30,7 @@ import math
 from typing import Any, Mapping
 
 from redknot_jax.config import ModelConfig
-from redknot_jax.reuse.certificate import json_digest
-from redknot_jax.reuse.codec import CODECS
+from redknot_jax.reuse.certificate import CODECS, json_digest
 
 LATENT_REFRESH = ("none", "protected")
 ITOP_RANKS = ("indexer", "deviation")

@@ -66,9 +66,7 @@ from pathlib import Path
 from typing import Any, Iterable, Iterator, Mapping, Sequence
 
 import numpy as np
-import jax
 
-from redknot_jax.reuse.codec import shape as field_shape
 from redknot_jax.reuse.certificate import (CertCounters, Certificate, CertificateError, FallbackReason, TPGeometry,
                                            canonical_json, json_digest, payload_digest, token_digest)
 from redknot_jax.store.codecs import TileError, canonical, codec as get_codec, fsync_dir, is_no_space, sha256_of, write_file
@@ -909,6 +907,21 @@ class ArtifactStore:
 
 
 # ------------------------------------------------------------------------------ TP slices
+def _map_arrays(fn, v):
+    """fn over every array of a field (an array, or an encoded field's dict of arrays)."""
+    return {k: _map_arrays(fn, x) for k, x in v.items()} if isinstance(v, Mapping) else fn(v)
+
+
+def _zl_shape(zl) -> tuple[int, ...]:
+    """z_L's dense shape [L, g, o], encoded or not (`reuse.codec.shape`, imported only for an
+    encoded one: the store itself needs no jax, so its builder processes start fast)."""
+    if not isinstance(zl, Mapping):
+        return tuple(np.shape(zl))
+    from redknot_jax.reuse.codec import shape
+
+    return shape(zl)
+
+
 def split_tp(artifact, tp_size: int) -> list:
     """Rank slices of a single-rank artifact for TP over output groups (DESIGN §7): rank r
     keeps z_L's groups [r g/T, (r+1) g/T) -- projected output channels [r g o/T, (r+1) g o/T)
@@ -925,11 +938,11 @@ def split_tp(artifact, tp_size: int) -> list:
     for r in range(tp_size):
         layers, g, o = {}, None, None
         for layer, d in artifact.layers.items():
-            g, o = field_shape(d["zl"])[1:]  # [L, g, o]; an encoded z_L keeps the group axis in every array
+            g, o = _zl_shape(d["zl"])[1:]  # [L, g, o]; an encoded z_L keeps the group axis in every array
             if g % tp_size:
                 raise ValueError(f"split_tp: {g} output groups do not split over tp_size {tp_size}")
             per = g // tp_size
-            layers[layer] = {**d, "zl": jax.tree.map(lambda z: np.asarray(z)[:, r * per:(r + 1) * per], d["zl"])}
+            layers[layer] = {**d, "zl": _map_arrays(lambda z: np.asarray(z)[:, r * per:(r + 1) * per], d["zl"])}
         per = g // tp_size
         tp = TPGeometry(tp_size, r, ((r * per * o, (r + 1) * per * o),))
         art = Artifact(tokens=np.asarray(artifact.tokens), layers=layers, certificate=None,

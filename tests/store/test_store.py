@@ -18,7 +18,7 @@ from redknot_jax.reuse.certificate import CertCounters, FallbackReason, TPGeomet
 from redknot_jax.store import (DEFAULT_TP, ArtifactStore, InvalidDocumentId, PublishError, StoreIntegrityError,
                                StoreMissError, TieredCache, document_id, flatten_layers, split_tp)
 from redknot_jax.store.store import _host
-from tests.store import CFG, FP, PROFILE, synthetic
+from tests.store import CFG, FP, PROFILE, REPO, synthetic
 
 
 def assert_same(a, b):
@@ -309,3 +309,14 @@ def test_tier_load_errors_reach_the_consumer(store):
     finally:
         cache.close()
     assert store.held_pins() == {}
+
+
+def test_the_store_imports_no_jax():
+    """The store (and the certificates it checks) is numpy-only, so builder processes start in a
+    fraction of a second (test_faults spawns 14); a compact codec's shapes are read without jax."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from redknot_jax.store.store import ArtifactStore, split_tp; "
+            "from redknot_jax.reuse.certificate import CODECS; assert 'jax' not in sys.modules, 'jax imported'")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=str(REPO))
