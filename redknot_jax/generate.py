@@ -71,6 +71,42 @@ class Generation:
     first_logits: np.ndarray
 
 
+class Prefill:
+    """A batch prefill in progress: each `step()` runs the next chunk of `chunk` rows (one
+    chunk of the bucketed prompt length when None) and says whether it was the last. When done,
+    `last` holds each prompt's last-row logits [b, vocab] and `cache` the batch's cache. A server
+    runs other sequences' decode steps between two chunks (chunked prefill); `Engine.prefill`
+    runs them back to back."""
+
+    def __init__(self, engine: "Engine", prompts: Sequence[Sequence[int]], chunk: int | None = None, cache=None):
+        self.eng = engine
+        self.lens = lens = engine._check_prompts(prompts)
+        b, tmax = len(prompts), int(lens.max())
+        self.cache = engine.new_cache(b) if cache is None else cache
+        self.width = bucket(tmax) if chunk is None else bucket(chunk)
+        self.ids = np.zeros((b, -(-tmax // self.width) * self.width), np.int32)
+        for i, p in enumerate(prompts):
+            self.ids[i, : len(p)] = p
+        self.start, self.last = 0, None
+
+    @property
+    def chunks_left(self) -> int:
+        return (self.ids.shape[1] - self.start) // self.width
+
+    def step(self) -> bool:
+        """Run the next chunk; True once every chunk has run."""
+        lens, start, w = self.lens, self.start, self.width
+        n_new = np.clip(lens - start, 0, w)
+        r = np.clip(lens - 1 - start, 0, w - 1)[:, None]
+        # finished prompts sit at their own length with no new rows, so nothing is written
+        pos0 = np.minimum(start, lens)
+        logits, self.cache = self.eng.forward(self.ids[:, start:start + w], pos0, n_new, r, self.cache)
+        here = ((lens - 1 >= start) & (lens - 1 < start + w))[:, None]
+        self.last = logits[:, 0] if self.last is None else jnp.where(here, logits[:, 0], self.last)
+        self.start += w
+        return self.chunks_left == 0
+
+
 class Engine:
     """Jitted batch prefill / decode for one model (the notebook-facing API)."""
 
@@ -142,34 +178,26 @@ class Engine:
         """Prefill a batch; returns (logits of each prompt's last row [b, vocab], cache).
 
         `chunk` splits long prompts into chunks of that many rows (chunked prefill; equals
-        one-shot prefill). `rows` [b, r] asks for logits of other prompt rows instead
-        (one-shot only): returns [b, r, vocab].
+        one-shot prefill; `Prefill` runs the same chunks one call at a time). `rows` [b, r] asks
+        for logits of other prompt rows instead (one-shot only): returns [b, r, vocab].
         """
+        if rows is None:
+            p = Prefill(self, prompts, chunk, cache)
+            while not p.step():
+                pass
+            return p.last, p.cache
+        if chunk is not None:
+            raise ValueError("rows= is only supported for one-shot prefill")
         lens = self._check_prompts(prompts)
         b, tmax = len(prompts), int(lens.max())
         cache = self.new_cache(b) if cache is None else cache
-        width = bucket(tmax) if chunk is None else bucket(chunk)
-        ids = np.zeros((b, -(-tmax // width) * width), np.int32)
+        ids = np.zeros((b, bucket(tmax)), np.int32)
         for i, p in enumerate(prompts):
             ids[i, : len(p)] = p
-        if rows is not None:
-            if chunk is not None:
-                raise ValueError("rows= is only supported for one-shot prefill")
-            rows = np.asarray(rows, np.int32)
-            if rows.min() < 0 or (rows >= lens[:, None]).any():
-                raise ValueError(f"rows {rows.tolist()} outside the prompts (lengths {lens.tolist()})")
-            logits, cache = self.forward(ids, np.zeros(b), lens, rows, cache)
-            return logits, cache
-        last = None
-        for start in range(0, ids.shape[1], width):
-            n_new = np.clip(lens - start, 0, width)
-            r = np.clip(lens - 1 - start, 0, width - 1)[:, None]
-            # finished prompts sit at their own length with no new rows, so nothing is written
-            pos0 = np.minimum(start, lens)
-            logits, cache = self.forward(ids[:, start:start + width], pos0, n_new, r, cache)
-            here = ((lens - 1 >= start) & (lens - 1 < start + width))[:, None]
-            last = logits[:, 0] if last is None else jnp.where(here, logits[:, 0], last)
-        return last, cache
+        rows = np.asarray(rows, np.int32)
+        if rows.min() < 0 or (rows >= lens[:, None]).any():
+            raise ValueError(f"rows {rows.tolist()} outside the prompts (lengths {lens.tolist()})")
+        return self.forward(ids, np.zeros(b), lens, rows, cache)
 
     def decode(self, tokens, cache, active=None):
         """One decode step: tokens [b] at each sequence's next position; inactive rows

@@ -8,14 +8,20 @@ at once with a per-slot active mask (`Engine.decode(tokens, cache, active)`), so
 and leave between steps (continuous batching). Sampling is per slot on the host (each request
 keeps its own temperature, top_p and seed).
 
+A worker step (vLLM's scheduler step, with its `max_num_batched_tokens`): the decode rows of
+every running sequence, then prefill chunks of joining sequences, oldest first, while the
+step's token budget (`max_batched_tokens`) lasts, at least one chunk a step. A long prompt so
+prefills across many steps, and running sequences keep decoding meanwhile (chunked prefill).
+
 Requests citing documents in the RedKnot arm run through `ReuseRuntime` over the device arena
 of hot documents (`reuse/arena.py`: one copy of each document whatever set cites it, fixed
 shapes so a new set compiles nothing, least recently used documents back to host memory): up
 to `reuse_batch` of them waiting at the queue's front prefill together (one jitted call per
-layer, `prefill_batch`, each keeping its decode state), then decode one token of each in turn.
-They and artifact builds (`build_artifact`) run on the worker between two decode steps of the
-plain batch, pausing it meanwhile; their decode does not join it yet. Model work never runs on the event loop: the HTTP side only enqueues jobs and reads
-their events.
+layer, `prefill_batch`, each keeping its decode state; the RedKnot prefill is one pass, not
+chunked). Each then decodes one token per worker step beside the plain batch (its own decode
+state and program: not yet rows of the plain batch's call). Artifact builds
+(`build_artifact`) run whole between two steps. Model work never runs on the event loop: the
+HTTP side only enqueues jobs and reads their events.
 
 Warm-up (`warmup=` prompt lengths): the worker's first task, before any job, runs what a plain
 request of each length runs (`_prefill_slot`: the chunked prefill, the splice into a slot, the
@@ -48,7 +54,7 @@ import traceback
 import numpy as np
 import jax
 
-from redknot_jax.generate import Engine
+from redknot_jax.generate import Engine, Prefill
 from redknot_jax.reuse.arena import ArenaFull
 from redknot_jax.reuse.artifact import build_artifact
 from redknot_jax.reuse.break_even import request_tier
@@ -131,6 +137,7 @@ def sample_host(logits: np.ndarray, s: Sampling, rng: np.random.Generator) -> in
 
 @dataclasses.dataclass
 class _Slot:
+    """A decoding sequence of the plain batch."""
     job: Job
     last: int
     n: int
@@ -138,16 +145,36 @@ class _Slot:
     t_last: float
 
 
+@dataclasses.dataclass
+class _Filling:
+    """A sequence whose prompt is being prefilled a chunk per worker step; its slot is held."""
+    job: Job
+    prefill: Prefill
+
+
+@dataclasses.dataclass
+class _Reuse:
+    """A document request generating: `gen` yields after each token; `arts` pinned in the arena."""
+    job: Job
+    gen: object
+    arts: list
+
+
 class Scheduler:
     def __init__(self, engine: Engine, runtime: ReuseRuntime, metrics, *, slots: int = 8, max_queue: int = 64,
                  checkpoint_fingerprint: str = "", store_root: str | None = None, prefill_chunk: int = 256,
-                 warmup=None, arena_rows: int = 16384, arena_docs: int = 64, break_even=None, reuse_batch: int = 4):
+                 warmup=None, arena_rows: int = 16384, arena_docs: int = 64, break_even=None, reuse_batch: int = 4,
+                 max_batched_tokens: int = 2048):
         """warmup: prompt lengths the worker warms before its first job (a sequence of ints),
-        "auto" (`default_warmup`), or None (no warm-up: ready at once)."""
+        "auto" (`default_warmup`), or None (no warm-up: ready at once). max_batched_tokens:
+        a worker step's token budget (decode rows + prefill chunk rows; at least one chunk runs)."""
         self.eng, self.rt, self.metrics = engine, runtime, metrics
         # one compiled prefill program: prompts run in chunks of this many rows (the last one
         # padded), the largest power of two within both the flag and the cache's capacity
         self.prefill_chunk = 1 << (min(prefill_chunk, engine.capacity).bit_length() - 1)
+        if isinstance(max_batched_tokens, bool) or not isinstance(max_batched_tokens, int) or max_batched_tokens < 1:
+            raise ValueError(f"max_batched_tokens: expected a positive int, got {max_batched_tokens!r}")
+        self.max_batched_tokens = max_batched_tokens
         self.warmup_lengths = self._warmup_lengths(warmup)
         self.phase = "warming" if self.warmup_lengths else "ready"  # -> "ready" | "failed"
         self.warmup_error: str | None = None
@@ -163,7 +190,8 @@ class Scheduler:
         self.slots_n, self.max_queue, self.fp = slots, max_queue, checkpoint_fingerprint
         self._cond = threading.Condition()
         self._pending: collections.deque[Job] = collections.deque()
-        self._slots: list[_Slot | None] = [None] * slots
+        self._slots: list[_Slot | _Filling | None] = [None] * slots
+        self._reuse: list[_Reuse] = []  # document requests generating, oldest first
         self._stopping = False
         self._deadline = None
         self._thread: threading.Thread | None = None
@@ -288,7 +316,8 @@ class Scheduler:
 
     # ------------------------------------------------------------------ worker
     def _active(self) -> int:
-        return sum(s is not None for s in self._slots)
+        """Sequences in flight: slots held (decoding or prefilling) and document requests generating."""
+        return sum(s is not None for s in self._slots) + len(self._reuse)
 
     def _run(self) -> None:
         try:
@@ -299,7 +328,7 @@ class Scheduler:
                 finally:
                     self.warmed.set()
             while True:
-                admit, special = [], None
+                special = None
                 with self._cond:
                     while not self._pending and not self._active() and not self._stopping:
                         self._cond.wait()
@@ -309,26 +338,23 @@ class Scheduler:
                     while self._pending:
                         j = self._pending[0]
                         if j.kind == "plain":
-                            if len(admit) >= len(free):
+                            if not free:
                                 break
-                            admit.append(self._pending.popleft())
-                        else:
-                            if not admit:  # keep FIFO: a special job runs after earlier plain admissions
-                                special = [self._pending.popleft()]
-                                while (special[0].kind == "reuse" and self._pending and len(special) < self.reuse_batch
-                                       and self._pending[0].kind == "reuse"):  # document requests prefill together
-                                    special.append(self._pending.popleft())
+                            self._pending.popleft()
+                            self._guard(j, self._admit, j, free.pop(0))
+                        else:  # after the plain jobs ahead of it: FIFO
+                            special = [self._pending.popleft()]
+                            while (special[0].kind == "reuse" and self._pending and len(special) < self.reuse_batch
+                                   and self._pending[0].kind == "reuse"):  # document requests prefill together
+                                special.append(self._pending.popleft())
                             break
                     self.metrics.queue_depth.set(len(self._pending))
-                for job, slot in zip(admit, free):
-                    self._guard(job, self._admit, job, slot)
                 if special is not None:
                     if special[0].kind == "reuse":
-                        self._run_reuse(special)  # fails each request on its own
+                        self._start_reuse(special)  # fails each request on its own
                     else:
                         self._guard(special[0], self._run_build, special[0])
-                if self._active():
-                    self._decode_step()
+                self._step()
                 self.metrics.active.set(self._active())
         except Exception:  # the worker must never die silently
             log.error("model worker crashed:\n%s", traceback.format_exc())
@@ -338,9 +364,33 @@ class Scheduler:
                 if s is not None:
                     s.job.emit("error", 503, "server is shutting down; generation stopped")
                     self._slots[i] = None
+            for r in self._reuse:
+                r.job.emit("error", 503, "server is shutting down; generation stopped")
+                self.arena.release(r.arts)
+            self._reuse.clear()
             with self._cond:
                 while self._pending:
                     self._pending.popleft().emit("error", 503, "server is shutting down; request not started")
+
+    def _step(self) -> None:
+        """One worker step: a decode step of the plain batch, then prefill chunks of joining
+        sequences (oldest first) within what is left of `max_batched_tokens` (at least one
+        chunk), then a token of each document request."""
+        decoding = sum(isinstance(s, _Slot) for s in self._slots) + len(self._reuse)
+        if any(isinstance(s, _Slot) for s in self._slots):
+            self._decode_step()
+        budget = self.max_batched_tokens - decoding
+        filling = sorted((i for i, s in enumerate(self._slots) if isinstance(s, _Filling)),
+                         key=lambda i: self._slots[i].job.t_submit)
+        ran = 0
+        for i in filling:
+            while isinstance(self._slots[i], _Filling) and (ran == 0 or budget >= self.prefill_chunk):
+                self._guard(self._slots[i].job, self._fill, i)
+                budget -= self.prefill_chunk
+                ran += 1
+            if budget < self.prefill_chunk:
+                break
+        self._reuse_step()
 
     def _guard(self, job: Job, fn, *args) -> None:
         try:
@@ -368,10 +418,28 @@ class Scheduler:
         return None
 
     def _admit(self, job: Job, slot: int) -> None:
+        """A plain job takes `slot`; its prompt is prefilled a chunk per step (`_fill`)."""
         if job.cancelled.is_set():
             self._count_cancel(job)
             return
-        row = self._prefill_slot(job.tokens, slot)
+        self._slots[slot] = _Filling(job, Prefill(self.eng, [job.tokens], chunk=self.prefill_chunk))
+
+    def _fill(self, slot: int) -> None:
+        """The next prefill chunk of the sequence joining at `slot`; after the last, its cache is
+        spliced into the batch cache, its first token sampled, and it decodes from the next step.
+        A failure or a cancellation frees the slot."""
+        f = self._slots[slot]
+        self._slots[slot] = None  # held again below unless it ends here
+        if f.job.cancelled.is_set():
+            self._count_cancel(f.job)
+            return
+        if not f.prefill.step():
+            self._slots[slot] = f
+            return
+        self.cache = self._splice(self.cache, f.prefill.cache, slot)
+        self._start_decoding(f.job, np.asarray(f.prefill.last[0]), slot)
+
+    def _start_decoding(self, job: Job, row: np.ndarray, slot: int) -> None:
         rng = np.random.default_rng(job.sampling.seed)
         tok = sample_host(row, job.sampling, rng)
         fin = self._token(job, tok, 1, None, job.arm)
@@ -397,7 +465,7 @@ class Scheduler:
         toks = np.zeros(self.slots_n, np.int32)
         active = np.zeros(self.slots_n, np.int32)
         for i, s in enumerate(self._slots):
-            if s is None:
+            if not isinstance(s, _Slot):
                 continue
             if s.job.cancelled.is_set():
                 self._count_cancel(s.job)
@@ -411,14 +479,14 @@ class Scheduler:
             logits = self._decode_batch(toks, active)
         except Exception as e:
             log.error("decode step failed:\n%s", traceback.format_exc())
-            for i, s in enumerate(self._slots):
-                if s is not None:
+            for i, s in enumerate(self._slots):  # the batch cache is lost: every decoding sequence with it
+                if isinstance(s, _Slot):
                     s.job.emit("error", 500, f"internal error in decode: {type(e).__name__}: {e}")
                     self._slots[i] = None
             self.cache = self.eng.new_cache(self.slots_n)
             return
         for i, s in enumerate(self._slots):
-            if s is None or not active[i]:
+            if not isinstance(s, _Slot) or not active[i]:
                 continue
             tok = sample_host(logits[i], s.job.sampling, s.rng)
             s.n += 1
@@ -482,50 +550,56 @@ class Scheduler:
         job.emit("done", "built", {})
 
     def _run_reuse(self, jobs: list[Job]) -> None:
+        """`jobs` (document requests) from prefill to their last token, nothing else running."""
+        self._start_reuse(jobs)
+        while self._reuse:
+            self._reuse_step()
+
+    def _start_reuse(self, jobs: list[Job]) -> None:
         """Requests citing documents, RedKnot arm (each falls back to recomputation, counted, when
         an artifact fails certification). Those certified and resident in the device arena
         prefill together, one jitted call per layer (`ReuseRuntime.prefill_batch`, each keeping
-        its decode state); a lone one, a fallback, or a batch that fails prefill on their own.
-        Decoding after the first token follows `ReuseRuntime.generate` (plan frozen, generated
-        tokens appended as protected new rows, each over the prompt's cached keys) with each
-        request's sampling, one token of each request in turn. Its certified documents stay
-        pinned in the arena until a request ends (cancelled or not); when they do not fit there,
-        it runs the Recomputed arm, counted as ARENA_FULL. One request's failure fails that
-        request only."""
+        its decode state); a lone one, a fallback, or a batch that fails prefill on their own,
+        at their first `_reuse_step`. Decoding after the first token follows
+        `ReuseRuntime.generate` (plan frozen, generated tokens appended as protected new rows,
+        each over the prompt's cached keys) with each request's sampling, a token per worker
+        step. Its certified documents stay pinned in the arena until the request ends (cancelled
+        or not); when they do not fit there, it runs the Recomputed arm, counted as ARENA_FULL.
+        One request's failure fails that request only."""
         ready = []
-        try:
-            for job in jobs:
-                try:
-                    prep = self._prepare(job)
-                except Exception as e:
-                    self._fail(job, e)
-                    continue
-                if prep is not None:
-                    ready.append(prep)
-            firsts = {}
-            batch = [p for p in ready if p["pool"] is not None]
-            if len(batch) > 1:
-                try:
-                    rows = max(p["job"].sampling.max_tokens for p in batch) - 1
-                    res = self.rt.prefill_batch([p["req"] for p in batch], "redknot", pool=self.arena,
-                                                decode_rows=max(0, rows))
-                    firsts = {id(p["job"]): r for p, r in zip(batch, res)}
-                    self.metrics.reuse_batch.observe(len(batch))
-                except Exception:  # each then prefills on its own (and fails alone if it must)
-                    log.error("batched document prefill failed; prefilling one at a time:\n%s", traceback.format_exc())
-            gens = [(p["job"], self._generation(p, firsts.get(id(p["job"])))) for p in ready]
-            while gens:  # one token of each request in turn
-                for job, g in list(gens):
-                    try:
-                        done = next(g, StopIteration) is StopIteration
-                    except Exception as e:
-                        self._fail(job, e)
-                        done = True
-                    if done:
-                        gens.remove((job, g))
-        finally:
-            for p in ready:
-                self.arena.release(p["arts"])
+        for job in jobs:
+            try:
+                prep = self._prepare(job)
+            except Exception as e:
+                self._fail(job, e)
+                continue
+            if prep is not None:
+                ready.append(prep)
+        firsts = {}
+        batch = [p for p in ready if p["pool"] is not None]
+        if len(batch) > 1:
+            try:
+                rows = max(p["job"].sampling.max_tokens for p in batch) - 1
+                res = self.rt.prefill_batch([p["req"] for p in batch], "redknot", pool=self.arena,
+                                            decode_rows=max(0, rows))
+                firsts = {id(p["job"]): r for p, r in zip(batch, res)}
+                self.metrics.reuse_batch.observe(len(batch))
+            except Exception:  # each then prefills on its own (and fails alone if it must)
+                log.error("batched document prefill failed; prefilling one at a time:\n%s", traceback.format_exc())
+        self._reuse += [_Reuse(p["job"], self._generation(p, firsts.get(id(p["job"]))), p["arts"]) for p in ready]
+
+    def _reuse_step(self) -> None:
+        """One token of each document request generating (its prefill and first token if new);
+        one that ends (done, cancelled, failed) unpins its documents."""
+        for r in list(self._reuse):
+            try:
+                done = next(r.gen, StopIteration) is StopIteration
+            except Exception as e:
+                self._fail(r.job, e)
+                done = True
+            if done:
+                self._reuse.remove(r)
+                self.arena.release(r.arts)
 
     def _fail(self, job: Job, e: Exception) -> None:
         log.error("job failed:\n%s", traceback.format_exc())

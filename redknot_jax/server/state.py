@@ -45,6 +45,7 @@ class ServeConfig:
     max_queue: int = 64
     max_model_len: int = 2048  # prompt (documents included) + max_tokens
     prefill_chunk: int = 256  # plain-path prefill chunk (rounded down to a power of two within the cache)
+    max_batched_tokens: int = 2048  # a worker step's tokens: decode rows + prefill chunk rows (vLLM's name)
     max_tokens_limit: int = 256
     max_body_bytes: int = 1 << 20
     shutdown_grace_s: float = 10.0
@@ -69,7 +70,7 @@ class ServeConfig:
         if not isinstance(self.arena_rows, int) or self.arena_rows < 0:
             raise ValueError(f"arena_rows: expected an int >= 0 (0: 8 x max_model_len), got {self.arena_rows!r}")
         for f in ("slots", "max_queue", "max_model_len", "max_tokens_limit", "max_body_bytes", "prefill_chunk",
-                  "arena_docs", "reuse_batch"):
+                  "max_batched_tokens", "arena_docs", "reuse_batch"):
             v = getattr(self, f)
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"{f}: expected a positive int, got {v!r}")
@@ -193,7 +194,8 @@ def build_state(sc: ServeConfig) -> ServerState:
                       prefill_chunk=sc.prefill_chunk, store_root=store_root,
                       warmup=(sc.warmup_buckets or "auto") if sc.warmup else None,
                       arena_rows=sc.arena_rows or 8 * sc.max_model_len, arena_docs=sc.arena_docs,
-                      break_even=BreakEven.read(sc.break_even) if sc.break_even else None, reuse_batch=sc.reuse_batch)
+                      break_even=BreakEven.read(sc.break_even) if sc.break_even else None, reuse_batch=sc.reuse_batch,
+                      max_batched_tokens=sc.max_batched_tokens)
     keys = load_api_keys(sc.api_keys_file, os.environ.get(sc.api_keys_env))
     log.info("model %s (%d layers), profile %s, kernels %r, %d API keys, loaded in %.1fs; warm-up: %s (on the model "
              "worker once the server listens)", name, cfg.num_layers, prof.name, rt.consumer.kernels or "none (XLA)",

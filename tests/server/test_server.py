@@ -887,3 +887,99 @@ def test_warmup_failure_is_reported_and_logged_not_half_ready(warm_state, caplog
         assert not sched.alive and sched.phase == "failed"
     failed = [r for r in caplog.records if "warm-up failed" in r.getMessage()]
     assert failed and "injected: compiling ran out of memory" in failed[0].getMessage()
+
+
+def test_long_prompts_prefill_between_decode_steps_and_document_requests_decode_beside_the_batch():
+    """A worker step runs the running sequences' decode rows, then prefill chunks of joining
+    sequences within --max-batched-tokens: a long prompt (3 chunks) joining while a sequence
+    decodes prefills one chunk a step with decode steps between its chunks, and a document
+    request decodes a token a step beside the plain batch, not after it. Each gets the tokens it
+    gets alone; a budget that is not a positive int is refused naming the flag."""
+    import dataclasses as dc
+
+    import jax.numpy as jnp
+    import numpy as np
+
+    from redknot_jax import config
+    from redknot_jax.generate import Engine
+    from redknot_jax.init import random_model
+    from redknot_jax.reuse.artifact import build_artifact
+    from redknot_jax.reuse.profile import tiny_profile
+    from redknot_jax.reuse.runtime import ReuseRuntime
+    from redknot_jax.server.metrics import Metrics
+    from redknot_jax.server.scheduler import Job, Sampling, Scheduler
+    from redknot_jax.server.state import ServeConfig
+
+    cfg = config.tiny("mixed")
+    model = random_model(cfg, seed=2, dtype=jnp.float32)
+    rt = ReuseRuntime(model, tiny_profile(cfg.num_layers), "fp-test")
+    toks = np.random.default_rng(0).integers(2, cfg.vocab_size, 40).astype(np.int32)
+
+    @dc.dataclass
+    class Doc:
+        id: str
+        tenant: str
+        tokens: np.ndarray
+        artifact: object = None
+
+    doc = Doc("a" * 64, "t", toks, build_artifact(model, rt.profile, toks, checkpoint_fingerprint="fp-test"))
+    with pytest.raises(ValueError, match="max_batched_tokens: expected a positive int, got 0"):
+        ServeConfig(max_batched_tokens=0)
+    with pytest.raises(ValueError, match="max_batched_tokens: expected a positive int, got 1.5"):
+        Scheduler(Engine(model, capacity=64), rt, Metrics(rt.counters), max_batched_tokens=1.5)
+
+    def scheduler():  # one decode row + one 16-row chunk a step
+        return Scheduler(Engine(model, capacity=64), rt, Metrics(rt.counters), slots=2, prefill_chunk=16,
+                         max_batched_tokens=17, checkpoint_fingerprint="fp-test")
+
+    log, first_a = [], threading.Event()
+
+    def job(name, kind, tokens, n, **kw):
+        j = Job(kind, None, tokens=tokens, sampling=Sampling(max_tokens=n), **kw)
+        j.name = name
+        j.emit = lambda *ev: (log.append((name, ev[0], ev[1] if ev[0] == "token" else None)),
+                              name == "a" and ev[0] == "token" and first_a.set())
+        return j
+
+    def run(jobs, after_first_a=()):
+        sched = scheduler()
+        real_decode, real_fill = sched._decode_batch, sched._fill
+        submitted = threading.Event()  # a's decode waits until b and c are queued: they join mid-generation
+        sched._decode_batch = lambda *a: (submitted.wait(300), log.append(("*", "decode", None)), real_decode(*a))[2]
+        sched._fill = lambda i: (log.append((sched._slots[i].job.name, "chunk", None)), real_fill(i))
+        sched.start()
+        try:
+            for j in jobs:
+                sched.submit(j)
+            if after_first_a:
+                assert first_a.wait(300)
+                for j in after_first_a:
+                    sched.submit(j)
+            submitted.set()
+            deadline = time.time() + 600
+            while sum(e[1] in ("done", "error") for e in log) < len(jobs) + len(after_first_a):
+                assert time.time() < deadline, log
+                time.sleep(0.01)
+        finally:
+            sched.stop(grace_s=0)
+        return sched
+
+    rng = np.random.default_rng(1)
+    prompt_a, prompt_b = rng.integers(2, cfg.vocab_size, 5).tolist(), rng.integers(2, cfg.vocab_size, 40).tolist()
+    mk = lambda: (job("a", "plain", prompt_a, 16), job("b", "plain", prompt_b, 3),
+                  job("c", "reuse", [5, 6, 7], 4, docs=[doc], arm="redknot"))
+    a, b, c = mk()
+    run([a], after_first_a=[b, c])
+    assert not [e for e in log if e[1] == "error"], log
+    together = {n: [e[2] for e in log if e[0] == n and e[1] == "token"] for n in "abc"}
+    chunks = [i for i, e in enumerate(log) if e[:2] == ("b", "chunk")]
+    assert len(chunks) == 3, log  # 40 rows in 16-row chunks
+    between = lambda lo, hi, what: sum(1 for e in log[lo:hi] if e[:2] == what)
+    assert between(chunks[0], chunks[-1], ("*", "decode")) >= 2, log  # a decode step between chunks
+    c_tokens = [i for i, e in enumerate(log) if e[:2] == ("c", "token")]
+    assert len(c_tokens) == 4 and between(c_tokens[0], c_tokens[-1], ("a", "token")) >= 2, log  # beside the batch
+    assert len(together["a"]) == 16 and len(together["b"]) == 3
+    for j in mk():  # each alone
+        log.clear()
+        run([j])
+        assert [e[2] for e in log if e[1] == "token"] == together[j.name], j.name
