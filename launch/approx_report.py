@@ -10,9 +10,10 @@ Random weights: this measures the runtime's approximation, not answer quality (i
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import datetime
+import pathlib
+import sys
 
 import numpy as np
 import jax
@@ -25,6 +26,9 @@ from redknot_jax.reuse.planner import Request, Segment
 from redknot_jax.reuse.profile import tiny_profile
 from redknot_jax.reuse.runtime import ReuseRuntime
 
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+from launch import _cli  # noqa: E402
+
 
 def kl(p_logits, q_logits) -> float:
     lp, lq = jax.nn.log_softmax(p_logits), jax.nn.log_softmax(q_logits)
@@ -32,9 +36,9 @@ def kl(p_logits, q_logits) -> float:
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--requests", type=int, default=4)
-    ap.add_argument("--out", default=None)
+    ap = _cli.parser(__doc__, __file__, "python launch/approx_report.py --requests 3 --out docs/approximation.md")
+    ap.add_argument("--requests", type=int, default=4, help="requests of 3 shuffled documents and a question")
+    ap.add_argument("--out", default=None, help="write the table as markdown here")
     args = ap.parse_args(argv)
     cfg = config.tiny("mixed", experts_per_tok=6)  # top-6 as in DeepSeek-V4, so K3 trims
     model = random_model(cfg, seed=0, dtype=jnp.float32)
@@ -50,7 +54,7 @@ def main(argv=None):
     for r in range(args.requests):
         order = rng.permutation(len(docs))[:3]
         requests.append((order, rng.integers(2, cfg.vocab_size, 9)))
-    for budget, mode, refresh in variants:
+    for budget, mode, refresh in _cli.progress(variants, desc="variants", unit="variant"):
         prof = dataclasses.replace(base, budget_override=budget, fanout_mode=mode, latent_refresh=refresh)
         rt = ReuseRuntime(model, prof, fp)
         arts = [build_artifact(model, prof, d, checkpoint_fingerprint=fp) for d in docs]
@@ -63,7 +67,7 @@ def main(argv=None):
             agree.append(int(np.argmax(rec.logits[-1]) == np.argmax(red.logits[-1])))
             prot.append(red.plan.fraction_protected())
         rows.append((budget, f"{mode} (refresh {refresh})", float(np.mean(kls)), float(np.max(kls)), float(np.mean(agree)), float(np.mean(prot))))
-        print(rows[-1], flush=True)
+        _cli.echo(rows[-1])
     table = ["| budget | MoE | mean KL | max KL | top-1 agreement | protected share of candidates |",
              "|---|---|---|---|---|---|"]
     for b, m, mk, xk, ag, pr in rows:

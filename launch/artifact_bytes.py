@@ -17,9 +17,9 @@ dense ones) it also writes the headline `docs/results/artifacts_headline.json`.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import datetime
+import itertools
 import json
 import pathlib
 import sys
@@ -29,6 +29,7 @@ import jax.numpy as jnp
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
+from launch import _cli  # noqa: E402
 from redknot_jax import config  # noqa: E402
 from redknot_jax.reuse.artifact import stored_bytes  # noqa: E402
 from redknot_jax.reuse.codec import CODECS  # noqa: E402
@@ -41,21 +42,19 @@ GB = 1e9
 
 def table(presets, n: int) -> list[dict]:
     rows = []
-    for name in presets:
+    cases = list(itertools.product(presets, ("omit", "restore"), CODECS))
+    for name, ffn, c in _cli.progress(cases, desc="trace the producer", unit="case", leave=False):
         make_cfg, make_profile = PRESETS[name]
-        cfg = make_cfg()
-        for ffn in ("omit", "restore"):
-            for c in CODECS:
-                prof = dataclasses.replace(make_profile(), ffn_rows=ffn, artifact_codec=c)
-                b = stored_bytes(cfg, prof, n, jnp.bfloat16)
-                per_pool = b["reusable"] / n
-                rows.append({"preset": name, "ffn_rows": ffn, "codec": c, "profile": prof.name,
-                             "kib_per_token": round(b["per_token"] / KIB, 1),
-                             "bytes_per_token": round(b["per_token"]),
-                             "pool_kib_per_token": round(per_pool / KIB, 1),
-                             "prefix_kib_per_token": round(b["prefix"] / n / KIB, 1),
-                             "pool_gb_65536": round(per_pool * 65536 / GB, 1),
-                             "pool_gb_262144": round(per_pool * 262144 / GB, 1)})
+        prof = dataclasses.replace(make_profile(), ffn_rows=ffn, artifact_codec=c)
+        b = stored_bytes(make_cfg(), prof, n, jnp.bfloat16)
+        per_pool = b["reusable"] / n
+        rows.append({"preset": name, "ffn_rows": ffn, "codec": c, "profile": prof.name,
+                     "kib_per_token": round(b["per_token"] / KIB, 1),
+                     "bytes_per_token": round(b["per_token"]),
+                     "pool_kib_per_token": round(per_pool / KIB, 1),
+                     "prefix_kib_per_token": round(b["prefix"] / n / KIB, 1),
+                     "pool_gb_65536": round(per_pool * 65536 / GB, 1),
+                     "pool_gb_262144": round(per_pool * 262144 / GB, 1)})
     return rows
 
 
@@ -98,12 +97,14 @@ def headline(rows, quality: dict, compact: str, quality_omit: dict | None = None
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = _cli.parser(__doc__, __file__, "python launch/artifact_bytes.py --out docs/results/artifact_bytes.json")
     ap.add_argument("--presets", default="flash,pro")
     ap.add_argument("--tokens", type=int, default=65536, help="document length the sizes are taken at")
     ap.add_argument("--out", default=None, help="JSON of the table (a .md beside it)")
-    ap.add_argument("--quality", default=None, help="eval_quality.py --paired-with JSON (dense vs compact)")
-    ap.add_argument("--quality-omit", default=None, help="the same comparison under ffn_rows=omit")
+    ap.add_argument("--quality", default=None, type=_cli.input_file,
+                    help="eval_quality.py --paired-with JSON (dense vs compact)")
+    ap.add_argument("--quality-omit", default=None, type=_cli.input_file,
+                    help="the same comparison under ffn_rows=omit")
     ap.add_argument("--compact", default="fp4", choices=[c for c in CODECS if c != "dense"])
     ap.add_argument("--headline", default=None, help="write artifacts_headline.json here (needs --quality)")
     args = ap.parse_args(argv)

@@ -29,6 +29,7 @@ import time
 import numpy as np
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+from launch import _cli  # noqa: E402
 
 DEFAULT_CKPT = pathlib.Path(__file__).resolve().parents[1] / "redknot_jax" / "assets" / "qa_model"
 
@@ -44,8 +45,10 @@ def _ints(text: str, name: str) -> list[int]:
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--checkpoint", default=None, help="safetensors checkpoint (default: the shipped QA model)")
+    ap = _cli.parser(__doc__, __file__,  # README
+                     "python launch/bench_break_even.py --lengths 1024,3072 --out break_even.json")
+    ap.add_argument("--checkpoint", default=None, type=_cli.checkpoint_dir,
+                    help="safetensors checkpoint (default: the shipped QA model)")
     ap.add_argument("--preset", default=None, help="random weights of this preset instead (e.g. flash-shaped)")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--profile", default="auto", help="auto (the checkpoint's) | flash | pro | tiny")
@@ -105,13 +108,16 @@ def main(argv=None):
         np.asarray(out.logits)  # wait for the device
         return time.perf_counter() - t0
 
+    bar = _cli.progress(desc="lengths x (build + 4 arms)", total=len(args.lengths) * 5, unit="step")
     for n in args.lengths:
         per = (n - args.question) // args.docs
         lens = [per] * (args.docs - 1) + [n - args.question - per * (args.docs - 1)]
         docs = [rng.integers(2, cfg.vocab_size, k).astype(np.int32) for k in lens]
         question = rng.integers(2, cfg.vocab_size, args.question).astype(np.int32)
+        bar.set_postfix_str(f"{n} tokens: build")
         arts = [build_artifact(model, prof, d, checkpoint_fingerprint=fp, kernels=rt.consumer.kernels) for d in docs]
         ids = [store.publish(a).doc_id for a in arts]
+        bar.update()
         req = lambda aa: Request([Segment(d, a) for d, a in zip(docs, aa)] + [Segment(question)])
         arena = rt.consumer.arena(rows=n + args.docs * cfg.hca_rate, docs=2 * args.docs)  # one set at a time
 
@@ -136,6 +142,7 @@ def main(argv=None):
         arms["disk"] = over_arena(loaded, True)
         secs = {}
         for name, fn in arms.items():
+            bar.set_postfix_str(f"{n} tokens: {name}")
             fn()  # warm-up: compiles
             ts = []
             for _ in range(args.repeats):
@@ -144,10 +151,12 @@ def main(argv=None):
                 ts.append(timed(fn))
             secs[name] = statistics.median(ts)
             raw.append({"tokens": n, "arm": name, "seconds": ts})
+            bar.update()
         for tier in ("device", "host", "disk"):
             points.append({"tier": tier, "tokens": n, "recompute_s": round(secs["recompute"], 6),
                            "redknot_s": round(secs[tier], 6)})
-        print(f"{n} tokens: " + ", ".join(f"{k} {v:.3f}s" for k, v in secs.items()), flush=True)
+        _cli.echo(f"{n} tokens: " + ", ".join(f"{k} {v:.3f}s" for k, v in secs.items()))
+    bar.close()
     tmp.cleanup()
     result = {"device": str(jax.devices()[0].device_kind), "date": datetime.date.today().isoformat(),
               "command": "python launch/bench_break_even.py " + " ".join(argv if argv is not None else sys.argv[1:]),

@@ -13,14 +13,18 @@ Bytes: x read once and X' written once (2 * t * n * d * 2) are what either form 
 
 from __future__ import annotations
 
-import argparse
 import json
+import pathlib
+import sys
 
 import jax
 import jax.numpy as jnp
 
 from redknot_jax.mhc import HyperConnection
 from redknot_jax.pallas.timing import median_time, record
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+from launch import _cli  # noqa: E402
 
 
 def post_matmul(x, y, post, comb):
@@ -30,7 +34,7 @@ def post_matmul(x, y, post, comb):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = _cli.parser(__doc__, __file__, "python launch/bench_mhc.py --rows 65536")  # docs/benchmarks.md
     ap.add_argument("--rows", type=int, default=65536)
     ap.add_argument("--streams", type=int, default=4)
     ap.add_argument("--hidden", type=int, default=4096)
@@ -50,7 +54,7 @@ def main(argv=None):
     forms = {"matmul": jax.jit(post_matmul), "streams": jax.jit(HyperConnection.post)}
     ref = forms["matmul"](x, y, post, comb).astype(jnp.float32)
     rows = {"copy_ms": t_copy * 1e3, "copy_gbs": 2 * x.nbytes / t_copy / 1e9}
-    for name, f in forms.items():
+    for name, f in _cli.progress(forms.items(), desc="post forms", total=len(forms), unit="form", leave=False):
         out = f(x, y, post, comb).astype(jnp.float32)
         err = float(jnp.max(jnp.abs(out - ref)) / jnp.max(jnp.abs(ref)))
         rows[f"post_{name}_ms"] = median_time(f, x, y, post, comb, iters=a.iters) * 1e3

@@ -11,12 +11,13 @@ TFLOP/s; MFU is against a bf16 matmul peak measured in the same run.
 
 from __future__ import annotations
 
-import argparse
 import os
 import datetime
 import json
+import pathlib
 import platform
 import statistics
+import sys
 import time
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")  # flash-shaped weights + a long pool: JAX's 75 % is too little
@@ -27,6 +28,9 @@ import jax.numpy as jnp
 from redknot_jax import config
 from redknot_jax.generate import Engine
 from redknot_jax.init import random_model
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+from launch import _cli  # noqa: E402
 
 
 def matmul_peak(n: int = 8192, reps: int = 20) -> float:
@@ -58,7 +62,8 @@ def prefill_flops(cfg, n: int) -> float:
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = _cli.parser(__doc__, __file__,  # docs/benchmarks.md
+                     "python launch/bench_model.py --lengths 8192,32768 --decode-steps 16")
     ap.add_argument("--lengths", default="8192,32768,65536")
     ap.add_argument("--chunk", type=int, default=8192)
     ap.add_argument("--experts", type=int, default=16)
@@ -67,6 +72,10 @@ def main(argv=None):
     ap.add_argument("--out", default=None, help="write a markdown table here")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
+    try:
+        lengths = [int(x) for x in args.lengths.split(",")]
+    except ValueError:
+        ap.error(f"--lengths: expected comma-separated integers, got {args.lengths!r}")
 
     cfg = config.flash_shaped(args.experts)
     dev = jax.devices()[0]
@@ -77,7 +86,7 @@ def main(argv=None):
     peak = matmul_peak()
     print(f"bf16 matmul peak {peak:.0f} TFLOP/s", flush=True)
     rows = []
-    for L in [int(x) for x in args.lengths.split(",")]:
+    for L in _cli.progress(lengths, desc="lengths", unit="length"):
         eng = Engine(model, capacity=L + args.decode_steps + 256, block=256)
         prompt = [np.random.default_rng(L).integers(2, cfg.vocab_size, L).tolist()]
         t0 = time.perf_counter()
@@ -105,7 +114,7 @@ def main(argv=None):
                    mfu=fl / p / 1e12 / peak, decode_ms=d * 1e3, decode_tok_s=1 / d, first_call_s=compile_s,
                    prefill_runs=pre, decode_runs_ms=[x * 1e3 for x in dec])
         rows.append(row)
-        print(json.dumps(row), flush=True)
+        _cli.echo(json.dumps(row))
         del cache, eng
     meta = dict(date=datetime.date.today().isoformat(), device=dev.device_kind, jax=jax.__version__,
                 python=platform.python_version(), peak_tflops=peak, experts=args.experts,

@@ -59,7 +59,6 @@ markdown table on stdout. Client side: standard library + numpy only.
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import http.client
 import json
@@ -80,6 +79,8 @@ import urllib.parse
 import numpy as np
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from launch import _cli  # noqa: E402
 DEFAULT_SERVE_ARGS = "--preset tiny --profile tiny-exact --max-model-len 512"
 ARMS = ("redknot", "recompute")
 WORDS = ("alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike november oscar papa "
@@ -437,7 +438,7 @@ def run_cell(url, api_key, model, doc_ids, prompts, arm, level, args) -> dict:
 
 # ---------------------------------------------------------------------------------- CLI
 def parse_args(argv):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = _cli.parser(__doc__, __file__, "python launch/bench_qps.py --concurrency 1,4 --out qps.json")  # README
     ap.add_argument("--url", help="attach to a running server (http://host:port) instead of starting one")
     ap.add_argument("--serve-args", default=None, help=f"flags for launch/serve.py when it is started here "
                     f"(default {DEFAULT_SERVE_ARGS!r}; --host/--port are set here)")
@@ -588,8 +589,11 @@ def main(argv=None) -> dict:
             tmp.write_text(json.dumps(out, indent=1))
             os.replace(tmp, out_path)
 
+        bar = _cli.progress(desc="cells (level x arm)", total=len(args.concurrency_levels) * len(args.arm_list),
+                            unit="cell")
         for level in args.concurrency_levels:
             for arm in args.arm_list:
+                bar.set_postfix_str(f"{arm} x{level}")
                 _, m0 = admin.request("GET", "/metrics")
                 cell = run_cell(url, args.api_key, model, doc_ids, prompts, arm, level, args)
                 _, m1 = admin.request("GET", "/metrics")
@@ -600,9 +604,11 @@ def main(argv=None) -> dict:
                 cell["warmup_errors"] = sum(r["status"] != 200 for r in cell["warmup_records"])
                 out["cells"].append(cell)
                 s = cell["summary"]
-                print(f"bench_qps: {arm} x{level}: {s['completed']} completed, {s['errors']} errors, "
-                      f"{s['requests_per_s']:.3f} req/s over {s['window_s']:.2f} s", file=sys.stderr, flush=True)
+                bar.write(f"bench_qps: {arm} x{level}: {s['completed']} completed, {s['errors']} errors, "
+                          f"{s['requests_per_s']:.3f} req/s over {s['window_s']:.2f} s", file=sys.stderr)
+                bar.update()
                 save()
+        bar.close()
         admin.close()
     finally:
         if srv is not None:

@@ -33,7 +33,6 @@ Prints a markdown table (device, date, command) and writes JSON (+ the table as 
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import json
 import os
@@ -45,6 +44,9 @@ import time
 from pathlib import Path
 
 import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from launch import _cli  # noqa: E402
 
 
 def flash_rank_layers(n: int, layers: int, rng) -> dict[int, dict]:
@@ -110,7 +112,8 @@ def timed(fn, repeats: int, setup=None) -> list[float]:
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = _cli.parser(__doc__, __file__, "python launch/bench_store.py --root $PWD/bs_root --tokens 8192 --repeats 3 "
+                                        "--out bench_store_h200.json")  # docs/store.md
     ap.add_argument("--root", help="store directory (default: a fresh temporary directory, removed at the end)")
     ap.add_argument("--tokens", type=int, help="rows per layer (default: 16384 on GPU, 512 on CPU)")
     ap.add_argument("--groups", type=int, help="layer groups (default: 4 on GPU, 3 on CPU)")
@@ -152,7 +155,7 @@ def main(argv=None):
 
     # ------------------------------------------------------------------ publish / disk
     stores = {}
-    for codec in args.codecs.split(","):
+    for codec in _cli.progress(args.codecs.split(","), desc="publish + read", unit="codec", leave=False):
         st = ArtifactStore(tmp_root / codec, codec=codec, layer_group_size=args.layers_per_group,
                            io_threads=args.io_threads)
         times, pubs = [], []
@@ -315,36 +318,36 @@ def main(argv=None):
 
     comp = timed(compute_only, R)
     res["compute_s"] = comp
-    for source in ("host", "disk"):
-        for hk in host_kinds:
-            caches = [None]
+    for source, hk in _cli.progress([(s, h) for s in ("host", "disk") for h in host_kinds], desc="overlap",
+                                    unit="run", leave=False):
+        caches = [None]
 
-            def transfer_only():  # every group requested at once: the pipelined transfer time
-                futs = caches[0].prefetch([doc], groups, generation=gen, tp=tp_)
-                jax.block_until_ready([f.result() for f in futs.values()])
+        def transfer_only():  # every group requested at once: the pipelined transfer time
+            futs = caches[0].prefetch([doc], groups, generation=gen, tp=tp_)
+            jax.block_until_ready([f.result() for f in futs.values()])
 
-            def setup():
-                if caches[0] is not None:
-                    caches[0].close()
-                caches[0] = fresh(source, hk)
-                if source == "disk":
-                    drop_cache(files)
+        def setup():
+            if caches[0] is not None:
+                caches[0].close()
+            caches[0] = fresh(source, hk)
+            if source == "disk":
+                drop_cache(files)
 
-            tr = timed(transfer_only, R, setup)
-            ser = timed(lambda: run_cache(caches[0], True), R, setup)
-            ovl = timed(lambda: run_cache(caches[0], False), R, setup)
-            caches[0].close()
-            C, T, S, O = min(comp), min(tr), min(ser), min(ovl)
-            hidden = (C + T - O) / min(C, T)
-            res[f"overlap_{source}_{hk}"] = {"compute_s": comp, "transfer_s": tr, "serial_s": ser,
-                                             "overlapped_s": ovl, "hidden": hidden, "bytes": total,
-                                             "host_kind": hk, "iters": iters, "prefetch_depth": depth}
-            src = "host tier -> device" if source == "host" else "disk -> host -> device (cold)"
-            row(f"overlap, {src}, {hk}: transfer only", f"{gb(total, T):.2f}", "GB/s",
-                f"{G} groups, {total / 1e6:.0f} MB, all requested at once"
-                + (f"; {100 * gb(total, T) / peak:.0f} % of peak" if peak and source == "host" else ""))
-            row(f"overlap, {src}, {hk}: compute / serial / overlapped", f"{C * 1e3:.1f} / {S * 1e3:.1f} / {O * 1e3:.1f}",
-                "ms", f"hidden {100 * hidden:.0f} % of min(compute, transfer); prefetch depth {depth}")
+        tr = timed(transfer_only, R, setup)
+        ser = timed(lambda: run_cache(caches[0], True), R, setup)
+        ovl = timed(lambda: run_cache(caches[0], False), R, setup)
+        caches[0].close()
+        C, T, S, O = min(comp), min(tr), min(ser), min(ovl)
+        hidden = (C + T - O) / min(C, T)
+        res[f"overlap_{source}_{hk}"] = {"compute_s": comp, "transfer_s": tr, "serial_s": ser,
+                                         "overlapped_s": ovl, "hidden": hidden, "bytes": total,
+                                         "host_kind": hk, "iters": iters, "prefetch_depth": depth}
+        src = "host tier -> device" if source == "host" else "disk -> host -> device (cold)"
+        row(f"overlap, {src}, {hk}: transfer only", f"{gb(total, T):.2f}", "GB/s",
+            f"{G} groups, {total / 1e6:.0f} MB, all requested at once"
+            + (f"; {100 * gb(total, T) / peak:.0f} % of peak" if peak and source == "host" else ""))
+        row(f"overlap, {src}, {hk}: compute / serial / overlapped", f"{C * 1e3:.1f} / {S * 1e3:.1f} / {O * 1e3:.1f}",
+            "ms", f"hidden {100 * hidden:.0f} % of min(compute, transfer); prefetch depth {depth}")
 
     for s, *_ in stores.values():
         s.close()

@@ -30,7 +30,6 @@ t(tp=1) / (tp * t(tp)).
 
 from __future__ import annotations
 
-import argparse
 import os
 import datetime
 import json
@@ -47,6 +46,7 @@ import jax.numpy as jnp
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
+from launch import _cli  # noqa: E402
 from launch.bench_ttft import check_record_args, profile_variant, records  # noqa: E402  (the same frozen request records)
 from redknot_jax import config  # noqa: E402
 from redknot_jax.init import random_model  # noqa: E402
@@ -125,7 +125,8 @@ def timed(fn, repeats: int) -> dict:
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = _cli.parser(__doc__, __file__,  # docs/sharding.md
+                     "python launch/bench_tp.py --lengths 32768 --tp 1,2 --repeats 1")
     ap.add_argument("--preset", default="flash-shaped")
     ap.add_argument("--lengths", default="32768")
     ap.add_argument("--docs", type=int, default=4)
@@ -143,8 +144,9 @@ def main(argv=None):
     ap.add_argument("--budget", type=float, help="fixed budget instead of the controller (budget_override); 1.0 "
                                                  "protects every row, which takes the controller's choice out")
     ap.add_argument("--save-ref", help="write tp = 1's logits and timings here (.npz), for a later --ref run")
-    ap.add_argument("--ref", help="tp = 1's logits and timings from an earlier --save-ref run of the same records "
-                                  "(lets tp > 1 run alone, e.g. when one call cannot hold both)")
+    ap.add_argument("--ref", type=_cli.input_file,
+                    help="tp = 1's logits and timings from an earlier --save-ref run of the same records "
+                         "(lets tp > 1 run alone, e.g. when one call cannot hold both)")
     ap.add_argument("--kernels", default="auto",
                     help="the consumer's kernel set at every tp (Consumer(kernels=)): auto (on a GPU the kernels "
                          "measured faster than XLA), xla, mosaic, or a comma list of redknot_jax.pallas.KERNELS "
@@ -214,7 +216,7 @@ def main(argv=None):
                 row["fp32_floor_from"] = args.ref
         t0 = time.perf_counter()
         arts = []
-        for d in docs:
+        for d in _cli.progress(docs, desc=f"{length}: build artifacts", unit="doc", leave=False):
             a = build_artifact(model, prof, d, checkpoint_fingerprint=rt.fingerprint)
             a.layers = jax.tree.map(np.asarray, a.layers)
             arts.append(a)
@@ -226,7 +228,7 @@ def main(argv=None):
             with jax.default_device(jax.devices()[-1]):
                 row["fp32_floor_device"] = str(jax.devices()[-1])
                 fp32_floor(ref, row, cfg, prof, rt.fingerprint, docs, q, req, rows)
-        for tp in tps:
+        for tp in _cli.progress(tps, desc=f"{length}: tp degrees", unit="tp", leave=False):
             res = {}
             row["tp"][str(tp)] = res
             t0 = time.perf_counter()
@@ -306,10 +308,10 @@ def main(argv=None):
                                          for arm in ("recompute", "redknot")}
             del pool, redknot  # this degree's device-resident pool goes before the next one is packed
             save()
-            print(json.dumps({"length": length, "tp": tp, "recompute_s": res["recompute"]["median_s"],
-                              "redknot_s": res["redknot"]["median_s"], "speedup": res["speedup_median"],
-                              **({"agree": res["agree_with_tp1"], "eff": res["scaling_efficiency"]}
-                                 if "agree_with_tp1" in res else {})}), flush=True)
+            _cli.echo(json.dumps({"length": length, "tp": tp, "recompute_s": res["recompute"]["median_s"],
+                                  "redknot_s": res["redknot"]["median_s"], "speedup": res["speedup_median"],
+                                  **({"agree": res["agree_with_tp1"], "eff": res["scaling_efficiency"]}
+                                     if "agree_with_tp1" in res else {})}))
         row["cert"] = rt.counters.snapshot()
         save()
     return out

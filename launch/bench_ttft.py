@@ -50,7 +50,6 @@ then says `artifacts: "store"` and `load_s` replaces `build_s`; the timed runs a
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import datetime
 import hashlib
@@ -59,6 +58,7 @@ import os
 import pathlib
 import platform
 import statistics
+import sys
 import time
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")  # flash-shaped weights + a long pool: JAX's 75 % is too little
@@ -77,6 +77,9 @@ from redknot_jax.reuse.pool import Buckets
 from redknot_jax.reuse.profile import FANOUT_MODES, FFN_ROWS, flash_profile, tiny_profile
 from redknot_jax.reuse.runtime import ReuseFallback, ReuseRuntime
 from redknot_jax.store import ArtifactStore
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+from launch import _cli  # noqa: E402
 
 
 def records(length: int, n_docs: int, question: int, vocab: int, seed: int):
@@ -207,8 +210,9 @@ def decode_row(rts: dict, req, pool, steps: int, out: dict, save=lambda: None) -
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--preset", default="flash-shaped")
+    ap = _cli.parser(__doc__, __file__, "python launch/bench_ttft.py --lengths 65536 --repeats 2 "
+                                        "--profiles tail0-b10-omit,default")  # README
+    ap.add_argument("--preset", default="flash-shaped", choices=sorted(config.PRESETS))
     ap.add_argument("--lengths", default="65536")
     ap.add_argument("--docs", type=int, default=4)
     ap.add_argument("--question", type=int, default=512)
@@ -246,7 +250,8 @@ def main(argv=None):
     ap.add_argument("--shape-buckets", type=int, default=8,
                     help="padded sizes per octave (Consumer(buckets=)): 8 by default, 0 for exact sizes")
     ap.add_argument("--profiles", help="profile variants timed side by side (one kernel set): comma list, each "
-                                       + PROFILE_SPEC + "; the Recomputed and prefix arms run once per repeat")
+                                       + PROFILE_SPEC.replace("%", "%%")  # argparse %-formats help
+                                       + "; the Recomputed and prefix arms run once per repeat")
     ap.add_argument("--no-prefix-arm", action="store_true", help="do not time the prefix arm (the first document "
                                                                  "read from its artifact in every layer, the rest native)")
     ap.add_argument("--decode-steps", type=int, default=0,
@@ -315,7 +320,7 @@ def main(argv=None):
            "resident": args.resident, "kernels": args.kernels,
            "shape_buckets": args.shape_buckets, "topk_stages": stages,
            "kernels_resolved": {k: r.consumer.kernels for k, r in rts.items()}, "model_init_s": init_s, "command": "python launch/bench_ttft.py " +
-           " ".join(argv if argv is not None else __import__("sys").argv[1:]), "lengths": []}
+           " ".join(argv if argv is not None else sys.argv[1:]), "lengths": []}
 
     def save():
         with open(args.out, "w") as f:
@@ -326,7 +331,7 @@ def main(argv=None):
     def stored(store, docs):
         """Every document's artifact from the store, or None if any is missing (then all are built)."""
         arts = []
-        for d in docs:
+        for d in _cli.progress(docs, desc=f"{length}: load artifacts", unit="doc", leave=False):
             found = store.lookup(d, prof, cfg, rt.fingerprint)
             if found.artifact is None:
                 return None
@@ -340,7 +345,7 @@ def main(argv=None):
 
         def build():  # each document alone at 0; kept in host memory (the pool is the device copy)
             arts = []
-            for d in docs:
+            for d in _cli.progress(docs, desc=f"{length}: build artifacts", unit="doc", leave=False):
                 a = build_artifact(model, prof, d, checkpoint_fingerprint=rt.fingerprint)
                 a.layers = jax.tree.map(np.asarray, a.layers)
                 arts.append(a)
@@ -401,11 +406,14 @@ def main(argv=None):
         arms_of = lambda krt: (["recompute"] if krt is rt or not rec_once else []) + \
             (["prefix"] if not args.no_prefix_arm and (krt is rt or not rec_once) else []) + ["redknot"]
         run_arm = {"recompute": recompute, "prefix": prefix, "redknot": redknot}
+        bar = _cli.progress(desc=f"{length}: warm-up + {args.repeats} repeats", unit="run", leave=False,
+                            total=(1 + args.repeats) * sum(len(arms_of(krt)) for krt in rts.values()))
         for k, krt in rts.items():  # warm-up (compilation) of every program timed below
             for arm in arms_of(krt):
                 t0 = time.perf_counter()
                 run_arm[arm](krt)
                 row[f"warmup_{arm}_s" + ("" if krt is rt else f"_{k}")] = time.perf_counter() - t0
+                bar.update()
                 save()
         times = {k: {**{f"{arm}_s": [] for arm in arms_of(krt)}, "tokens": []} for k, krt in rts.items()}
         results = {}
@@ -414,6 +422,7 @@ def main(argv=None):
                 toks = []
                 for arm in arms_of(krt):
                     got = run_arm[arm](krt)
+                    bar.update()
                     times[k][f"{arm}_s"].append(got[0])
                     toks.append(got[1])
                     if arm == "redknot":
@@ -421,6 +430,7 @@ def main(argv=None):
                 times[k]["tokens"].append(toks)
                 row["repeats_so_far"] = times  # a run cut off by a time limit keeps what it timed
                 save()
+        bar.close()
         row.pop("repeats_so_far")
         res = results[first]
         rec_t, red_t = times[first]["recompute_s"], times[first]["redknot_s"]
@@ -497,8 +507,8 @@ def main(argv=None):
             "operator_bound": led.operator["total"]["recompute"] / led.operator["total"]["redknot"],
             "cert": rt.counters.snapshot()})
         save()
-        print(json.dumps({k: row[k] for k in ("length", "recompute_median_s", "redknot_median_s", "speedup_median",
-                                               "protected_fraction", "first_token_agree")}))
+        _cli.echo(json.dumps({k: row[k] for k in ("length", "recompute_median_s", "redknot_median_s", "speedup_median",
+                                                   "protected_fraction", "first_token_agree")}))
     return out
 
 

@@ -25,7 +25,6 @@ again), split into compute and publish time; `--json` writes it.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import datetime
 import json
@@ -37,6 +36,9 @@ import time
 from pathlib import Path
 
 import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from launch import _cli  # noqa: E402
 
 
 def read_corpus(path: Path, vocab: int) -> list[tuple[str, np.ndarray]]:
@@ -87,14 +89,18 @@ def append_line(path: Path, rec: dict) -> None:
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = _cli.parser(__doc__, __file__,  # docs/store.md
+                     "python launch/build_artifacts.py --store /tmp/store --demo 16",
+                     "python launch/build_artifacts.py --store /data/art --corpus docs.jsonl --checkpoint DIR "
+                     "--profile flash --tp 8")
     ap.add_argument("--store", required=True, help="artifact store root")
     src = ap.add_mutually_exclusive_group(required=True)
-    src.add_argument("--corpus", type=Path, help="JSON lines {name, tokens}")
+    src.add_argument("--corpus", type=lambda t: Path(_cli.input_file(t)), help="JSON lines {name, tokens}")
     src.add_argument("--demo", type=int, metavar="N", help="N random documents instead of a corpus")
     ap.add_argument("--demo-lengths", default="24,64", help="min,max tokens of --demo documents")
     ap.add_argument("--manifest", type=Path, help="resumable manifest (default: see above)")
-    ap.add_argument("--checkpoint", help="safetensors directory with config.json (default: random weights)")
+    ap.add_argument("--checkpoint", type=_cli.checkpoint_dir,
+                    help="safetensors directory with config.json (default: random weights)")
     ap.add_argument("--preset", default="tiny", help="random-weight preset when no checkpoint")
     ap.add_argument("--seed", type=int, default=7, help="random-weight seed")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
@@ -111,12 +117,12 @@ def main(argv=None):
     ap.add_argument("--rebuild", action="store_true", help="a new generation for every document")
     ap.add_argument("--limit", type=int, help="stop after this many documents built")
     ap.add_argument("--json", type=Path, help="write the summary here")
-    ap.add_argument("--no-progress", action="store_true")
+    ap.add_argument("--no-progress", action="store_true",
+                    help="no progress bar (there is none anyway when stderr is not a terminal)")
     args = ap.parse_args(argv)
 
     import jax
     import jax.numpy as jnp
-    from tqdm import tqdm
 
     from redknot_jax import config
     from redknot_jax.reuse import profile as profiles
@@ -148,11 +154,7 @@ def main(argv=None):
             t = time.perf_counter()
             dtype = jnp.dtype(args.dtype)
             if args.checkpoint:
-                from redknot_jax.model import Model
-                from redknot_jax.weights import load_checkpoint
-
-                model = Model(cfg, dtype)
-                load_checkpoint(model, cfg, args.checkpoint)
+                model = _cli.load_model(args.checkpoint, dtype)
             else:
                 from redknot_jax.init import random_model
 
@@ -175,7 +177,7 @@ def main(argv=None):
 
     built = skipped = existing = 0
     tokens_built, build_s, warm_tokens, warm_s, compute_s, publish_s = 0, 0.0, 0, 0.0, 0.0, 0.0
-    bar = tqdm(docs, unit="doc", disable=args.no_progress, dynamic_ncols=True)
+    bar = _cli.progress(docs, desc="build", unit="doc", off=args.no_progress)
     for name, toks in bar:
         doc = document_id(toks, prof, cfg, fp)
         gens = store.generations(doc)

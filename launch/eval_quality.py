@@ -25,12 +25,12 @@ for a 128-row window), so the rows inside the question's window are restored.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import datetime
 import json
 import pathlib
 import re
+import sys
 import time
 
 import numpy as np
@@ -42,6 +42,9 @@ from redknot_jax.quality.train import load_model
 from redknot_jax.reuse.artifact import Artifact, build_artifact
 from redknot_jax.reuse.planner import Request, Segment
 from redknot_jax.reuse.runtime import ReuseRuntime
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+from launch import _cli  # noqa: E402
 
 DEFAULT_CKPT = pathlib.Path(__file__).resolve().parents[1] / "redknot_jax" / "assets" / "qa_model"
 
@@ -265,8 +268,10 @@ def plot_svg(summary, qtype: str = "all", width: int = 520, height: int = 300) -
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--checkpoint", default=str(DEFAULT_CKPT))
+    ap = _cli.parser(__doc__, __file__,  # docs/quality.md
+                     "python launch/eval_quality.py --split test --n 128 --docs 3 --per-doc 4 --variants default "
+                     "--out /tmp/q")
+    ap.add_argument("--checkpoint", default=str(DEFAULT_CKPT), type=_cli.checkpoint_dir)
     ap.add_argument("--split", default="test", choices=D.SPLITS)
     ap.add_argument("--n", type=int, default=4, help="worlds (each gives one lookup and one two-hop request)")
     ap.add_argument("--docs", type=int, default=9, help="documents per request")
@@ -299,6 +304,7 @@ def main(argv=None):
     rng = np.random.default_rng([args.seed, 7])
     records, t_start, artifact_layers = [], time.perf_counter(), {}
     rec_rt = next(iter(runtimes.values()))
+    bar = _cli.progress(desc="questions", total=sum(len(ep.qas) for ep in eps), unit="question")
     for e, ep in enumerate(eps):
         built = {}  # per artifact content key: the world's artifacts, built once
         per_variant = {}  # the world's artifacts certified for each variant, packed once
@@ -341,11 +347,12 @@ def main(argv=None):
             if args.paired_with is not None:
                 for r in records[-len(vs):]:
                     r["kl_vs_paired"] = kl(firsts[args.paired_with], firsts[r["variant"]])
-            print(f"world {e} {qa.qtype}/{qa.relation}: gold {gold!r} recompute {rec_txt!r} "
-                  f"redknot {[r['redknot'] for r in records[-len(vs):]]} ({time.perf_counter() - t0:.1f}s)",
-                  flush=True)
+            _cli.echo(f"world {e} {qa.qtype}/{qa.relation}: gold {gold!r} recompute {rec_txt!r} "
+                      f"redknot {[r['redknot'] for r in records[-len(vs):]]} ({time.perf_counter() - t0:.1f}s)")
+            bar.update()
         if args.out:  # what this world added, kept even if the run is cut short later
             write(args, argv, base, vs, runtimes, records, artifact_layers, t_start, final=False)
+    bar.close()
     return write(args, argv, base, vs, runtimes, records, artifact_layers, t_start, final=True)
 
 
@@ -360,7 +367,7 @@ def write(args, argv, base, vs, runtimes, records, artifact_layers, t_start, fin
     if final:
         print(table)
     certs = {name: rt.counters.snapshot() for name, rt in runtimes.items()}
-    result = {"command": "python launch/eval_quality.py " + " ".join(argv if argv is not None else __import__("sys").argv[1:]),
+    result = {"command": "python launch/eval_quality.py " + " ".join(argv if argv is not None else sys.argv[1:]),
               "date": datetime.date.today().isoformat(), "device": str(jax.devices()[0].device_kind),
               "jax": jax.__version__, "checkpoint": args.checkpoint, "split": args.split, "templates": D.templates_of(args.checkpoint),
               "n_worlds": args.n, "worlds_done": len({r["episode"] for r in records}), "complete": final,

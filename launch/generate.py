@@ -10,7 +10,8 @@ preset, seed 0), so it works on a fresh machine with no checkpoint.
 
 from __future__ import annotations
 
-import argparse
+import pathlib
+import sys
 import time
 
 import numpy as np
@@ -20,13 +21,15 @@ import jax.numpy as jnp
 from redknot_jax import config
 from redknot_jax.generate import Engine, SamplingParams
 from redknot_jax.init import random_model
-from redknot_jax.model import Model
-from redknot_jax.weights import load_checkpoint
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+from launch import _cli  # noqa: E402
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--checkpoint", help="safetensors directory with config.json (default: embedded tiny model)")
+    ap = _cli.parser(__doc__, __file__, "python launch/generate.py")  # README "Main job"
+    ap.add_argument("--checkpoint", type=_cli.checkpoint_dir,
+                    help="safetensors directory with config.json (default: embedded tiny model)")
     ap.add_argument("--preset", default="tiny", help=f"random-weight preset when no checkpoint: {sorted(config.PRESETS)}")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--batch", type=int, default=3)
@@ -40,9 +43,8 @@ def main(argv=None):
     dtype = jnp.dtype(args.dtype)
     t0 = time.perf_counter()
     if args.checkpoint:
-        cfg = config.ModelConfig.from_json(f"{args.checkpoint}/config.json")
-        model = Model(cfg, dtype)
-        load_checkpoint(model, cfg, args.checkpoint)
+        model = _cli.load_model(args.checkpoint, dtype)
+        cfg = model.cfg
     else:
         cfg = config.preset(args.preset)
         model = random_model(cfg, seed=0, dtype=dtype)

@@ -15,10 +15,10 @@ throughput figure (docs/converter.md):
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
+import sys
 from pathlib import Path
 from typing import Iterable, Mapping
 
@@ -119,9 +119,13 @@ def _layer_order(key: str):
 
 
 def main(argv=None):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from launch import _cli
     from redknot_jax import config as config_lib
 
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = _cli.parser(__doc__, __file__,  # docs/converter.md
+                    "python launch/make_random_checkpoint.py /tmp/rand_ckpt --layers 8 --hidden 1024 --experts 16 "
+                    "--moe-inter 1024 --shard-mb 100")
     p.add_argument("out", help="directory to write")
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--hidden", type=int, default=1024)
@@ -141,8 +145,8 @@ def main(argv=None):
         q_lora_rank=min(1024, a.hidden), o_groups=max(1, a.heads // 8), n_routed_experts=a.experts,
         moe_inter_dim=a.moe_inter, layer_types=tuple(types),
         mlp_layer_types=tuple(["hash_moe"] * min(3, a.layers) + ["moe"] * max(0, a.layers - 3)))
-    out = write_hub_checkpoint(random_hub_tensors(cfg, a.seed), cfg.to_hub_dict(), a.out,
-                               shard_bytes=a.shard_mb << 20)
+    tensors = _cli.progress(random_hub_tensors(cfg, a.seed), desc="write tensors", unit="tensor")
+    out = write_hub_checkpoint(tensors, cfg.to_hub_dict(), a.out, shard_bytes=a.shard_mb << 20)
     size = sum(f.stat().st_size for f in out.glob("*.safetensors"))
     print(f"wrote {out}: {len(list(out.glob('*.safetensors')))} shards, {size / 1e6:.1f} MB")
 

@@ -7,9 +7,10 @@ HCA layer (Flash dimensions, 16 experts), time the attention half and the MoE ha
 
 from __future__ import annotations
 
-import argparse
 import os
+import pathlib
 import statistics
+import sys
 import time
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")  # flash-shaped weights + a long pool: JAX's 75 % is too little
@@ -19,6 +20,9 @@ import jax.numpy as jnp
 from redknot_jax import config
 from redknot_jax.config import CSA, HASH_MOE, HCA, MOE, SLIDING
 from redknot_jax.init import random_model
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+from launch import _cli  # noqa: E402
 
 
 def timeit(f, *a, reps=5):
@@ -31,11 +35,18 @@ def timeit(f, *a, reps=5):
     return statistics.median(ts)
 
 
-def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--chunk", type=int, default=8192)
-    ap.add_argument("--contexts", default="8448,65792")
-    args = ap.parse_args()
+def main(argv=None):
+    ap = _cli.parser(__doc__, __file__, "python launch/profile_layers.py --chunk 8192 --contexts 8448,65792")
+    ap.add_argument("--chunk", type=int, default=8192, help="rows of the timed chunk")
+    ap.add_argument("--contexts", default="8448,65792", help="cache capacities (context lengths), comma-separated")
+    args = ap.parse_args(argv)
+    try:
+        contexts = [int(c) for c in args.contexts.split(",")]
+    except ValueError:
+        ap.error(f"--contexts: expected comma-separated integers, got {args.contexts!r}")
+    short = [c for c in contexts if c < args.chunk + 256]
+    if short:
+        ap.error(f"--contexts {short}: each must hold the --chunk ({args.chunk}) rows and 256 more")
     cfg = config.flash(num_layers=3, layer_types=(SLIDING, CSA, HCA), mlp_layer_types=(HASH_MOE, MOE, MOE),
                        n_routed_experts=16)
     model = random_model(cfg, seed=0, dtype=jnp.bfloat16)
@@ -44,7 +55,8 @@ def main():
     ids = jnp.zeros((1, t), jnp.int32)
     print("| layer | context | attention ms | MoE ms |")
     print("|---|---|---|---|")
-    for cap in [int(c) for c in args.contexts.split(",")]:
+    bar = _cli.progress(desc="layers x contexts", total=3 * len(contexts), unit="layer")
+    for cap in contexts:
         for i, name in enumerate(("sliding", "CSA", "HCA")):
             blk = model.layers[i]
             cache = blk.attn.init_cache(1, cap, jnp.bfloat16)
@@ -53,7 +65,9 @@ def main():
             moe = jax.jit(lambda x: blk.ffn(x, ids))
             ta = timeit(att, x, cache, pos0)
             tm = timeit(moe, x)
-            print(f"| {name} | {cap} | {ta * 1e3:.1f} | {tm * 1e3:.1f} |", flush=True)
+            _cli.echo(f"| {name} | {cap} | {ta * 1e3:.1f} | {tm * 1e3:.1f} |")
+            bar.update()
+    bar.close()
 
 
 if __name__ == "__main__":

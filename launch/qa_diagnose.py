@@ -12,14 +12,18 @@ fact belongs to whom.
 
 from __future__ import annotations
 
-import argparse
 import collections
 import json
+import pathlib
+import sys
 
 import numpy as np
 
 from redknot_jax.quality import data as D
 from redknot_jax.quality.train import TrainConfig, Trainer, load_model, teacher_forced_scores
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+from launch import _cli  # noqa: E402
 
 WINDOWS = (0, 1, 2, 4, 8)  # bucket edges in sliding windows: inside, 1-2 windows back, 2-4, 4-8, beyond
 
@@ -44,8 +48,9 @@ def _order(group: str, name: str):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--checkpoint", required=True)
+    ap = _cli.parser(__doc__, __file__, "python launch/qa_diagnose.py --checkpoint redknot_jax/assets/qa_model "
+                                        "--split val --sizes 3x4,12x8,32x4 --json /tmp/diag.json")  # docs/quality.md
+    ap.add_argument("--checkpoint", required=True, type=_cli.checkpoint_dir)
     ap.add_argument("--sizes", default="2x1,2x2,2x4,3x8,9x8", help="worlds as DOCSxPEOPLE_PER_DOC")
     ap.add_argument("--episodes", type=int, default=32, help="test worlds per size (4 questions per type each)")
     ap.add_argument("--seq-len", type=int, default=2048)
@@ -56,12 +61,14 @@ def main(argv=None):
     try:
         sizes = [tuple(int(v) for v in s.split("x")) for s in a.sizes.split(",")]
     except ValueError:
-        ap.error(f"--sizes: expected e.g. 2x1,9x8, got {a.sizes!r}")
+        sizes = []
+    if not sizes or any(len(s) != 2 or min(s) < 1 for s in sizes):
+        ap.error(f"--sizes: expected DOCSxPEOPLE_PER_DOC pairs of positive integers, e.g. 2x1,9x8, got {a.sizes!r}")
     tr = Trainer(load_model(a.checkpoint), TrainConfig(block=512))
     window = tr.cfg.sliding_window
     templates = D.templates_of(a.checkpoint)  # the wording the model was trained on
     out = {"checkpoint": a.checkpoint, "split": a.split, "templates": templates, "episodes": a.episodes, "sizes": {}}
-    for n_docs, per_doc in sizes:
+    for n_docs, per_doc in _cli.progress(sizes, desc="world sizes", unit="size"):
         recs = []
         eps = D.eval_episodes(a.split, a.episodes, seed=1000, n_docs=n_docs, per_doc=per_doc, questions_per_type=4,
                               templates=templates)
@@ -76,9 +83,9 @@ def main(argv=None):
                                    "chance": round(float(np.mean([h[1] for h in v])), 3)}
                for k, v in sorted(groups.items(), key=lambda kv: _order(*kv[0]))}
         out["sizes"][f"{n_docs}x{per_doc}"] = {"people": n_docs * per_doc, "em": res}
-        print(f"{n_docs}x{per_doc} ({n_docs * per_doc} people)")
+        _cli.echo(f"{n_docs}x{per_doc} ({n_docs * per_doc} people)")
         for k, v in res.items():
-            print(f"  {k:32s} n={v['n']:4d} EM {v['em']:.3f} (in-context chance {v['chance']:.3f})")
+            _cli.echo(f"  {k:32s} n={v['n']:4d} EM {v['em']:.3f} (in-context chance {v['chance']:.3f})")
     if a.json:
         with open(a.json, "w") as f:
             json.dump(out, f, indent=1)

@@ -4,7 +4,6 @@
 # embedded tiny random-weight model by default; pass `--checkpoint DIR` for a real one.
 
 # %%
-import argparse
 import dataclasses
 import time
 
@@ -14,23 +13,27 @@ import jax.numpy as jnp
 from redknot_jax import config
 from redknot_jax.generate import Engine
 from redknot_jax.init import random_model
-from redknot_jax.model import Model
 from redknot_jax.reuse.artifact import build_artifact
 from redknot_jax.reuse.planner import Request, Segment
 from redknot_jax.reuse.profile import tiny_profile
 from redknot_jax.reuse.runtime import ReuseRuntime
-from redknot_jax.weights import load_checkpoint
 
-ap = argparse.ArgumentParser()
-ap.add_argument("--checkpoint", default=None)
-ap.add_argument("--requests", type=int, default=3)
-args, _ = ap.parse_known_args()
+try:
+    from launch import _cli
+except ImportError:  # run as `python launch/reuse_notebook.py`, or a notebook opened in launch/
+    import _cli
+
+ap = _cli.parser("RedKnot-JAX from a notebook: artifacts, then both arms (cell by cell: the `# %%` cells).",
+                 "reuse_notebook.py", "python launch/reuse_notebook.py")  # README
+ap.add_argument("--checkpoint", type=_cli.checkpoint_dir, default=None,
+                help="safetensors directory with config.json (default: the tiny random-weight model)")
+ap.add_argument("--requests", type=int, default=3, help="requests through both arms, one at a time")
+args, _ = ap.parse_known_args()  # known only: a notebook kernel adds its own arguments
 
 # %% load a model (random tiny by default) and a profile
 if args.checkpoint:
-    cfg = config.ModelConfig.from_json(f"{args.checkpoint}/config.json")
-    model = Model(cfg, jnp.float32)
-    load_checkpoint(model, cfg, args.checkpoint)
+    model = _cli.load_model(args.checkpoint, jnp.float32)
+    cfg = model.cfg
     fingerprint = args.checkpoint
 else:
     cfg = config.tiny("mixed")
@@ -43,7 +46,8 @@ runtime = ReuseRuntime(model, profile, checkpoint_fingerprint=fingerprint)
 rng = np.random.default_rng(0)
 documents = [rng.integers(2, cfg.vocab_size, n) for n in (48, 40, 36, 44)]
 t0 = time.perf_counter()
-artifacts = [build_artifact(model, profile, d, checkpoint_fingerprint=fingerprint) for d in documents]
+artifacts = [build_artifact(model, profile, d, checkpoint_fingerprint=fingerprint)
+             for d in _cli.progress(documents, desc="build artifacts", unit="doc", leave=False)]
 print(f"built {len(artifacts)} artifacts in {time.perf_counter() - t0:.2f}s")
 
 # %% several requests citing the documents in different orders, plus a question: both arms

@@ -13,6 +13,11 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import pathlib
+import sys
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+from launch import _cli  # noqa: E402
 
 
 def _warmup_buckets(text: str):
@@ -25,10 +30,12 @@ def _warmup_buckets(text: str):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--checkpoint", help="safetensors dir with config.json (+ tokenizer.json, chat template, "
-                                         "redknot_profile.json); default: the shipped QA model "
-                                         "(redknot_jax/assets/qa_model)")
+    ap = _cli.parser(__doc__, __file__, "python launch/serve.py",  # README "Serving"
+                     "python launch/serve.py --preset tiny --profile tiny-exact",
+                     "python launch/serve.py --checkpoint DIR --artifact-store /data/docs --api-keys-file keys.txt")
+    ap.add_argument("--checkpoint", type=_cli.checkpoint_dir,
+                    help="safetensors dir with config.json (+ tokenizer.json, chat template, "
+                         "redknot_profile.json); default: the shipped QA model (redknot_jax/assets/qa_model)")
     ap.add_argument("--preset", help="random-weight preset (e.g. tiny, with the byte-level fallback tokenizer) "
                                      "instead of a checkpoint")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
@@ -38,12 +45,15 @@ def main(argv=None):
                     "(per-tenant ArtifactStores under DIR/artifacts: published when built, read back verified)")
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=8000)
-    ap.add_argument("--api-keys-file")
+    ap.add_argument("--api-keys-file", type=_cli.input_file, help="lines `KEY [TENANT]`")
     ap.add_argument("--model-name")
     ap.add_argument("--slots", type=int, default=8, help="decode batch size (continuous batching)")
     ap.add_argument("--max-queue", type=int, default=64, help="waiting jobs before 429")
     ap.add_argument("--max-model-len", type=int, default=2048, help="prompt + documents + max_tokens")
     ap.add_argument("--max-tokens-limit", type=int, default=256)
+    ap.add_argument("--max-batched-tokens", type=int, default=2048,
+                    help="a worker step's tokens: the running sequences' decode rows, then prefill chunks of joining "
+                         "ones while this lasts (at least one chunk a step; vLLM's max_num_batched_tokens)")
     ap.add_argument("--prefill-chunk", type=int, default=256,
                     help="rows per chunk of the plain path's batch-1 prefill (rounded down to a power of two, "
                          "at most the cache): one compiled program, long prompts in few calls")
@@ -70,7 +80,7 @@ def main(argv=None):
     ap.add_argument("--reuse-batch", type=int, default=4,
                     help="document requests waiting together that prefill in one batch (one jitted call per layer), "
                          "at most; 1: one at a time")
-    ap.add_argument("--break-even", metavar="FILE",
+    ap.add_argument("--break-even", metavar="FILE", type=_cli.input_file,
                     help="a break-even table (launch/bench_break_even.py): a document request that names no arm "
                          "runs the one the table says reaches the first token sooner for its length and tier")
     ap.add_argument("--compilation-cache", default=os.path.expanduser("~/.cache/redknot_jax/xla"),
@@ -79,6 +89,11 @@ def main(argv=None):
     args = ap.parse_args(argv)
     if args.no_warmup and args.warmup_buckets:
         ap.error("--warmup-buckets and --no-warmup: give one of them")
+    if args.profile.endswith(".json") or os.sep in args.profile:  # a profile file, not a preset's name
+        try:
+            _cli.input_file(args.profile)
+        except argparse.ArgumentTypeError as e:
+            ap.error(f"--profile: {e}")
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     import jax
@@ -102,7 +117,8 @@ def main(argv=None):
                          shutdown_grace_s=args.shutdown_grace_s, warmup=not args.no_warmup,
                          warmup_buckets=args.warmup_buckets, kernels=args.kernels,
                          shape_buckets=args.shape_buckets, arena_rows=args.arena_rows, arena_docs=args.arena_docs,
-                         break_even=args.break_even, reuse_batch=args.reuse_batch)
+                         break_even=args.break_even, reuse_batch=args.reuse_batch,
+                         max_batched_tokens=args.max_batched_tokens)
     except ValueError as e:  # a flag's value the config refuses: named by its flag, as argparse names its own
         field, sep, rest = str(e).partition(":")
         ap.error(f"--{field.replace('_', '-')}:{rest}" if sep and field in ServeConfig.__dataclass_fields__ else str(e))

@@ -10,7 +10,6 @@ discrete choice (a top-k near-tie) going the other way, not accumulated rounding
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import json
 import pathlib
@@ -22,6 +21,7 @@ import jax.numpy as jnp
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
+from launch import _cli  # noqa: E402
 from launch.bench_ttft import profile_variant, records  # noqa: E402
 from redknot_jax import config  # noqa: E402
 from redknot_jax.init import random_model  # noqa: E402
@@ -45,8 +45,9 @@ def trace(cfg, prof, docs, q, dtype, tp: int):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--preset", default="tiny-tp2")
+    ap = _cli.parser(__doc__, __file__, "XLA_FLAGS=--xla_force_host_platform_device_count=2 "
+                                        "python launch/trace_tp_bf16.py --out docs/results/tp_cpu_layer_trace.json")
+    ap.add_argument("--preset", default="tiny-tp2", choices=sorted(config.PRESETS))
     ap.add_argument("--length", type=int, default=600)
     ap.add_argument("--docs", type=int, default=2)
     ap.add_argument("--question", type=int, default=40)
@@ -58,8 +59,14 @@ def main(argv=None):
     cfg = config.PRESETS[args.preset]()
     prof = profile_variant(tiny_profile(cfg.num_layers), budget_override=args.budget)
     docs, q, digest = records(args.length, args.docs, args.question, cfg.vocab_size, 0)
+    bar = _cli.progress(desc="traced runs", total=3, unit="run")
     f32, lf, plan = trace(cfg, prof, docs, q, jnp.float32, 1)
-    runs = {f"bf16 tp={tp}": trace(cfg, prof, docs, q, jnp.bfloat16, tp) for tp in (1, 2)}
+    bar.update()
+    runs = {}
+    for tp in (1, 2):
+        runs[f"bf16 tp={tp}"] = trace(cfg, prof, docs, q, jnp.bfloat16, tp)
+        bar.update()
+    bar.close()
     rel = lambda a, b: float(np.linalg.norm(a - b) / np.linalg.norm(b))
     qr = plan.query_rows
     out = {"command": "python launch/trace_tp_bf16.py " + " ".join(argv if argv is not None else sys.argv[1:]),

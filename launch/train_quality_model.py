@@ -21,7 +21,6 @@ validation / held-out test scores (greedy-equivalent EM per question type) in tr
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import datetime
 import json
@@ -45,6 +44,9 @@ from redknot_jax.quality import data as D
 from redknot_jax.quality.model_config import qa_config, qa_cpu_config, qa_test_config
 from redknot_jax.quality.train import (TrainConfig, Trainer, by_distance, load_model, lr_at, recall_scores,
                                        save_checkpoint, teacher_forced_scores, write_serving_files)
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+from launch import _cli  # noqa: E402
 
 
 PROFILE_AFTER = 2  # --op-profile: steps before the trace (the first one compiles)
@@ -94,7 +96,7 @@ def config_overrides(items) -> dict:
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = _cli.parser(__doc__, __file__, "python launch/train_quality_model.py --out out/qa_model --time-budget-s 250")
     ap.add_argument("--out", default=os.environ.get("OUT", "out/qa_model"))
     ap.add_argument("--config", choices=("qa", "qa-cpu", "qa-test"), default="qa")
     ap.add_argument("--time-budget-s", type=float, default=250.0, help="whole run, compile included")
@@ -106,8 +108,9 @@ def main(argv=None):
     ap.add_argument("--eval-docs", type=int, default=9, help="documents per evaluation world")
     ap.add_argument("--eval-episodes", type=int, default=64)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--init-from", help="a checkpoint directory written by this script: train on from its weights "
-                                        "(bf16 as shipped; the optimizer state and the schedule start afresh)")
+    ap.add_argument("--init-from", type=_cli.checkpoint_dir,
+                    help="a checkpoint directory written by this script: train on from its weights "
+                         "(bf16 as shipped; the optimizer state and the schedule start afresh)")
     ap.add_argument("--curriculum-from", type=float, default=0.0,
                     help="curriculum stage at the start, as a budget fraction (e.g. 0.6 with --init-from: full-size "
                          "episodes from the first step)")
@@ -202,8 +205,6 @@ def main(argv=None):
         over = config_overrides(args.set)
     except ValueError as e:
         ap.error(f"--set: {e}")
-    if args.init_from and not (pathlib.Path(args.init_from) / "config.json").is_file():
-        ap.error(f"--init-from: {args.init_from} has no config.json (not a checkpoint written by this script)")
     t_start = time.perf_counter()
     deadline = t_start + args.time_budget_s
     out = pathlib.Path(args.out)
@@ -224,7 +225,7 @@ def main(argv=None):
     tc = TrainConfig(lr=args.lr, min_lr_frac=args.min_lr_frac, block=min(args.block, args.seq_len),
                      compute_dtype=args.compute_dtype)
     trainer = Trainer(model, tc)
-    print(f"model initialised at {time.perf_counter() - t_start:.1f}s", flush=True)
+    _cli.echo(f"model initialised at {time.perf_counter() - t_start:.1f}s")
     names = D.split_names()["train"]
     rng = np.random.default_rng(args.seed)
     log = {"command": " ".join([os.path.basename(sys.argv[0])] + (argv if argv is not None else sys.argv[1:])),
@@ -263,11 +264,11 @@ def main(argv=None):
     t0 = time.perf_counter()
     lowered = lower(trainer.step_fn(args.seq_len // cfg.csa_rate) if dense else trainer._step)
     log["lower_s"] = round(time.perf_counter() - t0, 2)
-    print(f"train step {'(dense CSA) ' if dense else ''}lowered in {log['lower_s']:.1f}s", flush=True)
+    _cli.echo(f"train step {'(dense CSA) ' if dense else ''}lowered in {log['lower_s']:.1f}s")
     t0 = time.perf_counter()
     trainer._step = lowered.compile()
     log["compile_s"] = round(time.perf_counter() - t0, 2)
-    print(f"train step compiled in {log['compile_s']:.1f}s (at {time.perf_counter() - t_start:.1f}s)", flush=True)
+    _cli.echo(f"train step compiled in {log['compile_s']:.1f}s (at {time.perf_counter() - t_start:.1f}s)")
     # the validation curve's worlds: those the run trains on at its start (--simple-*: fewer kinds of facts),
     # scored per relation; the end-of-run scores below are always on full worlds
     simple = args.simple_until > args.curriculum_from
@@ -285,6 +286,7 @@ def main(argv=None):
     trace_dir = None  # --op-profile's trace while it runs
     pending = []
     saved_mid = False
+    bar = _cli.progress(desc="train", total=args.max_steps or None, unit="step")  # without --max-steps: the time budget
     while True:
         now = time.perf_counter()
         if t_train0 is None:
@@ -304,7 +306,7 @@ def main(argv=None):
             trainer._step, dense = compiled.pop("topk_step"), False
             log["dense_csa_until_step"] = step
             log["topk_compile_s"] = round(compiled["topk_s"], 1)
-            print(f"step {step}: CSA top-k from here on (dense until stage {args.dense_csa_until})", flush=True)
+            _cli.echo(f"step {step}: CSA top-k from here on (dense until stage {args.dense_csa_until})")
         rows = [D.training_sequence(rng, names, args.seq_len, curriculum(stage, r, args), args.other_weight)
                 for r in range(args.batch)]
         toks, w = np.stack([r[0] for r in rows]), np.stack([r[1] for r in rows])
@@ -316,6 +318,7 @@ def main(argv=None):
             t_trace = time.perf_counter()
         stats = trainer.step(toks, w, lr)
         step += 1
+        bar.update()
         if args.op_profile and step == PROFILE_AFTER + args.op_profile:
             jax.block_until_ready(trainer.params)
             wall = (time.perf_counter() - t_trace) / args.op_profile * 1e3
@@ -326,12 +329,12 @@ def main(argv=None):
             log["op_profile"] = {"steps": args.op_profile, "wall_ms_per_step": round(wall, 2),
                                  "device_ops_ms_per_step": round(summary["ops_ms"] / args.op_profile, 2),
                                  "ops_per_step": summary["ops"] // args.op_profile, **summary}
-            print(f"op profile of {args.op_profile} steps: wall {wall:.1f} ms/step, device ops "
-                  f"{summary['ops_ms'] / args.op_profile:.1f} ms/step in {summary['ops'] // args.op_profile} ops; "
-                  + ", ".join(f"{c} {ms / args.op_profile:.1f}" for c, ms in summary["by_category"].items()), flush=True)
+            _cli.echo(f"op profile of {args.op_profile} steps: wall {wall:.1f} ms/step, device ops "
+                      f"{summary['ops_ms'] / args.op_profile:.1f} ms/step in {summary['ops'] // args.op_profile} ops; "
+                      + ", ".join(f"{c} {ms / args.op_profile:.1f}" for c, ms in summary["by_category"].items()))
             for r in summary["top"][:10]:
-                print(f"  {r['ms'] / args.op_profile:7.2f} ms/step x{r['count'] // args.op_profile:<5} {r['category']:<20} "
-                      f"{r['op']}", flush=True)
+                _cli.echo(f"  {r['ms'] / args.op_profile:7.2f} ms/step x{r['count'] // args.op_profile:<5} "
+                          f"{r['category']:<20} {r['op']}")
         tokens_seen += int((toks[:, 1:] != D.PAD).sum())
         pending.append((step, lr, frac, stats))
         if t_train0 is None:  # the first step includes compilation
@@ -339,8 +342,8 @@ def main(argv=None):
             t_train0 = time.perf_counter()
             train_budget = max(1.0, deadline - args.reserve_s - t_train0)
             log["first_step_s"] = t_train0 - t_start
-            print(f"first step (compile included) at {log['first_step_s']:.1f}s; training budget "
-                  f"{train_budget:.0f}s", flush=True)
+            _cli.echo(f"first step (compile included) at {log['first_step_s']:.1f}s; training budget "
+                      f"{train_budget:.0f}s")
             th.start()
         if step % args.log_every == 0 or step == 1:
             for s, l, f, st in pending:
@@ -349,27 +352,29 @@ def main(argv=None):
             pending = []
             rec = log["history"][-1]
             rec["elapsed_s"] = round(time.perf_counter() - t_start, 2)
-            print(f"step {step} t={rec['elapsed_s']:.0f}s frac={frac:.2f} lr={lr:.2e} loss={rec['loss']:.3f} "
-                  f"answer_ce={rec['answer_ce']:.3f} answer_acc={rec['answer_acc']:.3f} span_acc={rec['span_acc']:.3f} "
-                  f"indexer_kl={rec['indexer_kl']:.3f} gnorm={rec['grad_norm']:.2f}", flush=True)
+            _cli.echo(f"step {step} t={rec['elapsed_s']:.0f}s frac={frac:.2f} lr={lr:.2e} loss={rec['loss']:.3f} "
+                      f"answer_ce={rec['answer_ce']:.3f} answer_acc={rec['answer_acc']:.3f} "
+                      f"span_acc={rec['span_acc']:.3f} indexer_kl={rec['indexer_kl']:.3f} gnorm={rec['grad_norm']:.2f}")
+            bar.set_postfix_str(f"{frac:.0%} of the budget, loss {rec['loss']:.3f}", refresh=False)
         if args.eval_every and step % args.eval_every == 0:
             th.join()  # the evaluation forward compiles on the side thread from the first step on
             trainer._eval = compiled["fn"]
             tf = teacher_forced_scores(trainer, probe_eps, args.seq_len, args.batch, by_relation=True)
             log.setdefault("val_curve", []).append(
                 {"step": step, **{k: {m: round(v[m], 3) for m in ("em", "chance")} for k, v in tf.items()}})
-            print(f"step {step} validation " + ", ".join(f"{k} EM {v['em']:.3f} (chance {v['chance']:.3f})"
-                                                         for k, v in tf.items()), flush=True)
+            _cli.echo(f"step {step} validation " + ", ".join(f"{k} EM {v['em']:.3f} (chance {v['chance']:.3f})"
+                                                             for k, v in tf.items()))
             if recall_probe is not None:
                 rs = recall_scores(trainer, *recall_probe, args.batch, cfg.sliding_window)
                 log.setdefault("recall_curve", []).append(
                     {"step": step, **{k: {m: round(v[m], 3) for m in ("n", "acc", "chance")} for k, v in rs.items()}})
-                print(f"step {step} validation recall " + ", ".join(
-                    f"{k} {v['acc']:.3f} (n {v['n']}, chance {v['chance']:.3f})" for k, v in rs.items()), flush=True)
+                _cli.echo(f"step {step} validation recall " + ", ".join(
+                    f"{k} {v['acc']:.3f} (n {v['n']}, chance {v['chance']:.3f})" for k, v in rs.items()))
         if not saved_mid and frac >= 0.6:  # a usable checkpoint even if the run is cut short
             save_checkpoint(trainer.model(), out, metadata={"step": str(step), "note": "mid-training"})
             saved_mid = True
             write_log()
+    bar.close()
     for s, l, f, st in pending:
         log["history"].append({"step": s, "lr": l, "frac": round(f, 4), **{k: float(v) for k, v in st.items()}})
     if trace_dir is not None:  # the run ended inside the traced steps: say so, leave nothing behind
@@ -377,7 +382,7 @@ def main(argv=None):
         shutil.rmtree(trace_dir, ignore_errors=True)
         log["op_profile"] = {"skipped": f"the run ended after {step} steps, before the {args.op_profile} traced "
                                         f"steps from step {PROFILE_AFTER} finished"}
-        print(log["op_profile"]["skipped"], flush=True)
+        _cli.echo(log["op_profile"]["skipped"])
     jax.block_until_ready(trainer.params)
     t_end = time.perf_counter()
     log.update(steps=step, tokens=tokens_seen, train_s=round(t_end - (t_train0 or t_end), 2),
@@ -387,15 +392,14 @@ def main(argv=None):
     files = save_checkpoint(trainer.model(), out, metadata={"step": str(step)})
     log["files"] = files + ["config.json"] + write_serving_files(out)
     write_log()
-    print(f"saved {files} after {step} steps ({tokens_seen} tokens) at {time.perf_counter() - t_start:.0f}s",
-          flush=True)
+    _cli.echo(f"saved {files} after {step} steps ({tokens_seen} tokens) at {time.perf_counter() - t_start:.0f}s")
 
     if th.is_alive() or th.ident is not None:
         th.join(timeout=max(1.0, deadline - time.perf_counter()))
     if "fn" in compiled:
         trainer._eval = compiled["fn"]
         log["eval_compile_s"] = round(compiled["s"], 1)
-    for split in ("val", "test"):
+    for split in _cli.progress(("val", "test"), desc="evaluate", unit="split"):
         if time.perf_counter() > deadline + 60:
             log.setdefault("skipped", []).append(f"{split}: out of time")
             break
@@ -406,9 +410,9 @@ def main(argv=None):
         log[f"teacher_forced_{split}"] = teacher_forced_scores(trainer, eps, args.seq_len, args.batch, records=recs)
         log[f"teacher_forced_{split}"]["seconds"] = round(time.perf_counter() - t0, 2)
         log[f"teacher_forced_{split}_by_distance"] = by_distance(recs, cfg.sliding_window)
-        print(split, json.dumps(log[f"teacher_forced_{split}"]), flush=True)
-        print(split, "by distance from the farthest fact:", json.dumps(log[f"teacher_forced_{split}_by_distance"]),
-              flush=True)
+        _cli.echo(split, json.dumps(log[f"teacher_forced_{split}"]))
+        _cli.echo(split, "by distance from the farthest fact:",
+                  json.dumps(log[f"teacher_forced_{split}_by_distance"]))
         write_log()
     log["total_s"] = round(time.perf_counter() - t_start, 2)
     write_log()

@@ -5,6 +5,9 @@
   top-k by score; exact ties go to the lower entry index (XLA TopK's documented order), so
   selection is deterministic across chunkings and kernels.
 
+The scores I live with their kernel (`pallas/indexer_scores.py`: `index_scores`, the XLA
+reference, and the Mosaic GPU kernel); `score_function` picks one.
+
 Causal prefill sees a growing prefix of the entries: a query block at row r can see only the
 first (r + 1) / m. `select_topk_causal` scores and selects over the shortest of a few static
 prefixes that holds every entry the block can see (chosen per block at run time), so a
@@ -19,6 +22,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from redknot_jax.compressor import Compressor
+from redknot_jax.pallas import indexer_scores as scores_kernel
+from redknot_jax.pallas.indexer_scores import index_scores
 from redknot_jax.rope import apply_rope
 
 HIGHEST = jax.lax.Precision.HIGHEST
@@ -41,22 +46,14 @@ class Indexer(nnx.Module):
         return q, w * (self.dim ** -0.5 * self.heads ** -0.5)
 
 
-def index_scores(q: jax.Array, w: jax.Array, keys: jax.Array) -> jax.Array:
-    """I [b, t, s] = sum_i w[b,t,i] relu(q[b,t,i] . keys[b,s]) (products accumulated in fp32)."""
-    dots = jnp.einsum("btij,bsj->btis", q, keys.astype(q.dtype), preferred_element_type=jnp.float32,
-                      precision=HIGHEST)
-    return jnp.einsum("btis,bti->bts", jax.nn.relu(dots), w, precision=HIGHEST)
-
-
 def score_function(kernels: str = "xla"):
-    """`index_scores` ("xla", the reference) or its Mosaic GPU kernel ("mosaic",
-    `redknot_jax.pallas.indexer_scores`, same signature): the caller's explicit choice."""
+    """The scores I above: `index_scores` ("xla", the reference) or its Mosaic GPU kernel
+    ("mosaic"), both from `redknot_jax.pallas.indexer_scores` (same signature): the caller's
+    explicit choice. The kernel is looked up when asked for (tests put the reference in its place)."""
     if kernels == "xla":
         return index_scores
     if kernels == "mosaic":
-        from redknot_jax.pallas.indexer_scores import indexer_scores
-
-        return indexer_scores
+        return scores_kernel.indexer_scores
     raise ValueError(f"score_function: kernels must be 'xla' or 'mosaic', got {kernels!r}")
 
 

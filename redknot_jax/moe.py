@@ -3,13 +3,14 @@
 Router: scores s = sqrt(softplus(W_g x)) (fp32); selection = top-k of s + bias (learned
 layers) or tid2eid[token] (hash layers); weights = s[sel] / sum s[sel] * routed_scale.
 Experts run as grouped matmuls over assignments sorted by expert, so only the chosen
-experts' FLOPs are spent: `grouped_matmul` walks fixed-size row tiles, each tile inside one
-expert's group (at most rows/tile + experts tiles), one dense matmul per tile. It replaces
-`jax.lax.ragged_dot`, its reference, which XLA runs 13x slower than a dense matmul on an H200
-(47 vs 624 TFLOP/s, `launch/bench_gmm_probe.py`, 2026-11-29). With `kernels="mosaic"` the three
-expert matmuls run as one Mosaic GPU grouped-matmul kernel each (`redknot_jax.pallas.ragged_dot`)
-instead: the scan's per-tile ops were most of a long prefill layer's launches. An optional `keep`
-mask drops assignments (the RedKnot fan-out rule) without renormalising the kept weights.
+experts' FLOPs are spent: `grouped_matmul` (beside the kernel, `pallas/ragged_dot.py`) walks
+fixed-size row tiles, each tile inside one expert's group (at most rows/tile + experts tiles),
+one dense matmul per tile. It replaces `jax.lax.ragged_dot`, its reference, which XLA runs 13x
+slower than a dense matmul on an H200 (47 vs 624 TFLOP/s, `launch/bench_gmm_probe.py`,
+2026-11-29). With `kernels="mosaic"` the three expert matmuls run as one Mosaic GPU
+grouped-matmul kernel each (`redknot_jax.pallas.ragged_dot`) instead: the scan's per-tile ops
+were most of a long prefill layer's launches. An optional `keep` mask drops assignments (the
+RedKnot fan-out rule) without renormalising the kept weights.
 """
 
 from __future__ import annotations
@@ -19,45 +20,13 @@ import jax.numpy as jnp
 from flax import nnx
 
 from redknot_jax.config import ModelConfig
-from redknot_jax.pallas.ragged_dot import ragged_dot as ragged_dot_kernel
+from redknot_jax.pallas.ragged_dot import grouped_matmul, ragged_dot as ragged_dot_kernel
 
 HIGHEST = jax.lax.Precision.HIGHEST
 
 
 class Buffer(nnx.Variable):
     """Non-trainable state loaded from the checkpoint (the hash table tid2eid)."""
-
-
-def grouped_matmul(x: jax.Array, w: jax.Array, sizes: jax.Array, tile: int = 512,
-                   preferred_element_type=None) -> jax.Array:
-    """Rows x [m, k] sorted by group, group sizes [e] (sum <= m), w [e, k, n] -> [m, n]; rows
-    past sum(sizes) are zero. Same contract as `jax.lax.ragged_dot(x, w, sizes)`."""
-    m, kdim = x.shape
-    e, _, n = w.shape
-    tile = max(1, min(tile, m))
-    out_dtype = preferred_element_type or x.dtype
-    starts = jnp.cumsum(sizes) - sizes
-    tiles_per = -(-sizes // tile)
-    tiles_end = jnp.cumsum(tiles_per)
-    ntiles = m // tile + e  # static bound on sum(ceil(size / tile))
-    xpad = jnp.pad(x, ((0, tile), (0, 0)))
-
-    def body(out, i):
-        g = jnp.minimum(jnp.searchsorted(tiles_end, i, side="right"), e - 1)
-        row = starts[g] + (i - (tiles_end[g] - tiles_per[g])) * tile
-        row = jnp.clip(row, 0, m)
-        # tiles past the last group (dropped assignments, the static bound's slack) are skipped,
-        # so the fan-out rule's dropped experts cost no matmul
-        y = jax.lax.cond(i < tiles_end[-1],
-                         lambda: jnp.dot(jax.lax.dynamic_slice(xpad, (row, 0), (tile, kdim)), w[g],
-                                         preferred_element_type=out_dtype),
-                         lambda: jnp.zeros((tile, n), out_dtype))
-        ok = (row + jnp.arange(tile) < starts[g] + sizes[g]) & (i < tiles_end[-1])
-        old = jax.lax.dynamic_slice(out, (row, 0), (tile, n))
-        return jax.lax.dynamic_update_slice(out, jnp.where(ok[:, None], y, old), (row, 0)), None
-
-    out, _ = jax.lax.scan(body, jnp.zeros((m + tile, n), out_dtype), jnp.arange(ntiles))
-    return out[:m]
 
 
 def token_chunk(n_experts: int) -> int:

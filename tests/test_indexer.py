@@ -10,8 +10,9 @@ import jax.numpy as jnp
 import pytest
 
 from redknot_jax import config
-from redknot_jax.indexer import index_scores, prefix_sizes, select_topk, select_topk_causal
+from redknot_jax.indexer import prefix_sizes, select_topk, select_topk_causal
 from redknot_jax.init import random_model
+from redknot_jax.pallas.indexer_scores import index_scores
 from redknot_jax.reuse.consumer import Consumer
 from redknot_jax.reuse.profile import tiny_profile
 from tests.tolerances import TOL, rel_err

@@ -8,7 +8,8 @@ import jax.numpy as jnp
 
 from redknot_jax import config
 from redknot_jax.init import random_model
-from redknot_jax.moe import grouped_matmul, swiglu
+from redknot_jax.moe import swiglu
+from redknot_jax.pallas.ragged_dot import grouped_matmul
 from tests.tolerances import rel_err
 
 

@@ -7,7 +7,11 @@ the consumer and `generate.Engine`); a resolved set is a comma list of them. "sp
 the same gathered-key kernel at another call site, the consumer's pass A (the Global heads of
 every row, padded to the kernel's 64), so the two can be chosen and timed apart. "seg_attention"
 runs in the RedKnot arm's decode steps, in HCA layers: the documents' entries read canonical
-from the pool, the queries turned per document."""
+from the pool, the queries turned per document.
+
+Kernel files are leaves: each holds its kernel, its reference, its config and its benchmark, and
+imports only `mosaic` (what the kernels share), `timing` and modules that import no kernel;
+nothing here imports `redknot_jax.reuse` (tests/test_imports.py)."""
 
 import jax
 
@@ -71,15 +75,3 @@ def kernel_mode(kernels: str, name: str) -> str:
     if name not in KERNELS:
         raise ValueError(f"kernel_mode: unknown kernel {name!r}; known: {KERNELS}")
     return "mosaic" if name in kernels.split(",") else "xla"
-
-
-def interpret_params(interpret: bool | None):
-    """The `interpret=` of a `plgpu.kernel`: Mosaic GPU interpret mode when asked, None = off a
-    GPU only (so CPU CI runs the kernels themselves)."""
-    if interpret is None:
-        interpret = jax.default_backend() != "gpu"
-    if not interpret:
-        return None
-    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
-
-    return InterpretGPUParams()

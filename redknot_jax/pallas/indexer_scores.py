@@ -2,12 +2,12 @@
 
     I[b, t, s] = sum_i w[b, t, i] * relu(q[b, t, i] . keys[b, s])
 
-The reference (`redknot_jax.indexer.index_scores`) is two XLA einsums: the per-head products
-[t, i, s] are written to memory in fp32 (64 heads: 64x the size of the scores) and read back for
-the ReLU and the weighted head sum. On the H200 that costs 1.43 ms per 256-query block at 16K
-entries (48 TFLOP/s), almost three times the top-k that follows
-(`docs/results/indexer_select_h200.json`), and the indexer is what makes CSA layers the slow
-ones at long context.
+The reference (`index_scores`, what `redknot_jax.indexer.score_function` gives for "xla") is
+two XLA einsums: the per-head products [t, i, s] are written to memory in fp32 (64 heads: 64x
+the size of the scores) and read back for the ReLU and the weighted head sum. On the H200 that
+costs 1.43 ms per 256-query block at 16K entries (48 TFLOP/s), almost three times the top-k that
+follows (`docs/results/indexer_select_h200.json`), and the indexer is what makes CSA layers the
+slow ones at long context.
 
 Kernel layout: one CTA per (64 query rows, block_s entries), one warpgroup. The entries' keys
 [block_s, j] stay in shared memory; a pipeline over the heads brings each head's query tile
@@ -30,12 +30,20 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from redknot_jax.indexer import index_scores
-from redknot_jax.pallas import interpret_params
+from redknot_jax.pallas.mosaic import interpret_params
 from redknot_jax.pallas.timing import matmul_peak_tflops, median_time, record
 
+HIGHEST = jax.lax.Precision.HIGHEST
 BLOCK_T = 64  # wgmma M of one warpgroup
 SMEM_LIMIT = 227 * 1024
+
+
+def index_scores(q: jax.Array, w: jax.Array, keys: jax.Array) -> jax.Array:
+    """The reference: I [b, t, s] = sum_i w[b,t,i] relu(q[b,t,i] . keys[b,s]) (products
+    accumulated in fp32)."""
+    dots = jnp.einsum("btij,bsj->btis", q, keys.astype(q.dtype), preferred_element_type=jnp.float32,
+                      precision=HIGHEST)
+    return jnp.einsum("btis,bti->bts", jax.nn.relu(dots), w, precision=HIGHEST)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -3,9 +3,10 @@
     out[r] = x[r] @ w[g(r)]   for the rows r of group g (rows sorted by group, sizes [e]);
     rows past sum(sizes) are zero.
 
-That is `jax.lax.ragged_dot`'s contract, and `ragged_dot_reference` is `jax.lax.ragged_dot`.
+That is `jax.lax.ragged_dot`'s contract, and `ragged_dot_reference` is `jax.lax.ragged_dot`;
+`grouped_matmul` meets it too: the tiled scan the MoE runs when the kernel does not.
 Why a kernel: the per-layer op profile of a 64K prefill on the H200
-(`docs/results/ttft_64k_ops_h200.json`) showed the MoE's XLA path (`moe.grouped_matmul`, a
+(`docs/results/ttft_64k_ops_h200.json`) showed the MoE's XLA path (`grouped_matmul` below, a
 scan of one dense matmul per 512-row tile) issuing ~100K device ops per layer (3 matmuls x 64
 tiles x 16 token chunks, each tile a handful of ops, plus a copy of the expert's weight matrix
 per tile), so a layer spent about half its wall time between kernels; XLA's own `ragged_dot`
@@ -100,6 +101,39 @@ def ragged_dot_reference(x, w, sizes, preferred_element_type=None, config=None):
     return jax.lax.ragged_dot(x, w, sizes, precision=HIGHEST, preferred_element_type=preferred_element_type)
 
 
+def grouped_matmul(x: jax.Array, w: jax.Array, sizes: jax.Array, tile: int = 512,
+                   preferred_element_type=None) -> jax.Array:
+    """The MoE's XLA path (`moe.MoE.experts` without the kernel, long chunks): rows x [m, k]
+    sorted by group, group sizes [e] (sum <= m), w [e, k, n] -> [m, n]; rows past sum(sizes)
+    are zero. Same contract as `jax.lax.ragged_dot(x, w, sizes)`."""
+    m, kdim = x.shape
+    e, _, n = w.shape
+    tile = max(1, min(tile, m))
+    out_dtype = preferred_element_type or x.dtype
+    starts = jnp.cumsum(sizes) - sizes
+    tiles_per = -(-sizes // tile)
+    tiles_end = jnp.cumsum(tiles_per)
+    ntiles = m // tile + e  # static bound on sum(ceil(size / tile))
+    xpad = jnp.pad(x, ((0, tile), (0, 0)))
+
+    def body(out, i):
+        g = jnp.minimum(jnp.searchsorted(tiles_end, i, side="right"), e - 1)
+        row = starts[g] + (i - (tiles_end[g] - tiles_per[g])) * tile
+        row = jnp.clip(row, 0, m)
+        # tiles past the last group (dropped assignments, the static bound's slack) are skipped,
+        # so the fan-out rule's dropped experts cost no matmul
+        y = jax.lax.cond(i < tiles_end[-1],
+                         lambda: jnp.dot(jax.lax.dynamic_slice(xpad, (row, 0), (tile, kdim)), w[g],
+                                         preferred_element_type=out_dtype),
+                         lambda: jnp.zeros((tile, n), out_dtype))
+        ok = (row + jnp.arange(tile) < starts[g] + sizes[g]) & (i < tiles_end[-1])
+        old = jax.lax.dynamic_slice(out, (row, 0), (tile, n))
+        return jax.lax.dynamic_update_slice(out, jnp.where(ok[:, None], y, old), (row, 0)), None
+
+    out, _ = jax.lax.scan(body, jnp.zeros((m + tile, n), out_dtype), jnp.arange(ntiles))
+    return out[:m]
+
+
 def ragged_dot(x, w, sizes, preferred_element_type=None, config: RaggedDotConfig | None = None):
     """Mosaic GPU grouped matmul; same signature and result as `ragged_dot_reference` (up to
     bf16 rounding of the output: the kernel accumulates in fp32 and writes bf16, which a wider
@@ -135,12 +169,10 @@ def make_problem(key, *, m: int, e: int = 16, k: int = 4096, n: int = 2048, used
 
 
 def main(argv=None):
-    """Kernel vs the MoE's XLA paths (`moe.grouped_matmul`, the tiled scan the model runs, and
+    """Kernel vs the MoE's XLA paths (`grouped_matmul`, the tiled scan the model runs, and
     `jax.lax.ragged_dot`) at Flash MoE shapes; TFLOP/s against a bf16 matmul in the same run."""
     import argparse
     import itertools
-
-    from redknot_jax.moe import grouped_matmul as tiled_scan
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--json", default=None)
@@ -164,7 +196,7 @@ def main(argv=None):
         ref = jax.jit(ragged_dot_reference)
         yr = ref(x, w, sizes).astype(jnp.float32)
         t_ragged = median_time(ref, x, w, sizes, iters=5)
-        scan = jax.jit(lambda x, w, s: tiled_scan(x, w, s, 512))
+        scan = jax.jit(lambda x, w, s: grouped_matmul(x, w, s, 512))
         t_scan = median_time(scan, x, w, sizes, iters=10)
         for bm, bn, st, gbn in itertools.product(*[[int(v) for v in s.split(",")] for s in
                                                    (a.block_m, a.block_n, a.steps, a.grid_block_n)]):

@@ -61,7 +61,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from redknot_jax.pallas import interpret_params
+from redknot_jax.pallas.mosaic import interpret_params, specialise
 from redknot_jax.pallas.timing import matmul_peak_tflops, median_time, record, rel_err
 
 HIGHEST = jax.lax.Precision.HIGHEST
@@ -320,8 +320,6 @@ def addend_ids(kind, row, cfg: RestoreConfig) -> jax.Array:
 def _kernel_call(a, wo_a, zl, zp, idx, *, g, o, k, col0, cfg, interpret):
     import jax.experimental.pallas as pl
     import jax.experimental.pallas.mosaic_gpu as plgpu
-
-    from redknot_jax.pallas.seg_attention import specialise
 
     t = a.shape[0]
     bt, bn, nk, slots, resident = BLOCK_T, cfg.block_n, k // BLOCK_K, cfg.steps, cfg.resident

@@ -39,19 +39,17 @@ further rotation), and enter as one segment at offset 0 whose interval is [0, co
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import numpy as np
 import jax
 import jax.numpy as jnp
 from jax import lax
 
+from redknot_jax.pallas.mosaic import LOG2E, softmax_finish, specialise
 from redknot_jax.pallas.timing import matmul_peak_tflops, median_time, record, rel_err
-from redknot_jax.reuse.relocation import merge_partials, partial_attention, rotate
+from redknot_jax.relocation import merge_partials, partial_attention, rotate
 from redknot_jax.rope import apply_rope
 
-LOG2E = math.log2(math.e)
-LN2 = math.log(2.0)
 HEADS = 64  # wgmma M: one row's heads
 HEAD_DIM = 512
 ROPE_DIM = 64
@@ -227,25 +225,6 @@ def seg_attention_reference(q, keys, segments, seg_offset, row_lo, row_hi, sink,
 
 
 # ----------------------------------------------------------------------------- kernel
-def softmax_finish(m_i, l_i):
-    """A consumer's online-softmax statistics (running max m_i in log2 units, sum l_i) ->
-    (1 / l_i, lse in natural log); rows that saw no key: 0 and -inf. Shared with
-    sparse_attention's kernel."""
-    ok = l_i > 0
-    inv = jnp.where(ok, 1.0 / jnp.where(ok, l_i, 1.0), 0.0)
-    return inv, jnp.where(ok, (m_i + jnp.log2(jnp.where(ok, l_i, 1.0))) * LN2, -jnp.inf)
-
-
-def specialise(wg, consumer, producer):
-    """Warp specialisation of a 3-warpgroup CTA: warpgroups 0 and 1 run consumer(0) and
-    consumer(1), warpgroup 2 the producer. Shared with sparse_attention's kernel."""
-    import jax.experimental.pallas as pl
-
-    for w in (0, 1):
-        pl.when(wg == w)(lambda w=w: consumer(w))
-    pl.when(wg == 2)(producer)
-
-
 def _kernel_call(q, keys, gkeys, mats, row_lo, row_hi, *, segments, scale, cfg):
     import jax.experimental.pallas as pl
     import jax.experimental.pallas.mosaic_gpu as plgpu
@@ -532,113 +511,16 @@ def attention_flops(row_lo, row_hi) -> float:
     return 4.0 * HEADS * HEAD_DIM * n
 
 
-def decode_layer_problem(key, *, doc_len: int, n_docs: int, own: int, m: int = 128, window: int = 128):
-    """A RedKnot decode step's HCA attention at serving shapes, in both of the consumer's forms'
-    inputs: n_docs documents of doc_len rows at offsets 0, doc_len, ..., their entries in a pool
-    [S, 512]; `own` rows of the request's own after them (online entries); the new row at the
-    end. Returns (q, pos, window keys, online entries, entry table `rt` with its runs, pool
-    entries, sink, freqs, m)."""
-    from redknot_jax.reuse.layout import NEVER, pool_runs
-
-    ks = jax.random.split(key, 5)
-    per = doc_len // m
-    src, d, w, end = [], [], [], []
-    for i in range(n_docs):
-        e = np.arange(per)
-        src.append(i * per + e), d.append(np.full(per, i * doc_len)), w.append(e)
-        end.append(i * doc_len + (e + 1) * m - 1)
-    base = n_docs * doc_len
-    e = np.arange(own // m)
-    src.append(np.full(e.size, -1)), d.append(np.full(e.size, base)), w.append(e), end.append(base + (e + 1) * m - 1)
-    src, d, w, end = (np.concatenate(x).astype(np.int32) for x in (src, d, w, end))
-    E_on = ceil8 = -(-max(e.size, 1) // 8) * 8
-    on_idx = np.r_[np.flatnonzero(src < 0), np.full(ceil8 - e.size, src.size)].astype(np.int32)
-    pad = -src.size % 8
-    rt = {"src": np.r_[src, np.full(pad, -1)], "d": np.r_[d, np.zeros(pad)], "w": np.r_[w, np.zeros(pad)],
-          "end": np.r_[end, np.full(pad, NEVER)], "on_idx": on_idx, **pool_runs(src, d, w)}
-    rt = {k: jnp.asarray(v, jnp.int32) for k, v in rt.items()}
-    unit = lambda k, shape: (lambda x: (x / jnp.linalg.norm(x, axis=-1, keepdims=True) * 8.0).astype(jnp.bfloat16))(
-        jax.random.normal(k, shape, jnp.float32))
-    pool_entries = unit(ks[0], (n_docs * per, HEAD_DIM))
-    on_ents = unit(ks[1], (E_on, HEAD_DIM))
-    wk = unit(ks[2], (1, window, HEAD_DIM))
-    q = (jax.random.normal(ks[3], (1, HEADS, HEAD_DIM), jnp.float32) * 0.5).astype(jnp.bfloat16)
-    sink = jax.random.normal(ks[4], (HEADS,), jnp.float32)
-    freqs = tuple(float(f) for f in 1.0 / (160000.0 ** (np.arange(0, ROPE_DIM, 2) / ROPE_DIM)))
-    pos = jnp.asarray([base + own], jnp.int32)
-    return q, pos, wk, on_ents, rt, pool_entries, sink, freqs, m
-
-
-def decode_layer_forms(problem, config: SegAttentionConfig | None = None):
-    """The consumer's two forms of a decode step's HCA attention, jitted: "kernel"
-    (`consumer._decode_segments`: the pool's entries read canonical, queries turned per run)
-    and "xla" (`consumer._entries` turns every entry into the absolute frame, then `_pass_b`)."""
-    from redknot_jax.config import HCA
-    from redknot_jax.reuse import consumer
-
-    q, pos, wk, on_ents, rt, pe, sink, freqs, m = problem
-    scale = HEAD_DIM ** -0.5
-    W = wk.shape[1]
-    kp = pos[:, None] - W + 1 + jnp.arange(W)
-
-    def kernel(q, wk, on_ents, rt, pe):
-        return consumer._decode_segments(q, pos, wk, kp >= 0, on_ents, rt, pe, sink, scale, freqs, m, config)
-
-    def xla(q, wk, on_ents, rt, pe):
-        ents = (consumer._entries(pe, rt, on_ents, rt["src"].shape[0], HEAD_DIM, freqs).astype(q.dtype), rt["end"])
-        return consumer._pass_b(q, pos, lambda _: wk, ents, None, sink, scale, HCA, 1, W, 0, stages=1)
-
-    args = (q, wk, on_ents, rt, pe)
-    return jax.jit(kernel), jax.jit(xla), args
-
-
-def decode_layer_kernel_alone(problem, config: SegAttentionConfig | None = None):
-    """The kernel form's `seg_attention` call alone (its wrapper: rotation tables, the kernel,
-    the merge of splits) on the arguments the form prepares once: (jitted function, arguments)."""
-    from redknot_jax.reuse import consumer
-
-    q, pos, wk, on_ents, rt, pe, sink, freqs, m = problem
-    W = wk.shape[1]
-    kp = pos[:, None] - W + 1 + jnp.arange(W)
-    (q, keys, segs, offs, lo, hi, sink, freqs), kw = consumer._decode_segment_args(
-        q, pos, wk, kp >= 0, on_ents, rt, pe, sink, HEAD_DIM ** -0.5, freqs, m)
-    f = jax.jit(lambda q, keys, offs, lo, hi, gk: seg_attention(q, keys, segs, offs, lo, hi, sink, freqs,
-                                                                 scale=kw["scale"], gkeys=gk, config=config)[0])
-    return f, (q, keys, offs, lo, hi, kw["gkeys"])
-
-
 def main(argv=None):
     """Kernel vs XLA reference on the decode and prefill shapes; prints a table, writes JSON.
-    --decode-layer: instead, a RedKnot decode step's HCA attention in the consumer's two forms
-    (the kernel vs turning every entry in XLA) at 4 documents of each given length."""
+    (A RedKnot decode step's HCA attention in its two forms, the kernel vs turning every entry
+    in XLA: `python -m redknot_jax.reuse.decode`.)"""
     import argparse
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--json", default=None)
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--decode-layer", default=None, metavar="DOC_LENS",
-                    help="comma-separated document lengths (4 documents each, 512 own rows)")
-    ap.add_argument("--splits", default=str(DECODE_CONFIG.num_splits),
-                    help="with --decode-layer: the kernel's num_splits, several comma-separated")
     a = ap.parse_args(argv)
-    if a.decode_layer:
-        rows = []
-        for doc_len in (int(x) for x in a.decode_layer.split(",")):
-            for splits in (int(x) for x in a.splits.split(",")):
-                cfg = SegAttentionConfig(num_splits=splits)
-                kernel, xla, args = decode_layer_forms(decode_layer_problem(jax.random.key(0), doc_len=doc_len,
-                                                                            n_docs=4, own=512), cfg)
-                problem = decode_layer_problem(jax.random.key(0), doc_len=doc_len, n_docs=4, own=512)
-                alone, alone_args = decode_layer_kernel_alone(problem, cfg)
-                ok, ox = kernel(*args), xla(*args)
-                err = rel_err(ok, ox)
-                tk, tx, ta = median_time(kernel, *args), median_time(xla, *args), median_time(alone, *alone_args)
-                rows.append(dict(doc_len=doc_len, n_docs=4, own=512, num_splits=splits, rel_err_vs_xla=err,
-                                 kernel_ms=tk * 1e3, xla_ms=tx * 1e3, speedup=tx / tk, kernel_call_alone_ms=ta * 1e3))
-                print(f"decode HCA, 4 docs x {doc_len}, splits {splits}: err {err:.2e}  kernel form {tk * 1e3:.3f} ms "
-                      f"(its seg_attention call alone {ta * 1e3:.3f} ms)  xla {tx * 1e3:.3f} ms  x{tx / tk:.2f}",
-                      flush=True)
-        return record("seg_attention", a.json, argv, rows=rows)
     shapes = [
         ("decode t=1, 4 docs x 4096, CSA 512", dict(t=1, doc_len=4096, n_docs=4, gathered=512, query_pos="decode"),
          DECODE_CONFIG),

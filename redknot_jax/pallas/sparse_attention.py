@@ -48,18 +48,15 @@ elementwise; XLA fuses it into its consumer).
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
-from redknot_jax.pallas import interpret_params
-from redknot_jax.pallas.seg_attention import softmax_finish, specialise
+from redknot_jax.pallas.mosaic import LOG2E, interpret_params, softmax_finish, specialise
 from redknot_jax.pallas.timing import matmul_peak_tflops, median_time, record, rel_err
-from redknot_jax.reuse.relocation import merge_partials, partial_attention
+from redknot_jax.relocation import merge_partials, partial_attention
 
-LOG2E = math.log2(math.e)
 HEADS = 64  # wgmma M: one row's heads
 HEAD_DIM = 512
 SMEM_LIMIT = 227 * 1024

@@ -29,12 +29,15 @@ import jax
 import jax.numpy as jnp
 
 from redknot_jax.config import CSA, HCA
-from redknot_jax.indexer import TOPK_STAGES, index_scores
+from redknot_jax.indexer import TOPK_STAGES
 from redknot_jax.mhc import HyperConnection
 from redknot_jax.model import Model
+from redknot_jax.pallas.indexer_scores import index_scores
+from redknot_jax.relocation import merge_partials, partial_attention, rotate
 from redknot_jax.reuse import ledger as ledgers
 from redknot_jax.reuse.artifact import local_head_mask, profile_parts, project_heads, single_rank
-from redknot_jax.reuse.consumer import Consumer, DecodeState
+from redknot_jax.reuse.consumer import Consumer
+from redknot_jax.reuse.decode import DecodeState
 from redknot_jax.reuse.pool import DocPool
 from redknot_jax.reuse.certificate import (CertCounters, FallbackReason, TPGeometry, can_prefix, explain,
                                            payload_digest, token_digest)
@@ -43,7 +46,6 @@ from redknot_jax.reuse.planner import (Plan, Request, concentration, fill_itop, 
                                        plan_request, row_risk)
 from redknot_jax.reuse.prefix import native_cache
 from redknot_jax.reuse.profile import RedKnotProfile
-from redknot_jax.reuse.relocation import merge_partials, partial_attention, rotate
 from redknot_jax.rope import apply_rope
 
 

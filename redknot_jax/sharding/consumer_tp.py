@@ -8,7 +8,7 @@ Per rank:
 * fences / the Recomputed arm: `tp._block` (rank's heads and experts; psum after `wo_b` and
   after the routed experts; indexer queries all-gathered); after an exact prefix, over the rows
   after it with the prefix's cache (rebuilt from its artifact, replicated);
-* reusable layers: `consumer.reusable_layer` with the rank's heads (its groups' Global heads in
+* reusable layers: `layer.reusable_layer` with the rank's heads (its groups' Global heads in
   pass A, all its heads for the protected rows in pass B), its groups' slice of z_L from the
   pool (the pool's z_L is split over "tp" by output group, everything else in the pool is
   replicated: the shared K=V latent is one head), `wo_b` row-parallel then
@@ -47,7 +47,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from redknot_jax.mhc import HyperConnection
 from redknot_jax.pallas import kernel_mode
-from redknot_jax.reuse.consumer import Consumer, reusable_layer
+from redknot_jax.reuse.consumer import Consumer
+from redknot_jax.reuse.layer import reusable_layer
 from redknot_jax.reuse.pool import DocPool
 from redknot_jax.reuse.planner import Plan
 from redknot_jax.reuse.prefix import native_cache

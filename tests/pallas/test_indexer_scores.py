@@ -6,8 +6,9 @@ import pytest
 import jax
 import jax.numpy as jnp
 
-from redknot_jax.indexer import index_scores, select_topk
+from redknot_jax.indexer import select_topk
 from redknot_jax.pallas import indexer_scores as ix
+from redknot_jax.pallas.indexer_scores import index_scores
 
 SCORE_TOL = 1e-5  # fp32 sums in another order: max |error| relative to the largest |score|
 

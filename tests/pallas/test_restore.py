@@ -359,10 +359,10 @@ def test_consumer_runs_the_kernel(monkeypatch):
     kernel = ix.indexer_scores
     monkeypatch.setattr(ix, "indexer_scores", lambda *a, **k: traced.append(a[0].shape) or kernel(*a, **k))
     restored = []  # restoration kernel calls traced into the consumer's reusable layers
-    from redknot_jax.reuse import consumer
+    from redknot_jax.reuse import layer
 
-    restore = consumer.restore_kernel
-    monkeypatch.setattr(consumer, "restore_kernel", lambda *a, **k: restored.append(a[0].shape) or restore(*a, **k))
+    restore = layer.restore_kernel
+    monkeypatch.setattr(layer, "restore_kernel", lambda *a, **k: restored.append(a[0].shape) or restore(*a, **k))
     # the XLA side named explicitly: "auto" resolves to the faster kernels on a GPU
     xla = ReuseRuntime(model, prof, "fp", kernels="xla")
     mosaic = ReuseRuntime(model, prof, "fp", kernels="indexer,restore")

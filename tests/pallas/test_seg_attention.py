@@ -8,7 +8,7 @@ import jax.numpy as jnp
 
 from redknot_jax.attention import sink_softmax_attend
 from redknot_jax.pallas import seg_attention as sa
-from redknot_jax.reuse.relocation import rotate
+from redknot_jax.relocation import rotate
 from redknot_jax.rope import apply_rope
 from tests.tolerances import TOL, rel_err
 
@@ -180,7 +180,7 @@ def test_pool_runs_are_the_segments_of_canonical_entries():
 def _patch_seg_reference(monkeypatch):
     """The reference in the kernel's place (any heads, dims, dtype), the segment count of each
     call recorded."""
-    from redknot_jax.reuse import consumer
+    from redknot_jax.reuse import decode
 
     calls = []
 
@@ -188,7 +188,7 @@ def _patch_seg_reference(monkeypatch):
         calls.append(len(segments))
         return sa.seg_attention_reference(q, keys, segments, *a, **kw)
 
-    monkeypatch.setattr(consumer, "seg_attention", ref)
+    monkeypatch.setattr(decode, "seg_attention", ref)
     monkeypatch.setattr(sa, "seg_attention", ref)
     return calls
 
@@ -291,10 +291,10 @@ def test_redknot_decode_runs_the_kernel_gpu(monkeypatch):
 
     want, got = decode(xla), decode(ker)
     assert bool(jnp.all(jnp.isfinite(got)))
-    from redknot_jax.reuse import consumer
+    from redknot_jax.reuse import programs
 
     calls = _patch_seg_reference(monkeypatch)
-    consumer._reusable_step_jit.clear_cache()  # the step programs traced with the kernel would be reused otherwise
+    programs.reusable_step_jit.clear_cache()  # the step programs traced with the kernel would be reused otherwise
     floor = rel_err(decode(ReuseRuntime(model, prof, "fp", kernels="seg_attention")), want)
     assert calls
     assert 0 < floor < 0.05
@@ -304,16 +304,18 @@ def test_redknot_decode_runs_the_kernel_gpu(monkeypatch):
 
 
 def test_decode_layer_benchmark_compares_the_consumers_two_forms(monkeypatch):
-    """`main(--decode-layer)`'s two forms of a decode step's HCA attention at serving-like shapes
+    """`reuse.decode.main`'s two forms of a decode step's HCA attention at serving-like shapes
     (4 documents, their entries in a pool, 512 own rows): with the reference in the kernel's place
     the segment form equals the XLA form (which turns every entry) to bf16 rounding; runs at the
     wrong offset do not."""
+    from redknot_jax.reuse import decode
+
     _patch_seg_reference(monkeypatch)
-    problem = sa.decode_layer_problem(jax.random.key(0), doc_len=512, n_docs=4, own=512)
-    kernel, xla, args = sa.decode_layer_forms(problem)
+    problem = decode.decode_layer_problem(jax.random.key(0), doc_len=512, n_docs=4, own=512)
+    kernel, xla, args = decode.decode_layer_forms(problem)
     assert rel_err(kernel(*args), xla(*args)) < 1e-2
-    alone, alone_args = sa.decode_layer_kernel_alone(problem)  # the form's kernel call on its prepared arguments
+    alone, alone_args = decode.decode_layer_kernel_alone(problem)  # the form's kernel call on its prepared arguments
     np.testing.assert_allclose(np.asarray(alone(*alone_args)), np.asarray(kernel(*args)), rtol=1e-6, atol=1e-6)
     rt = {**problem[4], "run_d": 0 * problem[4]["run_d"]}
-    kernel, xla, args = sa.decode_layer_forms(problem[:4] + (rt,) + problem[5:])
+    kernel, xla, args = decode.decode_layer_forms(problem[:4] + (rt,) + problem[5:])
     assert rel_err(kernel(*args), xla(*args)) > 5e-2

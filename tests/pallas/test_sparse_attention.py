@@ -195,7 +195,7 @@ def test_mosaic_loads_a_column_slice_of_a_swizzled_buffer_xor_permuted_gpu():
 
 def _patch_reference(monkeypatch):
     """The reference in the kernel's place (any heads, dims, dtype), each call recorded."""
-    from redknot_jax.reuse import consumer
+    from redknot_jax.reuse import layer
 
     calls = []
 
@@ -204,7 +204,7 @@ def _patch_reference(monkeypatch):
         return sp.sparse_attention_reference(q, kv, idx, count, sink, **kw)
 
     monkeypatch.setattr(sp, "sparse_attention", ref)
-    monkeypatch.setattr(consumer, "sparse_attention", ref)
+    monkeypatch.setattr(layer, "sparse_attention", ref)
     return calls
 
 
@@ -302,7 +302,7 @@ def test_native_csa_layers_run_the_kernel_interpret(monkeypatch):
 
 
 def _pass_a_problem(*, t, nh, k, n_ent, topk, window, block, frames, dtype=jnp.float32, seed=7, first=0):
-    """`consumer._pass_a`'s arguments for a CSA layer: rows in frames of the given lengths, entry
+    """`layer.pass_a`'s arguments for a CSA layer: rows in frames of the given lengths, entry
     e ending at row m e + m - 1 (m = t / n_ent), each row's document-local picks valid first and
     only among entries that ended before it (as artifacts store them). `first`: the queries are
     rows first.. only (the rows after an exact prefix), the keys every row."""
@@ -330,11 +330,11 @@ def test_pass_a_kernel_matches_xla_gpu():
     per row at most) against pass A in XLA: every row of four frames, to bf16 rounding."""
     if jax.default_backend() != "gpu":
         pytest.skip("needs a GPU")
-    from redknot_jax.reuse import consumer
+    from redknot_jax.reuse import layer
 
     args = _pass_a_problem(t=2048, nh=8, k=512, n_ent=512, topk=512, window=128, block=256,
                            frames=(700, 500, 600, 248), dtype=jnp.bfloat16)
-    run = lambda sparse: jax.jit(lambda q, tab, kv, ents, sink, ids: consumer._pass_a(
+    run = lambda sparse: jax.jit(lambda q, tab, kv, ents, sink, ids: layer.pass_a(
         q, tab, kv, ents, sink, *args[5:9], ids, sparse=sparse))(*args[:5], args[9])
     got, want = run(True), run(False)
     assert bool(jnp.all(jnp.isfinite(got.astype(jnp.float32))))
@@ -354,7 +354,7 @@ def test_pass_a_hands_the_global_heads_to_the_kernel(monkeypatch):
 
     from redknot_jax.init import random_model
     from redknot_jax.pallas import resolve_kernels
-    from redknot_jax.reuse import consumer
+    from redknot_jax.reuse import layer
     from redknot_jax.reuse.artifact import build_artifact
     from redknot_jax.reuse.planner import Request, Segment
     from redknot_jax.reuse.runtime import ReuseRuntime
@@ -363,17 +363,17 @@ def test_pass_a_hands_the_global_heads_to_the_kernel(monkeypatch):
     calls = _patch_reference(monkeypatch)
     block, k = 16, 32
     args = _pass_a_problem(t=64, nh=2, k=k, n_ent=16, topk=4, window=8, block=block, frames=(20, 24, 20))
-    want = consumer._pass_a(*args)
-    assert rel_err(consumer._pass_a(*args, sparse=True), want) < 1e-5
+    want = layer.pass_a(*args)
+    assert rel_err(layer.pass_a(*args, sparse=True), want) < 1e-5
     assert calls and all(c == (block, sp.HEADS, k) for c in calls)
     # the rows after a 16-row exact prefix: the same outputs as those rows of the full pass, both forms
     after = _pass_a_problem(t=64, nh=2, k=k, n_ent=16, topk=4, window=8, block=block, frames=(20, 24, 20),
                             first=16)
     for sparse in (False, True):
-        assert rel_err(consumer._pass_a(*after, sparse=sparse), want[16:]) < 1e-5, sparse
+        assert rel_err(layer.pass_a(*after, sparse=sparse), want[16:]) < 1e-5, sparse
     # windows crossing into earlier frames: a negative control
-    monkeypatch.setattr(consumer, "_frame_first", lambda key_frame, frame: jnp.zeros_like(frame))
-    assert rel_err(consumer._pass_a(*args, sparse=True), want) > 1e-2
+    monkeypatch.setattr(layer, "_frame_first", lambda key_frame, frame: jnp.zeros_like(frame))
+    assert rel_err(layer.pass_a(*args, sparse=True), want) > 1e-2
     monkeypatch.undo()
 
     calls = _patch_reference(monkeypatch)

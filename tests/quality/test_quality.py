@@ -587,7 +587,7 @@ def test_train_script_writes_a_servable_checkpoint_and_continues_from_it(tmp_pat
     assert dist and {k.split(" ", 1)[1] for k in dist} <= {"inside", "1-2 windows", "beyond 2 windows"}
     assert sum(v["n"] for k, v in dist.items() if k.startswith("lookup")) == log["teacher_forced_val"]["lookup"]["n"]
     refused(tq.main, ["--init-from", str(tmp_path / "nothing"), "--out", str(tmp_path / "c")],
-            "--init-from: .*nothing has no config.json")
+            "argument --init-from: .*nothing: no such directory")
     for bad, named in (
             (["--curriculum-from", "0.5", "--curriculum-until", "0.4"], r"--curriculum-until: .*got 0.4"),
             (["--dense-csa-until", "1.5"], "--dense-csa-until: .*got 1.5"),

@@ -87,9 +87,9 @@ def test_native_cache_equals_the_native_runs_cache(model, docs, arts):
 def count_rows(monkeypatch) -> list:
     """Patch the consumer's layer programs to record, per call, (first position, rows) handed in."""
     seen = []
-    for name, pos in (("block_jit", lambda a: int(a[1][0])), ("_native_jit", lambda a: 0),
-                      ("_reusable_jit", lambda a: int(a[1]["pos"][0])),
-                      ("_reusable_keys_jit", lambda a: int(a[1]["pos"][0]))):
+    for name, pos in (("block_jit", lambda a: int(a[1][0])), ("native_jit", lambda a: 0),
+                      ("reusable_jit", lambda a: int(a[1]["pos"][0])),
+                      ("reusable_keys_jit", lambda a: int(a[1]["pos"][0]))):
         fn = getattr(consumer_mod, name)
         monkeypatch.setattr(consumer_mod, name, lambda st, x, *a, _fn=fn, _pos=pos, **k:
                             seen.append((_pos(a), x.shape[1])) or _fn(st, x, *a, **k))

@@ -20,7 +20,7 @@ from redknot_jax.reuse.artifact import build_artifact, local_head_mask, project_
 from redknot_jax.reuse.certificate import FallbackReason, TPGeometry
 from redknot_jax.reuse.planner import Request, RequestError, Segment
 from redknot_jax.reuse.profile import tiny_profile
-from redknot_jax.reuse.relocation import merge_partials, partial_attention, rotate
+from redknot_jax.relocation import merge_partials, partial_attention, rotate
 from redknot_jax.reuse.runtime import ReuseFallback, ReuseRuntime
 from redknot_jax.rope import apply_rope, inv_freq
 from tests.tolerances import rel_err

@@ -168,3 +168,17 @@ def rank_segments(tokens, slices, rank: int, new_rows=(5, 6, 7)):
     """A request as rank `rank` sees it: one document (its slice) then new rows."""
     from redknot_jax.reuse.planner import Segment
     return [Segment(np.asarray(tokens, np.int32), slices[rank]), Segment(np.asarray(new_rows, np.int32))]
+
+
+def assert_trees_close(got, want, key: str = "resharded_fp32") -> None:
+    """Every leaf of `got` within the tolerance table's bound `key` of `want`'s, by the table's
+    measure (`rel_err`: relative L2 over the whole leaf); the same tree structure and leaf shapes.
+    chex names the first leaf that is not (its path in the tree)."""
+    import chex
+
+    from tests.tolerances import TOL, rel_err
+
+    bound = TOL[key][0]
+    chex.assert_trees_all_equal_shapes(got, want)
+    chex.assert_trees_all_equal_comparator(
+        lambda a, b: rel_err(a, b) <= bound, lambda a, b: f"rel err {rel_err(a, b):.2e} > {bound} ({key})", got, want)

@@ -5,6 +5,7 @@ RANK_DISAGREEMENT; artifacts cut for tp = 8 are refused at tp = 2 unless re-slic
 
 import dataclasses
 
+import chex
 import numpy as np
 import pytest
 import jax
@@ -113,7 +114,7 @@ def test_tp8_artifacts_rejected_at_tp2_unless_resliced(art):
     direct = cut(art, 2)
     for a, b in zip(slices2, direct):
         assert a.certificate == b.certificate
-        np.testing.assert_array_equal(a.layers[1]["zl"], b.layers[1]["zl"])
+        chex.assert_trees_all_equal(a.layers, b.layers, strict=True)  # every layer's every field
     broken = list(slices8)
     _corrupt(broken, 3)
     with pytest.raises(ValueError, match="slice 3: payload"):
@@ -134,6 +135,7 @@ def test_compact_artifacts_cut_and_reslice_by_group(art):
         np.testing.assert_array_equal(sl.layer(1)["zl"], whole[:, r * per:(r + 1) * per])
     for a, b in zip(reslice(slices8, CFG, 2), cut(enc, 2)):
         assert a.certificate == b.certificate
+        chex.assert_trees_all_equal(a.layers, b.layers, strict=True)
 
 
 def test_agreement_is_per_tp_group(art):

@@ -11,6 +11,7 @@ one rank is detected.
 import dataclasses
 import re
 
+import chex
 import numpy as np
 import pytest
 import jax
@@ -20,8 +21,9 @@ from flax import nnx
 from redknot_jax.sharding import make_mesh
 from redknot_jax.sharding.table import check_tp
 from redknot_jax.sharding.tp import TPForward, comm_ledger
-from tests.sharding.helpers import (BATCH, BLOCK, CAPACITY, CFG, COMPILER_OPTIONS, PROMPT, inputs,
-                                    reference_run, run_steps, single_rank_engine, tiny_model, unsharded_prefill)
+from tests.sharding.helpers import (BATCH, BLOCK, CAPACITY, CFG, COMPILER_OPTIONS, PROMPT, assert_trees_close,
+                                    inputs, reference_run, run_steps, single_rank_engine, tiny_model,
+                                    unsharded_prefill)
 from tests.tolerances import TOL, rel_err
 
 TIGHT = TOL["resharded_fp32"][0]
@@ -61,11 +63,9 @@ def test_tp1_is_the_unsharded_model(runs):
 def test_tp_logits_equal_single_device(runs, tp):
     ref, _ = runs[1]
     got, _ = runs[tp]
-    assert len(got) == len(ref) == 4
-    for step, (a, b) in enumerate(zip(got, ref)):
-        assert a.shape == b.shape and np.isfinite(a).all()
-        err = rel_err(a, b)
-        assert err <= TIGHT, f"tp={tp} step {step}: rel err {err:.2e} > {TIGHT}"
+    assert len(got) == len(ref) == 4  # the prefill, then 3 decode steps
+    chex.assert_tree_all_finite(got)
+    assert_trees_close(got, ref)  # step by step: shapes, then rel err <= TIGHT
     assert rel_err(got[0], runs["unsharded"]) <= TIGHT
 
 
@@ -75,15 +75,13 @@ def test_tp_caches_equal_and_replicated(runs, tp):
     rank, and equals the unsharded cache."""
     _, ref_cache = runs[1]
     _, cache = runs[tp]
-    np.testing.assert_array_equal(np.asarray(cache["length"]), np.asarray(ref_cache["length"]))
-    for path, leaf in jax.tree_util.tree_flatten_with_path(cache["layers"])[0]:
-        shards = [np.asarray(s.data) for s in leaf.addressable_shards]
-        assert len(shards) == tp and all(s.shape == leaf.shape for s in shards), path
-        for s in shards[1:]:
-            np.testing.assert_array_equal(s, shards[0], err_msg=f"{jax.tree_util.keystr(path)} differs across ranks")
-        want = jax.tree_util.tree_flatten_with_path(ref_cache["layers"])[0]
-        want = dict((jax.tree_util.keystr(p), v) for p, v in want)[jax.tree_util.keystr(path)]
-        assert rel_err(shards[0], want) <= TIGHT, jax.tree_util.keystr(path)
+    chex.assert_trees_all_equal(cache["length"], ref_cache["length"])
+    layers = cache["layers"]
+    assert {len(leaf.addressable_shards) for leaf in jax.tree.leaves(layers)} == {tp}
+    ranks = [jax.tree.map(lambda leaf, r=r: np.asarray(leaf.addressable_shards[r].data), layers) for r in range(tp)]
+    chex.assert_trees_all_equal_shapes(layers, *ranks)  # every rank holds each leaf whole
+    chex.assert_trees_all_equal(*ranks, strict=True)  # ... and the same values on every rank
+    assert_trees_close(ranks[0], ref_cache["layers"])  # == the unsharded cache, leaf by leaf
 
 
 def test_perturbed_rank_slice_is_detected(engines, runs):

@@ -23,7 +23,7 @@ import pytest
 import jax.numpy as jnp
 
 from redknot_jax.reuse.certificate import CertCounters, FallbackReason
-from redknot_jax.store import ArtifactStore, StoreFullError, StoreIntegrityError, document_id, prefill_from_store
+from redknot_jax.store import ArtifactStore, StoreFullError, StoreIntegrityError, document_id
 from tests.store import CFG, FP, PROFILE, payload_of, spawn_builder, synthetic, write_plain
 
 N_KILLS = 14
@@ -245,6 +245,7 @@ def test_runtime_reads_the_store_and_falls_back_counted_on_corruption(model, tmp
     the in-memory artifact; after a byte flip the request falls back to the Recomputed arm,
     counted as CHECKSUM, before any reuse work."""
     from redknot_jax.reuse.artifact import build_artifact
+    from redknot_jax.reuse.from_store import prefill_from_store
     from redknot_jax.reuse.planner import Request, Segment
     from redknot_jax.reuse.runtime import ReuseFallback, ReuseRuntime
 

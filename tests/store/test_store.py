@@ -9,6 +9,7 @@ import subprocess
 import threading
 import time
 
+import chex
 import numpy as np
 import pytest
 import jax
@@ -22,11 +23,12 @@ from tests.store import CFG, FP, PROFILE, REPO, synthetic
 
 
 def assert_same(a, b):
-    pa, pb = a.payload(), b.payload()
-    assert sorted(pa) == sorted(pb)
-    for k in pa:
-        x, y = np.asarray(pa[k]), np.asarray(pb[k])
-        assert x.dtype == y.dtype and x.shape == y.shape and x.tobytes() == y.tobytes(), k
+    """Bit for bit: the same payload names, each with the same dtype, shape and bytes (compared
+    as uint8, so -0.0 / 0.0 or two NaN payloads differ), and the same tokens."""
+    pa, pb = (jax.tree.map(np.asarray, x.payload()) for x in (a, b))
+    chex.assert_trees_all_equal_shapes_and_dtypes(pa, pb)
+    bits = lambda tree: jax.tree.map(lambda x: np.ascontiguousarray(x).reshape(-1).view(np.uint8), tree)
+    chex.assert_trees_all_equal(bits(pa), bits(pb))
     np.testing.assert_array_equal(a.tokens, b.tokens)
 
 

@@ -1,0 +1,85 @@
+"""What every launch/ entry point shares (issue #48 item 6): its parser, its input-path checks and
+its progress bars, in one place.
+
+* `parser(__doc__, __file__, EXAMPLE)`: argparse with the script's docstring as description, the
+  command line a user would type (README.md / docs/*.md's, where the script appears there) as
+  the epilog, and `python launch/NAME.py` as the program name in usage lines and errors.
+* `checkpoint_dir`, `input_file`: argparse `type=`s for inputs. A missing path is refused while
+  the command line is parsed, so before any model is built: `argument --checkpoint: DIR: no
+  such directory` names both the flag and the path.
+* `progress(...)`: a tqdm bar on stderr, off when stderr is not a terminal (logs, CI, pytest's
+  capture stay clean); `echo(...)`: print() for stdout lines written while a bar is drawn (the
+  bar is cleared and redrawn around the line, the line itself is what print() writes).
+* `load_model(DIR, dtype)`: a safetensors checkpoint into a `Model`, one bar step per stored
+  tensor (what `weights.load_checkpoint` does, with the bar).
+
+argparse, not absl.flags: see WORKSPACE.md ("Decisions").
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+
+def parser(doc: str | None, file: str, *examples: str, **kw) -> argparse.ArgumentParser:
+    """The script's parser: `doc` above the options, `examples` (one command each) below them."""
+    if not examples:
+        raise ValueError(f"{file}: a launch script's --help shows at least one example command")
+    epilog = ("example:\n" if len(examples) == 1 else "examples:\n") + "\n".join(f"  {e}" for e in examples)
+    return argparse.ArgumentParser(prog=f"python launch/{Path(file).name}", description=doc, epilog=epilog,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter, **kw)
+
+
+def input_file(text: str) -> str:
+    """argparse type: a file that must exist."""
+    if not os.path.isfile(text):
+        raise argparse.ArgumentTypeError(f"{text}: " + ("a directory, not a file" if os.path.isdir(text)
+                                                         else "no such file"))
+    return text
+
+
+def checkpoint_dir(text: str) -> str:
+    """argparse type: a checkpoint directory, i.e. one holding config.json."""
+    if not os.path.isdir(text):
+        raise argparse.ArgumentTypeError(f"{text}: no such directory")
+    if not os.path.isfile(os.path.join(text, "config.json")):
+        raise argparse.ArgumentTypeError(f"{text} has no config.json (not a checkpoint directory)")
+    return text
+
+
+def progress(iterable=None, desc: str | None = None, total: int | None = None, unit: str = "it",
+             off: bool = False, **kw):
+    """A tqdm bar on stderr; `off`, or stderr not a terminal, draws nothing (the iterable passes
+    through unchanged)."""
+    from tqdm import tqdm
+
+    return tqdm(iterable, desc=desc, total=total, unit=unit, file=sys.stderr, disable=True if off else None,
+                dynamic_ncols=True, **kw)
+
+
+def echo(*parts, sep: str = " ") -> None:
+    """print(*parts) to stdout, flushed, without tearing a progress bar drawn on the terminal."""
+    from tqdm import tqdm
+
+    out = sys.stdout
+    tqdm.write(sep.join(map(str, parts)), file=out)
+    out.flush()
+
+
+def load_model(directory, dtype):
+    """A `Model` of the checkpoint's config.json with its safetensors loaded (hub or transformers
+    naming; FP8 / FP4 dequantised, every key checked: `weights.load_into`)."""
+    from checkpoints_convert.safetensors_io import ShardedCheckpoint
+    from redknot_jax.config import ModelConfig
+    from redknot_jax.model import Model
+    from redknot_jax.weights import is_scale_key, iter_hub_tensors, load_into
+
+    cfg = ModelConfig.from_json(Path(directory) / "config.json")
+    model = Model(cfg, dtype)
+    src = ShardedCheckpoint(directory)
+    keys = sorted(k for k in src.keys() if not is_scale_key(k))
+    load_into(model, cfg, iter_hub_tensors(src, progress(keys, desc=f"load {Path(directory).name}", unit="tensor")))
+    return model
