@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import http.client
 import json
 import os
@@ -610,46 +611,53 @@ def test_byte_tokenizer_and_tenant_salted_ids(tmp_path):
     assert again.get("a", a.id).tokens.tolist() == [3, 4, 5] and again.content_id("a", [3, 4, 5]) == a.id
 
 
+@dataclasses.dataclass
+class _Doc:
+    """What the scheduler reads of a registered document."""
+    id: str
+    tenant: str
+    tokens: object
+    artifact: object = None
+
+
+def _tiny_runtime():
+    """The tiny mixed model (fp32, seed 2) and its RedKnot runtime: (cfg, model, runtime)."""
+    import jax.numpy as jnp
+
+    from redknot_jax import config
+    from redknot_jax.init import random_model
+    from redknot_jax.reuse.profile import tiny_profile
+    from redknot_jax.reuse.runtime import ReuseRuntime
+
+    cfg = config.tiny("mixed")
+    model = random_model(cfg, seed=2, dtype=jnp.float32)
+    return cfg, model, ReuseRuntime(model, tiny_profile(cfg.num_layers), "fp-test")
+
+
 def test_artifacts_persist_in_per_tenant_stores(tmp_path):
     """With an artifact store, a built artifact is published; after a restart (a new scheduler
     on the same directory) it is read back verified ("disk") and certifies; another tenant's
     store never serves it (no cross-tenant reuse of stored artifacts). A document the device
     arena cannot hold is served recomputed, counted."""
-    import dataclasses as dc
-
-    import jax.numpy as jnp
     import numpy as np
 
-    from redknot_jax import config
     from redknot_jax.generate import Engine
-    from redknot_jax.init import random_model
     from redknot_jax.reuse.planner import Request, Segment
-    from redknot_jax.reuse.profile import tiny_profile
-    from redknot_jax.reuse.runtime import ReuseRuntime
     from redknot_jax.server.metrics import Metrics
     from redknot_jax.server.scheduler import Scheduler
 
-    cfg = config.tiny("mixed")
-    model = random_model(cfg, seed=2, dtype=jnp.float32)
-    rt = ReuseRuntime(model, tiny_profile(cfg.num_layers), "fp-test")
-
-    @dc.dataclass
-    class Doc:
-        id: str
-        tenant: str
-        tokens: np.ndarray
-        artifact: object = None
+    cfg, model, rt = _tiny_runtime()
 
     def scheduler():
         return Scheduler(Engine(model, capacity=64), rt, Metrics(rt.counters), slots=1, checkpoint_fingerprint="fp-test",
                          store_root=str(tmp_path / "artifacts"))
 
     toks = np.random.default_rng(0).integers(2, cfg.vocab_size, 40).astype(np.int32)
-    assert scheduler()._ensure_artifact(Doc("a" * 64, "tenant-a", toks)) == "built"
-    doc = Doc("a" * 64, "tenant-a", toks)
+    assert scheduler()._ensure_artifact(_Doc("a" * 64, "tenant-a", toks)) == "built"
+    doc = _Doc("a" * 64, "tenant-a", toks)
     assert scheduler()._ensure_artifact(doc) == "disk"  # a restart reads it back, verified
     assert rt.certify(Request([Segment(toks, doc.artifact), Segment(toks[:5])])) is None
-    assert scheduler()._ensure_artifact(Doc("b" * 64, "tenant-b", toks)) == "built"  # not a's store
+    assert scheduler()._ensure_artifact(_Doc("b" * 64, "tenant-b", toks)) == "built"  # not a's store
     # a document longer than the whole device arena: the request is served by the Recomputed arm,
     # counted as ARENA_FULL and said in its `redknot` info, and it pins nothing
     import asyncio
@@ -895,34 +903,18 @@ def test_long_prompts_prefill_between_decode_steps_and_document_requests_decode_
     decodes prefills one chunk a step with decode steps between its chunks, and a document
     request decodes a token a step beside the plain batch, not after it. Each gets the tokens it
     gets alone; a budget that is not a positive int is refused naming the flag."""
-    import dataclasses as dc
-
-    import jax.numpy as jnp
     import numpy as np
 
-    from redknot_jax import config
     from redknot_jax.generate import Engine
-    from redknot_jax.init import random_model
     from redknot_jax.reuse.artifact import build_artifact
-    from redknot_jax.reuse.profile import tiny_profile
-    from redknot_jax.reuse.runtime import ReuseRuntime
     from redknot_jax.server.metrics import Metrics
     from redknot_jax.server.scheduler import Job, Sampling, Scheduler
     from redknot_jax.server.state import ServeConfig
 
-    cfg = config.tiny("mixed")
-    model = random_model(cfg, seed=2, dtype=jnp.float32)
-    rt = ReuseRuntime(model, tiny_profile(cfg.num_layers), "fp-test")
+    cfg, model, rt = _tiny_runtime()
     toks = np.random.default_rng(0).integers(2, cfg.vocab_size, 40).astype(np.int32)
 
-    @dc.dataclass
-    class Doc:
-        id: str
-        tenant: str
-        tokens: np.ndarray
-        artifact: object = None
-
-    doc = Doc("a" * 64, "t", toks, build_artifact(model, rt.profile, toks, checkpoint_fingerprint="fp-test"))
+    doc = _Doc("a" * 64, "t", toks, build_artifact(model, rt.profile, toks, checkpoint_fingerprint="fp-test"))
     with pytest.raises(ValueError, match="max_batched_tokens: expected a positive int, got 0"):
         ServeConfig(max_batched_tokens=0)
     with pytest.raises(ValueError, match="max_batched_tokens: expected a positive int, got 1.5"):
