@@ -280,9 +280,13 @@ class SpawnedServer:
             if self.proc.poll() is not None:
                 raise SystemExit(f"bench_qps: the server exited with {self.proc.returncode} before answering "
                                  f"/healthz; last log lines ({self.log_path}):\n{self.tail()}")
-            st, _ = c.request("GET", "/healthz")
+            st, body = c.request("GET", "/healthz")
             if st == 200:
                 break
+            if st == 503 and isinstance(body, dict) and body.get("status") == "failed":  # it will not recover
+                self.stop()
+                raise SystemExit(f"bench_qps: the server's warm-up failed ({body.get('error')}); last log lines "
+                                 f"({self.log_path}):\n{self.tail()}")
             if time.perf_counter() - t0 > self.startup_timeout_s:
                 self.stop()
                 raise SystemExit(f"bench_qps: the server did not answer /healthz within --startup-timeout-s "

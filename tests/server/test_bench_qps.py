@@ -66,6 +66,29 @@ def test_bad_flags_name_the_flag(argv, named, refused):
     refused(bench_qps.main, argv, "error: " + named)
 
 
+def test_a_failed_warmup_stops_the_wait_at_once(tmp_path):
+    """A server whose /healthz says its warm-up failed (503 "failed") will never be ready: the
+    bench stops it and exits naming the error, instead of polling out --startup-timeout-s."""
+    import sys
+    import time
+
+    port = _free_port()
+    srv = bench_qps.SpawnedServer([], port, str(tmp_path / "server.log"), startup_timeout_s=600)
+    srv.cmd = [sys.executable, "-c", f"""
+import http.server, json
+class H(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        body = json.dumps({{"status": "failed", "error": "RuntimeError: injected"}}).encode()
+        self.send_response(503); self.send_header("Content-Length", str(len(body))); self.end_headers()
+        self.wfile.write(body)
+http.server.HTTPServer(("127.0.0.1", {port}), H).serve_forever()
+"""]
+    t0 = time.perf_counter()
+    with pytest.raises(SystemExit, match=r"warm-up failed \(RuntimeError: injected\)"):
+        srv.start()
+    assert time.perf_counter() - t0 < 60 and srv.proc.poll() is not None  # stopped, not waited out
+
+
 def test_bench_against_real_server(tmp_path, monkeypatch, capsys):
     monkeypatch.delenv("XLA_FLAGS", raising=False)  # the server needs one CPU device, not the session's 8
     monkeypatch.setenv("JAX_PLATFORMS", "cpu")
