@@ -17,13 +17,13 @@ from redknot_jax.reuse.artifact import build_artifact
 from redknot_jax.reuse.planner import Request, Segment
 from redknot_jax.reuse.profile import tiny_profile
 from redknot_jax.reuse.runtime import ReuseRuntime
-from redknot_jax.reuse import consumer
+from redknot_jax.reuse import programs
 
 
 def layer_programs() -> int:
     """Programs compiled so far by the consumer's jitted layer functions (the minutes-long
     compiles at model scale; small eager ops over artifact-sized arrays are not counted)."""
-    return sum(f._cache_size() for name, f in vars(consumer).items() if name.endswith("_jit") and
+    return sum(f._cache_size() for name, f in vars(programs).items() if name.endswith("_jit") and
                hasattr(f, "_cache_size"))
 
 

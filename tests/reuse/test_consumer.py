@@ -20,6 +20,7 @@ from redknot_jax import config
 from redknot_jax.config import CSA, HCA
 from redknot_jax.init import random_model
 from redknot_jax.reuse import consumer as consumer_mod
+from redknot_jax.reuse import programs
 from redknot_jax.reuse.artifact import build_artifact
 from redknot_jax.reuse.layout import build_layout
 from redknot_jax.reuse.pool import Buckets, DocPool
@@ -329,7 +330,8 @@ def test_requests_of_similar_sizes_share_compiled_programs():
         n = sum(lens) + new
         return Request(segs, query_rows=tuple(n - 1 - q for q in query)), arts
 
-    jits = [getattr(consumer_mod, name) for name in dir(consumer_mod) if name.endswith("_jit")]
+    jits = [getattr(programs, name) for name in dir(programs) if name.endswith("_jit")]
+    assert len(jits) >= 8, "the consumer's jitted layer programs moved: count them where they live"
     compiled = lambda: sum(f._cache_size() for f in jits)
     bucketed, exact = ReuseRuntime(model, prof, "fp", buckets=2), ReuseRuntime(model, prof, "fp", buckets=0)
     counts = []
