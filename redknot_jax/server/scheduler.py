@@ -328,7 +328,7 @@ class Scheduler:
                 finally:
                     self.warmed.set()
             while True:
-                special = None
+                admit, special = [], None
                 with self._cond:
                     while not self._pending and not self._active() and not self._stopping:
                         self._cond.wait()
@@ -338,10 +338,9 @@ class Scheduler:
                     while self._pending:
                         j = self._pending[0]
                         if j.kind == "plain":
-                            if not free:
+                            if len(admit) >= len(free):
                                 break
-                            self._pending.popleft()
-                            self._guard(j, self._admit, j, free.pop(0))
+                            admit.append(self._pending.popleft())
                         else:  # after the plain jobs ahead of it: FIFO
                             special = [self._pending.popleft()]
                             while (special[0].kind == "reuse" and self._pending and len(special) < self.reuse_batch
@@ -349,6 +348,8 @@ class Scheduler:
                                 special.append(self._pending.popleft())
                             break
                     self.metrics.queue_depth.set(len(self._pending))
+                for job, slot in zip(admit, free):  # outside the lock: submissions are not held up
+                    self._guard(job, self._admit, job, slot)
                 if special is not None:
                     if special[0].kind == "reuse":
                         self._start_reuse(special)  # fails each request on its own
@@ -376,10 +377,10 @@ class Scheduler:
         """One worker step: a decode step of the plain batch, then prefill chunks of joining
         sequences (oldest first) within what is left of `max_batched_tokens` (at least one
         chunk), then a token of each document request."""
-        decoding = sum(isinstance(s, _Slot) for s in self._slots) + len(self._reuse)
-        if any(isinstance(s, _Slot) for s in self._slots):
+        plain = sum(isinstance(s, _Slot) for s in self._slots)
+        if plain:
             self._decode_step()
-        budget = self.max_batched_tokens - decoding
+        budget = self.max_batched_tokens - plain - len(self._reuse)
         filling = sorted((i for i, s in enumerate(self._slots) if isinstance(s, _Filling)),
                          key=lambda i: self._slots[i].job.t_submit)
         ran = 0
@@ -450,7 +451,8 @@ class Scheduler:
 
     def _prefill_slot(self, tokens, slot: int) -> np.ndarray:
         """Prefill one prompt (batch 1, chunked) into `slot` of the batch cache; its last row's
-        logits [vocab] on the host. What an admission and the warm-up run."""
+        logits [vocab] on the host. The warm-up's admission: the chunk, splice and logits programs
+        an admission runs over several steps (`_fill`), run back to back."""
         logits, one = self.eng.prefill([tokens], chunk=self.prefill_chunk)
         self.cache = self._splice(self.cache, one, slot)
         return np.asarray(logits[0])
@@ -548,12 +550,6 @@ class Scheduler:
     def _run_build(self, job: Job) -> None:
         self._ensure_artifact(job.doc)
         job.emit("done", "built", {})
-
-    def _run_reuse(self, jobs: list[Job]) -> None:
-        """`jobs` (document requests) from prefill to their last token, nothing else running."""
-        self._start_reuse(jobs)
-        while self._reuse:
-            self._reuse_step()
 
     def _start_reuse(self, jobs: list[Job]) -> None:
         """Requests citing documents, RedKnot arm (each falls back to recomputation, counted, when

@@ -620,6 +620,13 @@ class _Doc:
     artifact: object = None
 
 
+def _run_reuse(sched, jobs) -> None:
+    """Document requests from prefill to their last token on `sched`, nothing else running."""
+    sched._start_reuse(jobs)
+    while sched._reuse:
+        sched._reuse_step()
+
+
 def _tiny_runtime():
     """The tiny mixed model (fp32, seed 2) and its RedKnot runtime: (cfg, model, runtime)."""
     import jax.numpy as jnp
@@ -670,7 +677,7 @@ def test_artifacts_persist_in_per_tenant_stores(tmp_path):
     job = Job("reuse", asyncio.new_event_loop(), tokens=[5, 6, 7], docs=[doc], sampling=Sampling(max_tokens=2))
     events = []
     job.emit = lambda *ev: events.append(ev)
-    small._run_reuse([job])
+    _run_reuse(small, [job])
     info = next(e[1] for e in events if e[0] == "info")
     assert (info["arm"], info["fallback"]) == ("recompute", "arena_full") and "more than the arena" in info[
         "fallback_detail"], info
@@ -688,7 +695,7 @@ def test_artifacts_persist_in_per_tenant_stores(tmp_path):
               arm="auto")
     events = []
     job.emit = lambda *ev: events.append(ev)
-    auto._run_reuse([job])
+    _run_reuse(auto, [job])
     assert (job.kind, job.arm, job.tokens) == ("plain", "recompute", doc.tokens.tolist() + [5, 6, 7])
     assert list(auto._pending) == [job] and events[0][0] == "info"
     choice = events[0][1]["arm_choice"]  # the document is in host memory, not in the arena: tier "host"
@@ -702,7 +709,7 @@ def test_artifacts_persist_in_per_tenant_stores(tmp_path):
                     arm="redknot")
             j.emit = lambda *ev, k=k: events.append((k, ev))
             jobs.append(j)
-        sched._run_reuse(jobs)
+        _run_reuse(sched, jobs)
         return [[ev[1] for kk, ev in events if kk == k and ev[0] == "token"] for k in range(len(prompts))]
 
     together = Scheduler(Engine(model, capacity=64), rt, Metrics(rt.counters), slots=1, checkpoint_fingerprint="fp-test")
