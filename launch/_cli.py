@@ -10,8 +10,7 @@ its progress bars, in one place.
 * `progress(...)`: a tqdm bar on stderr, off when stderr is not a terminal (logs, CI, pytest's
   capture stay clean); `echo(...)`: print() for stdout lines written while a bar is drawn (the
   bar is cleared and redrawn around the line, the line itself is what print() writes).
-* `load_model(DIR, dtype)`: a safetensors checkpoint into a `Model`, one bar step per stored
-  tensor (what `weights.load_checkpoint` does, with the bar).
+* `load_model(DIR, dtype)`: `quality.train.load_model` with a bar, one step per stored tensor.
 
 argparse, not absl.flags: see WORKSPACE.md ("Decisions").
 """
@@ -70,16 +69,9 @@ def echo(*parts, sep: str = " ") -> None:
 
 
 def load_model(directory, dtype):
-    """A `Model` of the checkpoint's config.json with its safetensors loaded (hub or transformers
-    naming; FP8 / FP4 dequantised, every key checked: `weights.load_into`)."""
-    from checkpoints_convert.safetensors_io import ShardedCheckpoint
-    from redknot_jax.config import ModelConfig
-    from redknot_jax.model import Model
-    from redknot_jax.weights import is_scale_key, iter_hub_tensors, load_into
+    """`quality.train.load_model` (any safetensors checkpoint with config.json) with a bar over
+    the stored tensors."""
+    from redknot_jax.quality.train import load_model as load
 
-    cfg = ModelConfig.from_json(Path(directory) / "config.json")
-    model = Model(cfg, dtype)
-    src = ShardedCheckpoint(directory)
-    keys = sorted(k for k in src.keys() if not is_scale_key(k))
-    load_into(model, cfg, iter_hub_tensors(src, progress(keys, desc=f"load {Path(directory).name}", unit="tensor")))
-    return model
+    return load(directory, dtype, progress=lambda keys: progress(keys, desc=f"load {Path(directory).name}",
+                                                                  unit="tensor"))

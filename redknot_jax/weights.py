@@ -389,8 +389,11 @@ def load_into(model: nnx.Module, cfg: ModelConfig, tensors: Iterator[tuple[str, 
         leaves[path].set_value(put(path, arr) if put is not None else jnp.asarray(arr))
 
 
-def load_checkpoint(model: nnx.Module, cfg: ModelConfig, directory, put=None) -> None:
-    """Load a safetensors directory (hub or transformers naming; bf16/fp32 or FP8/FP4)."""
+def load_checkpoint(model: nnx.Module, cfg: ModelConfig, directory, put=None, progress=None) -> None:
+    """Load a safetensors directory (hub or transformers naming; bf16/fp32 or FP8/FP4).
+    `progress`: wraps the sorted stored keys as they are read (e.g. a tqdm bar)."""
     from checkpoints_convert.safetensors_io import ShardedCheckpoint
 
-    load_into(model, cfg, iter_hub_tensors(ShardedCheckpoint(directory)), put)
+    src = ShardedCheckpoint(directory)
+    keys = None if progress is None else progress(sorted(k for k in src.keys() if not is_scale_key(k)))
+    load_into(model, cfg, iter_hub_tensors(src, keys), put)

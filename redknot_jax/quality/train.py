@@ -385,12 +385,12 @@ def _key_order(key: str):
     return (int(parts[1]) if parts[0] == "layers" else -1, key)
 
 
-def load_model(directory, dtype=jnp.float32) -> Model:
+def load_model(directory, dtype=jnp.float32, progress=None) -> Model:
     """A `Model` from a checkpoint directory written by `save_checkpoint` (or any hub /
-    transformers safetensors directory with config.json)."""
+    transformers safetensors directory with config.json); `progress` as `weights.load_checkpoint`'s."""
     cfg = ModelConfig.from_json(pathlib.Path(directory) / "config.json")
     model = Model(cfg, dtype)
-    W.load_checkpoint(model, cfg, directory)
+    W.load_checkpoint(model, cfg, directory, progress=progress)
     return model
 
 
