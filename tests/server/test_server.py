@@ -904,6 +904,8 @@ def test_warmup_failure_is_reported_and_logged_not_half_ready(warm_state, caplog
     assert failed and "injected: compiling ran out of memory" in failed[0].getMessage()
 
 
+# ------------------------------------------------------------------ worker steps (in-process; after the warm-up
+# tests, whose negative control needs the multi-chunk programs this one compiles)
 def test_long_prompts_prefill_between_decode_steps_and_document_requests_decode_beside_the_batch():
     """A worker step runs the running sequences' decode rows, then prefill chunks of joining
     sequences within --max-batched-tokens: a long prompt (3 chunks) joining while a sequence
