@@ -38,6 +38,7 @@ from redknot_jax.reuse import codec
 from redknot_jax.reuse.arena import DocArena
 from redknot_jax.reuse.artifact import local_head_mask
 from redknot_jax.reuse.decode import DecodeState
+from redknot_jax.reuse.decode_batch import DecodeBatch
 from redknot_jax.reuse.layout import NEVER, build_layout, common_sizes, frame_rows
 from redknot_jax.reuse.planner import Plan, concentration, fill_itop, row_risk
 from redknot_jax.reuse.pool import ENTRY_PAD, Buckets, DocPool, HostPool, ceil_to
@@ -186,6 +187,16 @@ class Consumer:
         rows = np.asarray(rows, np.int32).reshape(-1)
         padded = np.r_[rows, np.full(self.buckets(rows.size, 8) - rows.size, rows[-1])] if rows.size > 1 else rows
         return logits_jit(self.top_state, x, jnp.asarray(padded)[None], graphdef=self.top_def)[0, :rows.size]
+
+    def _decode_layout(self, state: DecodeState, plan: Plan, layout, decode_rows: int) -> None:
+        """A decode state's compact rows (the prompt layout's own rows, then room for the new
+        rows) and its decode layout: the plan extended by `decode_rows` (`state.plan`)."""
+        kept = layout.own_rows(plan.n_rows)
+        state.own, state.own_cap = kept.size, self._rows(kept.size + decode_rows)
+        state.plan = plan.extend(decode_rows)
+        state.layout = self._layout(state.plan, state.pool, runs=bool(self.decode_kernels))
+        if not np.array_equal(state.layout.own_rows(plan.n_rows), kept):
+            raise AssertionError("decode layout: the prompt's compact rows changed")
 
     # -------------------------------------------------------------- arms
     def _prefix_cap(self, L: int, c: int, n: int) -> int:
@@ -342,13 +353,9 @@ class Consumer:
                 layout = self._layout(plan, pool)
                 if layout.c != t:
                     raise AssertionError(f"layout of {layout.c} computed rows for {t} embedded rows")
-                if state is not None:  # the compact rows decoding keeps, then room for the new rows
-                    kept = layout.own_rows(n)
-                    state.own, state.own_cap = kept.size, self._rows(kept.size + decode_rows)
+                if state is not None:
+                    self._decode_layout(state, plan, layout, decode_rows)
                     keep_rows = jnp.arange(state.own_cap, dtype=jnp.int32)  # compact rows: the own rows, in order
-                    state.layout = self._layout(plan.extend(decode_rows), pool, runs=bool(self.decode_kernels))
-                    if not np.array_equal(state.layout.own_rows(n), kept):
-                        raise AssertionError("decode layout: the prompt's compact rows changed")
                 if timings is not None:
                     timings["plan_s"] = time.perf_counter() - t0
             gd, st = self.defs[i]
@@ -373,6 +380,9 @@ class Consumer:
         extended request (RedKnot's with the plan frozen, `Plan.extend`)."""
         cfg, prof, lay = self.cfg, self.profile, state.layout
         t0 = state.rows
+        if state.batch is not None:
+            raise ValueError("decode_step: this decode state joined a DecodeBatch, which holds its rows: step the "
+                             "batch (a state that left one is spent)")
         if not state.room:
             raise ValueError(f"decode_step: the decode state holds {state.rows} rows and has no room for more")
         if lay is not None and (int(lay.own_slot[t0]) != state.own or state.own >= state.own_cap):
@@ -398,6 +408,11 @@ class Consumer:
         state.own += lay is not None
         state.stepped = True
         return self._logits(x, [0])[0]
+
+    def decode_batch(self, slots: int) -> DecodeBatch:
+        """A batch of `slots` RedKnot decode states stepped together, one jitted call per layer
+        (`decode_batch.py`): `join` a state from `redknot` / `redknot_batch` with `decode_rows`."""
+        return DecodeBatch(self, slots)
 
     # -------------------------------------------------------------- batches
     def _pad_batch(self, token_lists, t_min: int = 0):
@@ -451,13 +466,9 @@ class Consumer:
                 sizes = common_sizes(first)
                 layouts = [self._layout(plan, pool, sizes) for plan in plans]
                 tabs = jax.tree.map(lambda *a: jnp.stack(a), *[lay.tables for lay in layouts])
-                if states is not None:  # as `redknot`: each request's compact rows, then its decode layout
+                if states is not None:  # as `redknot`
                     for plan, lay, st_b in zip(plans, layouts, states):
-                        kept = lay.own_rows(plan.n_rows)
-                        st_b.own, st_b.own_cap = kept.size, self._rows(kept.size + decode_rows)
-                        st_b.layout = self._layout(plan.extend(decode_rows), pool, runs=bool(self.decode_kernels))
-                        if not np.array_equal(st_b.layout.own_rows(plan.n_rows), kept):
-                            raise AssertionError("decode layout: the prompt's compact rows changed")
+                        self._decode_layout(st_b, plan, lay, decode_rows)
                     keep_rows = jnp.tile(jnp.arange(max(s.own_cap for s in states), dtype=jnp.int32), (len(plans), 1))
             gd, st = self.defs[i]
             out = reusable_batch_jit(st, x, ids, tabs, pool_layer, keep_rows, graphdef=gd, freqs=self.model.freqs(i),

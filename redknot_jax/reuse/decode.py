@@ -59,6 +59,8 @@ class DecodeState:
     layout: Layout | None = None
     stepped: bool = False  # a step ran (so the entries are in `layers`)
     native: bool = False  # every layer native (the Recomputed arm's state; no pool, no layout)
+    plan: object = None  # the decode layout's plan (the prompt's, extended by every row there is room for)
+    batch: object = None  # the `DecodeBatch` it joined, which holds its rows from then on (`layers` emptied)
 
     @property
     def room(self) -> bool:

@@ -143,10 +143,14 @@ class Layout:
 
 def common_sizes(layouts) -> dict:
     """The smallest sizes every layout of a batch pads to."""
-    rates = {k for lay in layouts for k in lay.sizes()["rates"]}
-    top = lambda key: max(lay.sizes()[key] for lay in layouts)
-    return {"t": top("t"), "C": top("C"), "P": top("P"), "K": top("K"),
-            "rates": {k: tuple(max(lay.sizes()["rates"][k][j] for lay in layouts) for j in (0, 1)) for k in rates}}
+    return max_sizes(*(lay.sizes() for lay in layouts))
+
+
+def max_sizes(*sizes: dict) -> dict:
+    """The smallest sizes (`Layout.sizes` dicts) that each of `sizes` pads to."""
+    rates = {k for s in sizes for k in s["rates"]}
+    return {**{key: max(s[key] for s in sizes) for key in ("t", "C", "P", "K")},
+            "rates": {k: tuple(max(s["rates"].get(k, (0, 0))[j] for s in sizes) for j in (0, 1)) for k in rates}}
 
 
 def frame_rows(frames, pool: DocPool, t: int) -> tuple[np.ndarray, np.ndarray]:

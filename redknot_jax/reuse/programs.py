@@ -2,8 +2,9 @@
 compiled program (the nnx graph definition is a static argument), so the 43-layer flash stack
 compiles a few layer programs instead of one unrolled program. Each merges its layer's state
 and runs the math of `layer.py` (a reusable layer: single request, keeping what decoding reads,
-a batch), `decode.py` (a decode step) or the model's (a native layer, embedding, head), and the
-controller's scores and latent deviation (`Consumer.controller`)."""
+a batch), `decode.py` (a decode step, alone or of a `DecodeBatch`) or the model's (a native
+layer, embedding, head), and the controller's scores and latent deviation
+(`Consumer.controller`)."""
 
 from __future__ import annotations
 
@@ -86,6 +87,23 @@ def reusable_step_jit(state, x, ids, tab, pool_layer, keys, t0, *, graphdef, fre
     x, keys = decode_attention(blk, x, tab, pool_layer, keys, t0, freqs=freqs, kernels=kernels)
     x, _ = reusable_ffn(blk, x, ids, jnp.ones(x.shape[1], bool), fan)
     return x, keys
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "freqs", "fan"), donate_argnames=("keys",))
+def reusable_step_batch_jit(state, x, ids, tabs, pool_layer, keys, t0, *, graphdef, freqs, fan):
+    """`reusable_step_jit` for the members of a `DecodeBatch`: x [b, 1, n, d] (a new row each),
+    their decode layouts `tabs` and compact rows `keys` stacked on a leading axis, t0 [b]: the
+    attention vmapped over them (XLA), the MoE once over the b rows."""
+    blk = nnx.merge(graphdef, state)
+
+    def one(xx, tt, kk, t):
+        y, kk = decode_attention(blk, xx[None], tt, pool_layer, kk, t, freqs=freqs)
+        return y[0], kk
+
+    x, keys = jax.vmap(one)(x, tabs, keys, t0)
+    b = x.shape[0]
+    y, _ = reusable_ffn(blk, x.reshape((1, b) + x.shape[2:]), ids.reshape(1, b), jnp.ones(b, bool), fan)
+    return y.reshape(x.shape), keys
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "freqs"))

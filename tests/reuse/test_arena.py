@@ -18,6 +18,8 @@ from redknot_jax.reuse.planner import Request, Segment
 from redknot_jax.reuse.profile import tiny_profile
 from redknot_jax.reuse.runtime import ReuseRuntime
 from redknot_jax.reuse import programs
+from redknot_jax.reuse.layout import max_sizes
+from tests.tolerances import TOL, rel_err
 
 
 def layer_programs() -> int:
@@ -91,3 +93,47 @@ def test_lru_eviction_pins_and_errors(setup):
     arena.release([arts[0], arts[1]])
     with pytest.raises(ValueError, match="codec 'dense'; this arena holds 'fp8'"):
         arena.acquire([dense])
+
+
+def test_a_decode_batch_steps_each_member_as_it_decodes_alone(setup):
+    """`DecodeBatch`: requests of different sizes over the arena joining (the larger pads every
+    member once) and leaving between steps; each member's logits are those of its own decode
+    state stepped alone; what cannot join is refused by name."""
+    cfg, rt, arts, req = setup
+    c = rt.consumer
+    arena = c.arena(rows=16 * cfg.hca_rate, docs=8)
+    arena.acquire(arts)
+    sets, steps = ([3], [0, 2, 1], [1, 3]), cfg.hca_rate + 2  # rows 57, 105, 90; new rows close windows
+    alone = [rt.prefill(req(ix), "redknot", require_reuse=True, pool=arena, decode_rows=steps).decode for ix in sets]
+    mine = [rt.prefill(req(ix), "redknot", require_reuse=True, pool=arena, decode_rows=steps).decode for ix in sets]
+    batch = c.decode_batch(slots=2)
+    rng = np.random.default_rng(0)
+    joins, leaves = {0: [0], 2: [1], 5: [2]}, {5: [0]}  # step -> requests; 2 takes 0's slot
+    slot, done = {}, {0: 0, 1: 0, 2: 0}
+    for k in range(steps + 5):
+        for r in leaves.get(k, []):
+            batch.leave(slot.pop(r))
+        for r in joins.get(k, []):
+            slot[r] = batch.join(mine[r])
+        if k == 2:
+            assert batch.sizes == max_sizes(mine[0].layout.sizes(), mine[1].layout.sizes())
+        toks = rng.integers(2, cfg.vocab_size, batch.slots)
+        logits = np.asarray(batch.step(toks))
+        for r, b in slot.items():
+            ref = np.asarray(c.decode_step(int(toks[b]), alone[r]))
+            assert rel_err(logits[b], ref) < TOL["consumer_vs_reference"][0], (k, r)
+            done[r] += 1
+        for r in [r for r in slot if done[r] == steps]:
+            batch.leave(slot.pop(r))
+    assert done == {0: 5, 1: steps, 2: steps} and batch.size == 0 and batch.layers == {}
+    with pytest.raises(ValueError, match="joined a DecodeBatch"):
+        c.decode_step(1, mine[1])
+    with pytest.raises(ValueError, match="native"):
+        batch.join(rt.prefill(req([3]), "recompute", decode_rows=2).decode)
+    one = c.decode_batch(slots=1)
+    one.join(rt.prefill(req([3]), "redknot", pool=arena, decode_rows=2).decode)
+    with pytest.raises(ValueError, match="all 1 slots are taken"):
+        one.join(rt.prefill(req([3]), "redknot", pool=arena, decode_rows=2).decode)
+    with pytest.raises(ValueError, match="another pool"):
+        one.join(rt.prefill(req([3]), "redknot", pool=c.pool([arts[3]]), decode_rows=2).decode)
+    arena.release(arts)
