@@ -16,6 +16,11 @@ An exact prefix (`Plan.prefix`, DESIGN §4) is computed in no layer of the RedKn
 rows after it are embedded and run; a fence reads the prefix's native cache from its artifact
 (`prefix.native_cache`) and runs those rows as one chunk after it; a reusable layer reads the
 prefix's keys, entries and open windows from the pool like any document's.
+
+Steps: each arm has a form that runs a layer at a time (`recompute_steps`, `prefix_steps`,
+`redknot_steps`, `redknot_batch_steps`): a generator that yields after each layer's programs are
+dispatched and returns what the arm returns, so a server can run other requests' decode steps
+between a long prefill's layers (`run_steps` drains one: the arm itself).
 """
 
 from __future__ import annotations
@@ -46,6 +51,15 @@ from redknot_jax.reuse.prefix import native_cache, prefix_check
 from redknot_jax.reuse.programs import (controller_jit, decode_entries_jit, deviation_jit, embed_jit, logits_jit,
                                         native_jit, reusable_batch_jit, reusable_jit, reusable_keys_jit,
                                         reusable_step_jit)
+
+
+def run_steps(steps):
+    """What a steps generator (module doc) returns, run to its end."""
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            return done.value
 
 
 class _LayerClock:
@@ -233,6 +247,10 @@ class Consumer:
         (`decode_step`). `layer_times`: a profile; each layer is waited for and its seconds
         appended; `layer_traces` (directory, layers): those layers traced on their own
         (`_LayerClock`)."""
+        return run_steps(self.recompute_steps(tokens, query_rows, layer_times, layer_traces, decode_rows))
+
+    def recompute_steps(self, tokens, query_rows, layer_times=None, layer_traces=None, decode_rows: int = 0):
+        """`recompute` a layer at a time (module doc, "steps")."""
         ids, t, t_real = self._pad(tokens)
         x = self._embed(ids)
         clock = _LayerClock(layer_times, x, layer_traces)
@@ -242,6 +260,7 @@ class Consumer:
             x = self._native(i, x, ids, t_real, t) if state is None else \
                 self._native_cached(i, x, ids, 0, t_real, state.cap, [None], state)
             clock.lap(x)
+            yield
         logits = self._logits(x, query_rows)
         return (logits, state) if decode_rows else logits
 
@@ -252,6 +271,10 @@ class Consumer:
         Returns logits [q, vocab] fp32, and with `decode_rows` > 0 also a native `DecodeState`
         (rows = the request length) that `decode_step` continues. `layer_times`: as
         `recompute`'s."""
+        return run_steps(self.prefix_steps(artifact, tokens, query_rows, decode_rows, layer_times))
+
+    def prefix_steps(self, artifact, tokens, query_rows, decode_rows: int = 0, layer_times=None):
+        """`prefix` a layer at a time (module doc, "steps")."""
         tokens = np.asarray(tokens, np.int32)
         prefix_check(artifact, tokens, self.cfg.num_layers)
         n, L = int(tokens.size), artifact.length
@@ -266,6 +289,7 @@ class Consumer:
         for i in range(self.cfg.num_layers):
             x = self._native_cached(i, x, ids, L, t_real, cap, [artifact], state)
             clock.lap(x)
+            yield
         logits = self._logits(x, q - L)
         return (logits, state) if decode_rows else logits
 
@@ -329,6 +353,12 @@ class Consumer:
         reusable layer's include the controller and the layout); `layer_traces` (directory,
         layers): those layers traced on their own (`_LayerClock`). An exact prefix
         (`plan.prefix` rows) is computed in no layer (module doc)."""
+        return run_steps(self.redknot_steps(plan, tokens, pool, timings, frozen, decode_rows, layer_times,
+                                            layer_traces))
+
+    def redknot_steps(self, plan: Plan, tokens, pool: DocPool, timings=None, frozen: bool = False,
+                      decode_rows: int = 0, layer_times=None, layer_traces=None):
+        """`redknot` a layer at a time (module doc, "steps")."""
         cfg, prof = self.cfg, self.profile
         L, n = plan.prefix, plan.n_rows
         ids, t, t_real = self._pad(np.asarray(tokens)[L:])  # the computed rows
@@ -344,6 +374,7 @@ class Consumer:
                 else:
                     x = self._native(i, x, ids, t_real, t)
                 clock.lap(x)
+                yield
                 continue
             pool_layer = pool.layers[i]  # read once: a HostPool streams each layer once
             if layout is None:  # the controller reads the first reusable layer's input
@@ -367,6 +398,7 @@ class Consumer:
                 x, h, state.layers[i] = reusable_keys_jit(st, x, ids, layout.tables, pool_layer, keep_rows, **kw)
             hist = h if hist is None else hist + h
             clock.lap(x)
+            yield
         logits = self._logits(x, plan.query_rows - L)
         return (logits, hist, state) if decode_rows else (logits, hist)
 
@@ -445,6 +477,10 @@ class Consumer:
         [q, vocab], fan-out histogram)] per request, equal to `redknot` request by request, and
         with `decode_rows` > 0 each request's `DecodeState` too (caches of the batch's common
         capacity; `decode_step` then runs each request on its own)."""
+        return run_steps(self.redknot_batch_steps(plans, token_lists, pool, decode_rows))
+
+    def redknot_batch_steps(self, plans: list[Plan], token_lists, pool: DocPool, decode_rows: int = 0):
+        """`redknot_batch` a layer at a time (module doc, "steps")."""
         cfg, prof = self.cfg, self.profile
         Ls = [p.prefix for p in plans]
         ids, t, t_real = self._pad_batch([np.asarray(tk)[L:] for tk, L in zip(token_lists, Ls)])
@@ -457,6 +493,7 @@ class Consumer:
             if prof.is_fence(i, cfg.num_layers):
                 x = self._native_cached(i, x, ids, Ls, t_real, cap, firsts, states) if any(Ls) or states else \
                     self._native(i, x, ids, t_real, t)
+                yield
                 continue
             pool_layer = pool.layers[i]
             if tabs is None:
@@ -479,6 +516,7 @@ class Consumer:
                 for b, st_b in enumerate(states):
                     st_b.layers[i] = jax.tree.map(lambda k: k[b, :st_b.own_cap], out[2])
             hist = hb if hist is None else hist + hb
+            yield
         logits = self._logits_batch(x, [p.query_rows - p.prefix for p in plans])
         return [(lg, None if hist is None else hist[b]) + ((states[b],) if states else ())
                 for b, lg in enumerate(logits)]

@@ -36,7 +36,7 @@ from redknot_jax.pallas.indexer_scores import index_scores
 from redknot_jax.relocation import merge_partials, partial_attention, rotate
 from redknot_jax.reuse import ledger as ledgers
 from redknot_jax.reuse.artifact import local_head_mask, profile_parts, project_heads, single_rank
-from redknot_jax.reuse.consumer import Consumer
+from redknot_jax.reuse.consumer import Consumer, run_steps
 from redknot_jax.reuse.decode import DecodeState
 from redknot_jax.reuse.pool import DocPool
 from redknot_jax.reuse.certificate import (CertCounters, FallbackReason, TPGeometry, can_prefix, explain,
@@ -130,6 +130,13 @@ class ReuseRuntime:
         certified as the RedKnot arm, and a request whose first segment is not a document, or
         whose first artifact cannot be a prefix (`can_prefix`), falls back, counted
         (NO_PREFIX_STATE)."""
+        return run_steps(self.prefill_steps(req, arm, require_reuse, path, pool, decode_rows))
+
+    def prefill_steps(self, req: Request, arm: str = "redknot", require_reuse: bool = False, path: str = "jit",
+                      pool: DocPool | None = None, decode_rows: int = 0):
+        """`prefill` a layer at a time: a generator that yields after each layer of the arm that
+        runs (the consumer's steps) and returns the `PrefillResult` (a server runs other requests'
+        decode steps between them)."""
         if arm not in ARMS:
             raise ValueError(f"arm must be one of {list(ARMS)}, got {arm!r}")
         if path not in ("jit", "reference"):
@@ -142,8 +149,8 @@ class ReuseRuntime:
             if bad is None:
                 self.counters.record_ok()
                 plan = plan_request(req, self.profile)
-                out = self.consumer.prefix(req.segments[0].artifact, req.tokens, plan.query_rows,
-                                           decode_rows=decode_rows)
+                out = yield from self.consumer.prefix_steps(req.segments[0].artifact, req.tokens, plan.query_rows,
+                                                            decode_rows=decode_rows)
                 logits, state = (out[0], out[1]) if decode_rows else (out, None)
                 return PrefillResult(np.asarray(logits), "prefix", None, "", None, plan, time.perf_counter() - t0,
                                      decode=state)
@@ -160,7 +167,7 @@ class ReuseRuntime:
                     plan = plan_request(req, self.profile)
                     if pool is None:
                         pool = self.consumer.pool([s.artifact for s in req.segments if s.artifact is not None])
-                    out = self.consumer.redknot(plan, req.tokens, pool, decode_rows=decode_rows)
+                    out = yield from self.consumer.redknot_steps(plan, req.tokens, pool, decode_rows=decode_rows)
                     logits, hist = np.asarray(out[0]), np.asarray(out[1])
                     hist = np.pad(hist, (0, max(0, 7 - hist.size)))
                     state = out[2] if decode_rows else None
@@ -174,9 +181,10 @@ class ReuseRuntime:
         if path == "reference":
             logits = self._recompute(req, plan.query_rows)
         elif decode_rows:
-            logits, state = self.consumer.recompute(req.tokens, plan.query_rows, decode_rows=decode_rows)
+            logits, state = yield from self.consumer.recompute_steps(req.tokens, plan.query_rows,
+                                                                     decode_rows=decode_rows)
         else:
-            logits = self.consumer.recompute(req.tokens, plan.query_rows)
+            logits = yield from self.consumer.recompute_steps(req.tokens, plan.query_rows)
         reason, detail = (bad if arm != "recompute" else (None, ""))
         return PrefillResult(np.asarray(logits), "recompute", reason, detail, None, plan, time.perf_counter() - t0,
                              decode=state)
@@ -211,6 +219,11 @@ class ReuseRuntime:
         many generated rows (`next_logits` then decodes each request on its own; a request that
         falls back is recomputed on its own with its state). `seconds` of every result is the
         whole batch's wall time."""
+        return run_steps(self.prefill_batch_steps(reqs, arm, require_reuse, pool, decode_rows))
+
+    def prefill_batch_steps(self, reqs: list[Request], arm: str = "redknot", require_reuse: bool = False,
+                            pool: DocPool | None = None, decode_rows: int = 0):
+        """`prefill_batch` a layer at a time (as `prefill_steps`); returns the results."""
         if arm not in ("recompute", "redknot"):
             raise ValueError(f"arm: expected 'recompute' or 'redknot', got {arm!r}")
         if not reqs:
@@ -235,8 +248,8 @@ class ReuseRuntime:
             if pool is None:
                 arts = {id(s.artifact): s.artifact for k in red for s in reqs[k].segments if s.artifact is not None}
                 pool = self.consumer.pool(list(arts.values()))
-            res = self.consumer.redknot_batch([plans[k] for k in red], [reqs[k].tokens for k in red], pool,
-                                              decode_rows=decode_rows)
+            res = yield from self.consumer.redknot_batch_steps([plans[k] for k in red], [reqs[k].tokens for k in red],
+                                                               pool, decode_rows=decode_rows)
             for k, (logits, hist, *state) in zip(red, res):
                 hist = np.asarray(hist) if hist is not None else None
                 if hist is not None:
@@ -245,8 +258,10 @@ class ReuseRuntime:
                                        plans[k], 0.0, hist, state[0] if state else None)
         if rec:
             if decode_rows:  # each with its own native decode state
-                res = [self.consumer.recompute(reqs[k].tokens, plans[k].query_rows, decode_rows=decode_rows)
-                       for k in rec]
+                res = []
+                for k in rec:
+                    res.append((yield from self.consumer.recompute_steps(reqs[k].tokens, plans[k].query_rows,
+                                                                         decode_rows=decode_rows)))
             else:
                 res = [(lg, None) for lg in self.consumer.recompute_batch([reqs[k].tokens for k in rec],
                                                                          [plans[k].query_rows for k in rec])]
@@ -259,17 +274,39 @@ class ReuseRuntime:
             r.seconds = dt
         return out
 
-    def generate(self, req: Request, max_new_tokens: int, arm: str = "redknot", require_reuse: bool = False):
+    def generate(self, req: Request, max_new_tokens: int, arm: str = "redknot", require_reuse: bool = False,
+                 pool: DocPool | None = None):
         """Greedy tokens after the request. The first token comes from `prefill`; decoding then
         continues natively over the same relocated frames: each generated token is a new,
         protected query row appended to the last frame, and the plan of the prompt rows stays
         frozen (so earlier rows never change). Each step runs the new row alone over the prompt's
         cached keys (`decode_rows`; `Consumer.decode_step`). Returns (tokens, first PrefillResult)."""
-        first = self.prefill(req, arm, require_reuse, decode_rows=max(0, max_new_tokens - 1))
+        first = self.prefill(req, arm, require_reuse, pool=pool, decode_rows=max(0, max_new_tokens - 1))
         toks = [int(np.argmax(first.logits[-1]))]
         for _ in range(max_new_tokens - 1):
             toks.append(int(np.argmax(self.next_logits(req, first, toks))))
         return toks, first
+
+    def generate_batch(self, reqs: list[Request], max_new_tokens: int, arm: str = "redknot",
+                       require_reuse: bool = False, pool: DocPool | None = None):
+        """`generate` for several requests: one batched prefill (`prefill_batch`), then the
+        requests in the RedKnot arm decode as rows of one `DecodeBatch` (a jitted call per layer
+        for all of them per token); one that fell back decodes on its own. Returns (tokens per
+        request, PrefillResult per request), each request's equal to its `generate`."""
+        firsts = self.prefill_batch(reqs, arm, require_reuse, pool=pool, decode_rows=max(0, max_new_tokens - 1))
+        toks = [[int(np.argmax(f.logits[-1]))] for f in firsts]
+        batch = self.consumer.decode_batch(len(reqs))
+        slots = {k: batch.join(f.decode) for k, f in enumerate(firsts) if f.decode is not None and not f.decode.native}
+        for _ in range(max_new_tokens - 1):
+            if slots:
+                last = np.zeros(batch.slots, np.int32)
+                for k, b in slots.items():
+                    last[b] = toks[k][-1]
+                logits = np.asarray(batch.step(last))
+            for k, (req, first) in enumerate(zip(reqs, firsts)):
+                row = logits[slots[k]] if k in slots else self.next_logits(req, first, toks[k])
+                toks[k].append(int(np.argmax(row)))
+        return toks, firsts
 
     def next_logits(self, req: Request, first: PrefillResult, generated, pool: DocPool | None = None) -> np.ndarray:
         """Logits [vocab] of the row after `generated` (tokens sampled so far after `req`), in

@@ -145,6 +145,9 @@ class Metrics:
             ["tier"], registry=r)
         self.reuse_batch = Histogram("redknot_reuse_batch_requests", "Document requests prefilled together in "
                                      "one batch (one jitted call per layer)", buckets=(2, 3, 4, 6, 8, 16), registry=r)
+        self.reuse_decode_rows = Histogram("redknot_reuse_decode_batch_rows", "Document requests decoding as rows "
+                                           "of one batched step (DecodeBatch: one jitted call per layer)",
+                                           buckets=(1, 2, 3, 4, 6, 8, 12, 16, 32, 64), registry=r)
         self.arm_choice = Counter("redknot_arm_choice", "Arms the break-even table chose for requests that named "
                                   "none (--break-even), by arm and by the request's tier (where its slowest document "
                                   "was: device arena, host memory, disk)", ["arm", "tier"], registry=r)

@@ -9,18 +9,22 @@ and leave between steps (continuous batching). Sampling is per slot on the host 
 keeps its own temperature, top_p and seed).
 
 A worker step (vLLM's scheduler step, with its `max_num_batched_tokens`): the decode rows of
-every running sequence, then prefill chunks of joining sequences, oldest first, while the
-step's token budget (`max_batched_tokens`) lasts, at least one chunk a step. A long prompt so
+every running sequence (the plain batch's step, then the document requests'), then prefill
+chunks of joining sequences and layers of document prefills, oldest first, while the step's
+token budget (`max_batched_tokens`) lasts, at least one chunk or layer a step. A long prompt so
 prefills across many steps, and running sequences keep decoding meanwhile (chunked prefill).
 
 Requests citing documents in the RedKnot arm run through `ReuseRuntime` over the device arena
 of hot documents (`reuse/arena.py`: one copy of each document whatever set cites it, fixed
 shapes so a new set compiles nothing, least recently used documents back to host memory): up
 to `reuse_batch` of them waiting at the queue's front prefill together (one jitted call per
-layer, `prefill_batch`, each keeping its decode state; the RedKnot prefill is one pass, not
-chunked). Each then decodes one token per worker step beside the plain batch (its own decode
-state and program: not yet rows of the plain batch's call). Artifact builds
-(`build_artifact`) run whole between two steps. Model work never runs on the event loop: the
+layer, `prefill_batch_steps`, each keeping its decode state), a layer at a time: a layer costs
+the requests' rows over the model's layers of the step's budget, so a long document prefill
+spreads over steps as a chunked prompt does. Each then decodes as a row of the document decode
+batch (`reuse/decode_batch.py`, `slots` rows: every member's token in one jitted call per
+layer, a step each worker step right after the plain batch's: two calls, not yet one); one that
+finds the batch full, or that fell back to the Recomputed arm, decodes on its own. Artifact
+builds (`build_artifact`) run whole between two steps. Model work never runs on the event loop: the
 HTTP side only enqueues jobs and reads their events.
 
 Warm-up (`warmup=` prompt lengths): the worker's first task, before any job, runs what a plain
@@ -153,11 +157,27 @@ class _Filling:
 
 
 @dataclasses.dataclass
+class _Prefilling:
+    """Document requests prefilling, a layer per `next(steps)` (`ReuseRuntime.prefill_steps` or,
+    several together, `prefill_batch_steps`); `cost`: a layer's share of the step's token
+    budget; `dropped`: jobs that left (cancelled, or failed by shutdown)."""
+    preps: list
+    steps: object
+    cost: int
+    dropped: set = dataclasses.field(default_factory=set)
+
+
+@dataclasses.dataclass
 class _Reuse:
-    """A document request generating: `gen` yields after each token; `arts` pinned in the arena."""
+    """A document request generating (`Scheduler._generation`): `gen` is sent the logits of its
+    next row (None: it computes them itself) and yields after each token; `arts` pinned in the
+    arena; `slot` its row of the decode batch (None: it decodes on its own); `last` its last
+    token (None until its prefill ran)."""
     job: Job
     gen: object
     arts: list
+    slot: int | None = None
+    last: int | None = None
 
 
 class Scheduler:
@@ -191,7 +211,8 @@ class Scheduler:
         self._cond = threading.Condition()
         self._pending: collections.deque[Job] = collections.deque()
         self._slots: list[_Slot | _Filling | None] = [None] * slots
-        self._reuse: list[_Reuse] = []  # document requests generating, oldest first
+        self._prefilling: list[_Prefilling] = []  # document requests prefilling, oldest first
+        self._reuse: list[_Reuse] = []  # document requests decoding, oldest first
         self._stopping = False
         self._deadline = None
         self._thread: threading.Thread | None = None
@@ -205,6 +226,8 @@ class Scheduler:
         self.arena = runtime.consumer.arena(arena_rows, arena_docs) if runtime is not None else None
         if self.arena is not None:
             metrics.watch_arena(self.arena)
+        # document requests in the RedKnot arm decode as rows of one batch of `slots` (reuse/decode_batch.py)
+        self.decoding = runtime.consumer.decode_batch(slots) if runtime is not None else None
 
     # ------------------------------------------------------------------ warm-up
     def default_warmup(self) -> tuple[int, ...]:
@@ -317,7 +340,8 @@ class Scheduler:
     # ------------------------------------------------------------------ worker
     def _active(self) -> int:
         """Sequences in flight: slots held (decoding or prefilling) and document requests generating."""
-        return sum(s is not None for s in self._slots) + len(self._reuse)
+        return (sum(s is not None for s in self._slots) + len(self._reuse)
+                + sum(len(g.preps) - len(g.dropped) for g in self._prefilling))
 
     def _run(self) -> None:
         try:
@@ -369,18 +393,25 @@ class Scheduler:
                 r.job.emit("error", 503, "server is shutting down; generation stopped")
                 self.arena.release(r.arts)
             self._reuse.clear()
+            for g in self._prefilling:
+                for p in g.preps:
+                    if p["job"] not in g.dropped:
+                        p["job"].emit("error", 503, "server is shutting down; generation stopped")
+                        self.arena.release(p["arts"])
+            self._prefilling.clear()
             with self._cond:
                 while self._pending:
                     self._pending.popleft().emit("error", 503, "server is shutting down; request not started")
 
     def _step(self) -> None:
-        """One worker step: a decode step of the plain batch, then prefill chunks of joining
-        sequences (oldest first) within what is left of `max_batched_tokens` (at least one
-        chunk), then a token of each document request."""
+        """One worker step: the decode rows (a step of the plain batch, a token of each document
+        request), then prefill chunks of joining sequences and layers of document prefills, oldest
+        first, within what is left of `max_batched_tokens` (at least one chunk or layer)."""
         plain = sum(isinstance(s, _Slot) for s in self._slots)
+        budget = self.max_batched_tokens - plain - len(self._reuse)
         if plain:
             self._decode_step()
-        budget = self.max_batched_tokens - plain - len(self._reuse)
+        self._reuse_step()
         filling = sorted((i for i, s in enumerate(self._slots) if isinstance(s, _Filling)),
                          key=lambda i: self._slots[i].job.t_submit)
         ran = 0
@@ -391,7 +422,13 @@ class Scheduler:
                 ran += 1
             if budget < self.prefill_chunk:
                 break
-        self._reuse_step()
+        for g in list(self._prefilling):
+            while g in self._prefilling and (ran == 0 or budget >= g.cost):
+                self._prefill_layer(g)
+                budget -= g.cost
+                ran += 1
+            if g in self._prefilling:
+                break
 
     def _guard(self, job: Job, fn, *args) -> None:
         try:
@@ -553,15 +590,15 @@ class Scheduler:
 
     def _start_reuse(self, jobs: list[Job]) -> None:
         """Requests citing documents, RedKnot arm (each falls back to recomputation, counted, when
-        an artifact fails certification). Those certified and resident in the device arena
-        prefill together, one jitted call per layer (`ReuseRuntime.prefill_batch`, each keeping
-        its decode state); a lone one, a fallback, or a batch that fails prefill on their own,
-        at their first `_reuse_step`. Decoding after the first token follows
-        `ReuseRuntime.generate` (plan frozen, generated tokens appended as protected new rows,
-        each over the prompt's cached keys) with each request's sampling, a token per worker
-        step. Its certified documents stay pinned in the arena until the request ends (cancelled
-        or not); when they do not fit there, it runs the Recomputed arm, counted as ARENA_FULL.
-        One request's failure fails that request only."""
+        an artifact fails certification), made ready and queued to prefill a layer at a time
+        (`_prefill_layers`): those certified and resident in the device arena together, one
+        jitted call per layer (`ReuseRuntime.prefill_batch_steps`, each keeping its decode
+        state); a lone one or a fallback on its own (`prefill_steps`). Decoding after the first
+        token follows `ReuseRuntime.generate` (plan frozen, generated tokens appended as
+        protected new rows, each over the prompt's cached keys) with each request's sampling, a
+        token per worker step. Its certified documents stay pinned in the arena until the
+        request ends (cancelled or not); when they do not fit there, it runs the Recomputed arm,
+        counted as ARENA_FULL. One request's failure fails that request only."""
         ready = []
         for job in jobs:
             try:
@@ -571,31 +608,130 @@ class Scheduler:
                 continue
             if prep is not None:
                 ready.append(prep)
-        firsts = {}
         batch = [p for p in ready if p["pool"] is not None]
-        if len(batch) > 1:
-            try:
-                rows = max(p["job"].sampling.max_tokens for p in batch) - 1
-                res = self.rt.prefill_batch([p["req"] for p in batch], "redknot", pool=self.arena,
-                                            decode_rows=max(0, rows))
-                firsts = {id(p["job"]): r for p, r in zip(batch, res)}
-                self.metrics.reuse_batch.observe(len(batch))
-            except Exception:  # each then prefills on its own (and fails alone if it must)
+        groups = [batch] if len(batch) > 1 else []
+        groups += [[p] for p in ready if len(batch) < 2 or p["pool"] is None]
+        self._prefilling += [self._prefill_group(g) for g in groups]
+
+    def _prefill_group(self, preps: list[dict]) -> _Prefilling:
+        """Requests' prefill as steps of a layer each; a layer's share of the token budget is the
+        requests' rows over the model's layers."""
+        if len(preps) > 1:
+            rows = max(p["job"].sampling.max_tokens for p in preps) - 1
+            steps = self.rt.prefill_batch_steps([p["req"] for p in preps], "redknot", pool=self.arena,
+                                                decode_rows=max(0, rows))
+        else:
+            p = preps[0]
+            steps = self.rt.prefill_steps(p["req"], p["arm"], pool=p["pool"],
+                                          decode_rows=max(0, p["job"].sampling.max_tokens - 1))
+        rows = sum(int(p["req"].tokens.size) for p in preps)
+        return _Prefilling(preps, steps, max(1, rows // self.rt.cfg.num_layers))
+
+    def _prefill_layer(self, g: _Prefilling) -> None:
+        """The next layer of a document prefill. At its end each request still wanted gets its
+        first token (`_generation`) and decodes from the next step. A cancelled request leaves
+        the group (a group left empty stops); past the shutdown grace every request fails with
+        503; a failure fails the request, or splits a batch into requests prefilling alone."""
+        with self._cond:
+            late = self._stopping and time.perf_counter() > self._deadline
+        for p in g.preps:
+            if p["job"] in g.dropped:
+                continue
+            if late:
+                p["job"].emit("error", 503, "server is shutting down; generation stopped")
+            elif p["job"].cancelled.is_set():
+                self._count_cancel(p["job"])
+            else:
+                continue
+            g.dropped.add(p["job"])
+            self.arena.release(p["arts"])
+        if len(g.dropped) == len(g.preps):
+            g.steps.close()
+            self._prefilling.remove(g)
+            return
+        try:
+            next(g.steps)
+            return
+        except StopIteration as end:
+            results = end.value
+        except Exception as e:
+            at = self._prefilling.index(g)
+            if len(g.preps) > 1:  # each then prefills on its own (and fails alone if it must)
                 log.error("batched document prefill failed; prefilling one at a time:\n%s", traceback.format_exc())
-        self._reuse += [_Reuse(p["job"], self._generation(p, firsts.get(id(p["job"]))), p["arts"]) for p in ready]
+                self._prefilling[at:at + 1] = [self._prefill_group([p]) for p in g.preps if p["job"] not in g.dropped]
+            else:
+                del self._prefilling[at]
+                self._fail(g.preps[0]["job"], e)
+                self.arena.release(g.preps[0]["arts"])
+            return
+        self._prefilling.remove(g)
+        if len(g.preps) > 1:
+            self.metrics.reuse_batch.observe(len(g.preps))
+        for p, first in zip(g.preps, results if len(g.preps) > 1 else [results]):
+            if p["job"] in g.dropped:
+                continue
+            r = _Reuse(p["job"], None, p["arts"])
+            r.gen = self._generation(r, p, first)
+            self._reuse.append(r)
+            self._advance(r)
 
     def _reuse_step(self) -> None:
-        """One token of each document request generating (its prefill and first token if new);
-        one that ends (done, cancelled, failed) unpins its documents."""
+        """One token of each document request decoding: the decode batch's members in one
+        batched step, the others each on its own. One that ends (done, cancelled, failed, or past the shutdown
+        grace) leaves the batch and unpins its documents. A failed batched step fails its members
+        (their rows were in it), not the others."""
+        with self._cond:
+            late = self._stopping and time.perf_counter() > self._deadline
         for r in list(self._reuse):
+            if r.job.cancelled.is_set():
+                self._count_cancel(r.job)
+                self._end(r)
+            elif late:
+                r.job.emit("error", 503, "server is shutting down; generation stopped")
+                self._end(r)
+        old = list(self._reuse)
+        members = [r for r in old if r.slot is not None]
+        if members:
+            toks = np.zeros(self.decoding.slots, np.int32)
+            for r in members:
+                toks[r.slot] = r.last
+            self.metrics.reuse_decode_rows.observe(len(members))
             try:
-                done = next(r.gen, StopIteration) is StopIteration
+                logits = np.asarray(self.decoding.step(toks))
             except Exception as e:
-                self._fail(r.job, e)
-                done = True
-            if done:
-                self._reuse.remove(r)
-                self.arena.release(r.arts)
+                log.error("batched document decode step failed:\n%s", traceback.format_exc())
+                for r in members:
+                    r.job.emit("error", 500, f"internal error in decode: {type(e).__name__}: {e}")
+                    self._end(r)
+                self.decoding = self.rt.consumer.decode_batch(self.decoding.slots)
+                members = []
+            for r in members:
+                self._advance(r, logits[r.slot])
+        for r in old:
+            if r.slot is None and r in self._reuse:
+                self._advance(r, None)
+
+    def _advance(self, r: _Reuse, logits=None) -> None:
+        """The request's next token (its first if it has none yet); it ends when its generation
+        does or fails."""
+        try:
+            if r.last is None:
+                next(r.gen)
+            else:
+                r.gen.send(logits)
+            return
+        except StopIteration:
+            pass
+        except Exception as e:
+            self._fail(r.job, e)
+        self._end(r)
+
+    def _end(self, r: _Reuse) -> None:
+        self._reuse.remove(r)
+        r.gen.close()
+        if r.slot is not None:
+            self.decoding.leave(r.slot)
+        self.arena.release(r.arts)
 
     def _fail(self, job: Job, e: Exception) -> None:
         log.error("job failed:\n%s", traceback.format_exc())
@@ -642,12 +778,12 @@ class Scheduler:
         self.metrics.arm_choice.labels(c.arm, c.tier).inc()
         return c.to_dict()
 
-    def _generation(self, prep: dict, first=None):
-        """One document request's generation, a step per `next`: its prefill (unless `first`, a
-        batched prefill's result, is given), info event and first token, then a token per step."""
+    def _generation(self, r: _Reuse, prep: dict, first):
+        """One document request's generation (`_Reuse`) after its prefill (`first`): at the first
+        `next` its info event and first token, and it joins the decode batch when its decode
+        state can (a RedKnot state; a free slot); then at each `send(logits)` a token (logits
+        None: from its own decode state)."""
         job, req, pool, detail = prep["job"], prep["req"], prep["pool"], prep["detail"]
-        if first is None:
-            first = self.rt.prefill(req, prep["arm"], pool=pool, decode_rows=max(0, job.sampling.max_tokens - 1))
         arm = first.arm
         fallback = first.fallback or (FallbackReason.ARENA_FULL if detail else None)
         info = {"arm": arm, "fallback": fallback.value if fallback else None,
@@ -666,18 +802,19 @@ class Scheduler:
         rng = np.random.default_rng(job.sampling.seed)
         toks = [sample_host(first.logits[-1], job.sampling, rng)]
         fin = self._token(job, toks[0], 1, None, arm)
-        t_prev = time.perf_counter()
+        t_prev, r.last = time.perf_counter(), toks[0]
+        st = first.decode
+        if fin is None and st is not None and not st.native and self.decoding.size < self.decoding.slots:
+            try:
+                r.slot = self.decoding.join(st)
+            except Exception:  # it decodes on its own
+                log.warning("document request decodes outside the batch:\n%s", traceback.format_exc())
         while fin is None:
-            yield
-            if job.cancelled.is_set():
-                self._count_cancel(job)
-                return
-            with self._cond:
-                if self._stopping and time.perf_counter() > self._deadline:
-                    job.emit("error", 503, "server is shutting down; generation stopped")
-                    return
-            toks.append(sample_host(self.rt.next_logits(req, first, toks, pool=pool), job.sampling, rng))
+            logits = yield
+            if logits is None:
+                logits = self.rt.next_logits(req, first, toks, pool=pool)
+            toks.append(sample_host(logits, job.sampling, rng))
             fin = self._token(job, toks[-1], len(toks), t_prev, arm)
-            t_prev = time.perf_counter()
+            t_prev, r.last = time.perf_counter(), toks[-1]
         job.emit("done", fin, info)
 

@@ -126,6 +126,13 @@ def test_a_decode_batch_steps_each_member_as_it_decodes_alone(setup):
         for r in [r for r in slot if done[r] == steps]:
             batch.leave(slot.pop(r))
     assert done == {0: 5, 1: steps, 2: steps} and batch.size == 0 and batch.layers == {}
+    # the notebook API over it: generate_batch == generate, a request that falls back decoding on its own
+    stale = dataclasses.replace(arts[3], certificate=dataclasses.replace(arts[3].certificate, model_digest="0" * 64))
+    reqs = [req(ix) for ix in sets] + [Request([Segment(req([3]).segments[0].tokens, stale), req([3]).segments[-1]])]
+    toks, firsts = rt.generate_batch(reqs, 4, pool=arena)
+    assert [f.arm for f in firsts] == ["redknot"] * 3 + ["recompute"]
+    for r, t in zip(reqs, toks):
+        assert t == rt.generate(r, 4, pool=arena)[0]
     with pytest.raises(ValueError, match="joined a DecodeBatch"):
         c.decode_step(1, mine[1])
     with pytest.raises(ValueError, match="native"):

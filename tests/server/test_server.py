@@ -271,8 +271,9 @@ def test_document_reuse_first_token_equals_recompute(server):
 def test_concurrent_document_requests_match_each_alone(server):
     """Document-citing requests sent at once (threads released together by a barrier, greedy,
     fixed max_tokens, ignore_eos) each get exactly the tokens the same request gets alone:
-    jobs sharing the worker, the device arena of documents and the continuous batch (Recomputed-arm and plain requests, longer, so
-    they share decode steps: checked on the batch-rows histogram) do not leak into each other.
+    jobs sharing the worker, the device arena of documents, the document requests' decode batch
+    and the continuous batch (Recomputed-arm and plain requests, longer, so they share decode
+    steps: checked on the batch-rows histogram) do not leak into each other.
     Documents of DOC's length and a 6-token one, prompts of QUESTION's length: the shapes
     test_document_reuse compiled."""
     texts = [DOC, DOC.swapcase(), DOC[::-1]]
@@ -623,8 +624,8 @@ class _Doc:
 def _run_reuse(sched, jobs) -> None:
     """Document requests from prefill to their last token on `sched`, nothing else running."""
     sched._start_reuse(jobs)
-    while sched._reuse:
-        sched._reuse_step()
+    while sched._reuse or sched._prefilling:
+        sched._step()
 
 
 def _tiny_runtime():
@@ -908,9 +909,11 @@ def test_warmup_failure_is_reported_and_logged_not_half_ready(warm_state, caplog
 # tests, whose negative control needs the multi-chunk programs this one compiles)
 def test_long_prompts_prefill_between_decode_steps_and_document_requests_decode_beside_the_batch():
     """A worker step runs the running sequences' decode rows, then prefill chunks of joining
-    sequences within --max-batched-tokens: a long prompt (3 chunks) joining while a sequence
-    decodes prefills one chunk a step with decode steps between its chunks, and a document
-    request decodes a token a step beside the plain batch, not after it. Each gets the tokens it
+    sequences and layers of document prefills within --max-batched-tokens: a long prompt (3
+    chunks) joining while a sequence decodes prefills one chunk a step with decode steps between
+    its chunks; two document requests prefill together a few layers a step, with decode steps
+    between them, then decode a token a step as rows of one decode batch beside the plain batch,
+    not after it. Each gets the tokens it
     gets alone; a budget that is not a positive int is refused naming the flag."""
     import numpy as np
 
@@ -948,6 +951,9 @@ def test_long_prompts_prefill_between_decode_steps_and_document_requests_decode_
         submitted = threading.Event()  # a's decode waits until b and c are queued: they join mid-generation
         sched._decode_batch = lambda *a: (submitted.wait(300), log.append(("*", "decode", None)), real_decode(*a))[2]
         sched._fill = lambda i: (log.append((sched._slots[i].job.name, "chunk", None)), real_fill(i))
+        real_layer, real_docs = sched._prefill_layer, sched.decoding.step
+        sched._prefill_layer = lambda g: (log.append((g.preps[0]["job"].name, "layer", None)), real_layer(g))
+        sched.decoding.step = lambda t: (log.append(("*", "documents", sched.decoding.size)), real_docs(t))[1]
         sched.start()
         try:
             for j in jobs:
@@ -968,17 +974,21 @@ def test_long_prompts_prefill_between_decode_steps_and_document_requests_decode_
     rng = np.random.default_rng(1)
     prompt_a, prompt_b = rng.integers(2, cfg.vocab_size, 5).tolist(), rng.integers(2, cfg.vocab_size, 40).tolist()
     mk = lambda: (job("a", "plain", prompt_a, 16), job("b", "plain", prompt_b, 3),
-                  job("c", "reuse", [5, 6, 7], 4, docs=[doc], arm="redknot"))
-    a, b, c = mk()
-    run([a], after_first_a=[b, c])
+                  job("c", "reuse", [5, 6, 7], 4, docs=[doc], arm="redknot"),
+                  job("d", "reuse", [7, 6, 5], 4, docs=[doc], arm="redknot"))
+    a, b, c, d = mk()
+    run([a], after_first_a=[b, c, d])
     assert not [e for e in log if e[1] == "error"], log
-    together = {n: [e[2] for e in log if e[0] == n and e[1] == "token"] for n in "abc"}
+    together = {n: [e[2] for e in log if e[0] == n and e[1] == "token"] for n in "abcd"}
     chunks = [i for i, e in enumerate(log) if e[:2] == ("b", "chunk")]
     assert len(chunks) == 3, log  # 40 rows in 16-row chunks
     between = lambda lo, hi, what: sum(1 for e in log[lo:hi] if e[:2] == what)
     assert between(chunks[0], chunks[-1], ("*", "decode")) >= 2, log  # a decode step between chunks
+    layers = [i for i, e in enumerate(log) if e[:2] == ("c", "layer")]  # c's prefill, a layer at a time:
+    assert len(layers) == cfg.num_layers + 1 and between(layers[0], layers[-1], ("*", "decode")) >= 2, log  # spread
     c_tokens = [i for i, e in enumerate(log) if e[:2] == ("c", "token")]
     assert len(c_tokens) == 4 and between(c_tokens[0], c_tokens[-1], ("a", "token")) >= 2, log  # beside the batch
+    assert [e[2] for e in log if e[1] == "documents"] == [2, 2, 2], log  # c and d: rows of one decode batch
     assert len(together["a"]) == 16 and len(together["b"]) == 3
     for j in mk():  # each alone
         log.clear()
