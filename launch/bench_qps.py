@@ -1,15 +1,17 @@
-"""Throughput (requests/s, output tokens/s) of both arms of the HTTP server (issue #9 item 2).
+"""Throughput (requests/s, output tokens/s) and TTFT of the HTTP server's arms (issues #9, #46).
 
     python launch/bench_qps.py --concurrency 1,2,4 --duration-s 30 --out qps.json
     python launch/bench_qps.py --serve-args "--checkpoint DIR --max-model-len 4096" --out qps.json
     python launch/bench_qps.py --url http://127.0.0.1:8000 --api-key KEY --out qps.json
+    python launch/bench_qps.py --arms redknot,prefix,recompute --concurrency 1,4,16 --output-len 64 \
+        --headline docs/results/qps_headline.json --out qps.json
 
 Server: without --url, `launch/serve.py` is started here as a subprocess on a free loopback port
 (its flags from --serve-args; warm-up stays on so no measured request pays the plain path's
 compilation) and stopped at the end (SIGTERM); its log goes to OUT.server.log. With --url a
 running server is used as it is.
 
-Workload (seeded, identical for both arms): --docs documents of about --doc-chars characters of
+Workload (seeded, identical for every arm): --docs documents of about --doc-chars characters of
 seeded words, each turned into token ids by the server (`POST /tokenize`) and cut to the
 shortest one's length, registered once (`POST /v1/documents {"token_ids": ...}`), so every
 document has the same number of tokens. Prompts likewise: a pool of PROMPT_POOL seeded texts
@@ -18,8 +20,9 @@ non-streaming `/v1/completions` call citing --docs-per-request documents, a seed
 subset in a random order (`documents`: the extension field), then a prompt drawn from the pool
 (sent as token ids), `max_tokens` = --output-len, `ignore_eos` true (vLLM's extension: a fixed
 output length), temperature 0. Output tokens are still the server's `usage.completion_tokens`,
-never assumed. The arms differ only in `arm` ("redknot" / "recompute"); request i of client c
-at concurrency level L cites the same documents with the same prompt in both arms. Equal
+never assumed. The arms differ only in `arm` ("redknot", "prefix": the first cited document as a
+prefix cache would serve it, "recompute"); request i of client c at concurrency level L cites
+the same documents with the same prompt in every arm. Equal
 token lengths keep every request of an arm at one set of shapes, so the warm-up requests
 compile everything the window runs.
 
@@ -27,19 +30,19 @@ Arrival policy: closed loop, zero think time. Each of the L clients (one thread,
 HTTP connection) sends its next request as soon as the previous one finished, from the window
 start t0 until t0 + --duration-s; a request started before that deadline is always waited for
 (the window ends at the last such request's end, t_end), so every request sent in the window
-is in the records, errors included. Cells run level by level, both arms at each level in turn,
+is in the records, errors included. Cells run level by level, the arms at each level in turn,
 each after --warmup-requests (sent by the same clients, kept in the output as warm-up records,
 not in the window).
 
-Server batching policy (README "Serving"): plain completions and `arm: recompute` (document
-tokens become ordinary prompt tokens) share one continuous decode batch of `--slots`
-sequences, each joining after a batch-1 chunked prefill (`--prefill-chunk` rows, default 256);
-requests citing documents in the RedKnot arm run one at a time through the reuse runtime's
-jitted consumer (the prompt in one pass, then one row per generated token over its cached
-keys, plan frozen), pausing the batch; the device pools of the last 4 distinct cited document sets
-(in any order) stay hot. So at L > 1 the RedKnot arm queues while the recompute arm batches its decode steps.
+Server batching policy (`BATCHING_POLICY`, docs/serving.md "What is batched"): plain
+completions and `arm: recompute` share one continuous decode batch of `--slots` sequences, each
+joining after a chunked prefill; RedKnot and prefix requests prefill a layer at a time (up to
+--reuse-batch RedKnot requests together) within the step's token budget, then decode as rows
+of their own batches; the cited documents stay in one device arena.
 
-Statistics per (arm, level), over the records of the window W = t_end - t0 (seconds):
+Statistics per (arm, level), over the records of the window W = t_end - t0 (seconds); TTFT is
+the server's (`redknot.ttft_s` of each response: submission to first token, queue wait
+included), p50 / p90 over the window's completed requests:
 requests/s = completed / W (completed = HTTP 200), output tokens/s = sum of their
 `completion_tokens` / W; errors = every other outcome (non-200 status or a transport error,
 status 0), counted by status, never dropped. 95 % confidence intervals: a nonparametric
@@ -53,8 +56,10 @@ of the resampled ratios. It treats requests as independent, so it reflects the s
 per-request service time in this run, not run-to-run or machine-to-machine variation.
 
 Output: --out JSON (command, date, host, server command and device, policies, workload, per
-cell the summary, the server's counter deltas from /metrics and the raw records) and a
-markdown table on stdout. Client side: standard library + numpy only.
+cell the summary, the server's counter deltas from /metrics and the raw records), a markdown
+table on stdout, and with --headline the issue's one-row-per-point file ({"device", "date",
+"command", "rows": [{"arm", "concurrency", "requests_per_s", "ci", "ttft_p50_s", "ttft_p90_s",
+"tokens_per_s"}]}). Client side: standard library + numpy only.
 """
 
 from __future__ import annotations
@@ -82,7 +87,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from launch import _cli  # noqa: E402
 DEFAULT_SERVE_ARGS = "--preset tiny --profile tiny-exact --max-model-len 512"
-ARMS = ("redknot", "recompute")
+ARMS = ("redknot", "prefix", "recompute")
 WORDS = ("alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike november oscar papa "
          "quebec romeo sierra tango uniform victor whiskey xray yankee zulu north south east west river "
          "stone cloud field light ember frost amber cedar maple harbor lantern meadow summit valley").split()
@@ -91,13 +96,13 @@ ARRIVAL_POLICY = ("closed loop, zero think time: each of L clients (one thread, 
                   "connection) sends its next non-streaming request when the previous one finished, from the "
                   "window start until --duration-s later; requests started before the deadline are waited for "
                   "and all counted (the window ends at the last one's end)")
-BATCHING_POLICY = ("server (README 'Serving'): plain completions and arm=recompute share one continuous decode "
-                   "batch of --slots sequences (each joins after a batch-1 chunked prefill of --prefill-chunk rows); "
-                   "requests citing "
-                   "documents in the RedKnot arm run one at a time through the reuse runtime's jitted consumer "
-                   "(the prompt in one pass, then one row per generated token over its cached keys), pausing "
-                   "the batch; device pools of the last 4 "
-                   "cited document sets (any order) stay hot")
+BATCHING_POLICY = ("server (docs/serving.md 'What is batched'): each worker step runs the decode rows, then prefill "
+                   "chunks and document-prefill layers within --max-batched-tokens; plain completions and "
+                   "arm=recompute share one continuous decode batch of --slots sequences (each joins after a "
+                   "chunked prefill of --prefill-chunk rows); RedKnot requests prefill a layer at a time, up to "
+                   "--reuse-batch together, then decode as rows of one document decode batch of --slots; prefix-arm "
+                   "requests prefill alone and decode in a batch of native states; cited documents stay in one "
+                   "device arena")
 CI_METHOD = ("bootstrap over per-request records: each record's cycle time (its client's previous boundary to "
              "its next start, or window end) tiles the window, rate = L * sum(ok or tokens) / sum(cycle); "
              "resampled with replacement, 2.5/97.5 percentiles; requests treated as independent")
@@ -166,7 +171,7 @@ def summarize(records: list[dict], level: int, n_boot: int, seed: int) -> dict:
          "requests_per_s": float(ok.sum() / t_end) if t_end > 0 else None,
          "output_tokens_per_s": float(toks.sum() / t_end) if t_end > 0 else None,
          "requests_per_s_ci95": None, "output_tokens_per_s_ci95": None,
-         "latency_s": None}
+         "latency_s": None, "ttft_s": None}
     if t_end > 0 and records:
         # clients = L: every client sends at least one request per window, so sum(cyc) = L * W
         s["requests_per_s_ci95"] = bootstrap_ratio_ci(ok, cyc, clients, n_boot, seed)
@@ -175,6 +180,10 @@ def summarize(records: list[dict], level: int, n_boot: int, seed: int) -> dict:
         s["latency_s"] = {"mean": float(lat.mean()), "p50": float(np.quantile(lat, 0.5)),
                           "p90": float(np.quantile(lat, 0.9)), "p99": float(np.quantile(lat, 0.99)),
                           "max": float(lat.max())}
+    ttft = np.array([r["ttft_s"] for r in records if r["status"] == 200 and r.get("ttft_s") is not None])
+    if ttft.size:
+        s["ttft_s"] = {"mean": float(ttft.mean()), "p50": float(np.quantile(ttft, 0.5)),
+                       "p90": float(np.quantile(ttft, 0.9)), "max": float(ttft.max())}
     return s
 
 
@@ -369,7 +378,7 @@ def one_request(client: Client, model: str, doc_ids: list[str], order: list[int]
         rec.update(completion_tokens=u.get("completion_tokens"), prompt_tokens=u.get("prompt_tokens"),
                    cached_tokens=(u.get("prompt_tokens_details") or {}).get("cached_tokens"),
                    finish_reason=(resp.get("choices") or [{}])[0].get("finish_reason"),
-                   arm_ran=ext.get("arm"), fallback=ext.get("fallback"))
+                   arm_ran=ext.get("arm"), fallback=ext.get("fallback"), ttft_s=ext.get("ttft_s"))
     else:
         err = resp.get("error") if isinstance(resp, dict) else resp
         rec["error"] = (json.dumps(err) if not isinstance(err, str) else err)[:500]
@@ -449,7 +458,7 @@ def parse_args(argv):
     ap.add_argument("--port", type=int, default=0, help="port of the started server (default: a free one)")
     ap.add_argument("--startup-timeout-s", type=float, default=900.0)
     ap.add_argument("--api-key", default=os.environ.get("BENCH_QPS_API_KEY"), help="Bearer key, if the server has keys")
-    ap.add_argument("--arms", default="redknot,recompute")
+    ap.add_argument("--arms", default="redknot,recompute", help=f"comma-separated subset of {','.join(ARMS)}")
     ap.add_argument("--concurrency", default="1,2,4", help="comma-separated numbers of closed-loop clients")
     ap.add_argument("--duration-s", type=float, default=30.0, help="measurement window per arm and level")
     ap.add_argument("--warmup-requests", type=int, default=4, help="per arm and level, before the window")
@@ -465,6 +474,7 @@ def parse_args(argv):
     ap.add_argument("--no-device-probe", action="store_true",
                     help="skip asking jax.devices() in the started server's environment")
     ap.add_argument("--out", default="qps.json")
+    ap.add_argument("--headline", default=None, help="also write the one-row-per-point summary here (JSON)")
     args = ap.parse_args(argv)
 
     def need(flag, ok, what):
@@ -515,16 +525,34 @@ def table(cells: list[dict]) -> str:
         return f"{v:{fmt}} [{c[0]:{fmt}}, {c[1]:{fmt}}]" if c else f"{v:{fmt}}"
 
     rows = ["| arm | clients | completed | errors | fallbacks | window s | requests/s [95% CI] | "
-            "output tok/s [95% CI] | latency mean / p50 / p90 s |",
-            "|---|---:|---:|---:|---:|---:|---|---|---|"]
+            "output tok/s [95% CI] | latency mean / p50 / p90 s | TTFT p50 / p90 s |",
+            "|---|---:|---:|---:|---:|---:|---|---|---|---|"]
     for c in cells:
         s = c["summary"]
         lat = s["latency_s"]
         lat_s = f"{lat['mean']:.3f} / {lat['p50']:.3f} / {lat['p90']:.3f}" if lat else "-"
+        tt = s.get("ttft_s")
+        ttft_s = f"{tt['p50']:.3f} / {tt['p90']:.3f}" if tt else "-"
         rows.append(f"| {c['arm']} | {c['concurrency']} | {s['completed']} | {s['errors']} | {s['fallbacks']} | "
                     f"{s['window_s']:.2f} | {ci(s['requests_per_s'], s['requests_per_s_ci95'], '.2f')} | "
-                    f"{ci(s['output_tokens_per_s'], s['output_tokens_per_s_ci95'], '.1f')} | {lat_s} |")
+                    f"{ci(s['output_tokens_per_s'], s['output_tokens_per_s_ci95'], '.1f')} | {lat_s} | {ttft_s} |")
     return "\n".join(rows)
+
+
+def headline(out: dict) -> dict:
+    """The one-row-per-point summary of a run (issue #46's qps_headline.json shape)."""
+    dev = out.get("server", {}).get("device")
+    device = (f"{dev.get('count')} x {dev.get('device_kind')} ({dev.get('backend')}, jax {dev.get('jax')})"
+              if isinstance(dev, dict) and "device_kind" in dev else str(dev))
+    rows = []
+    for c in out["cells"]:
+        s = c["summary"]
+        tt = s.get("ttft_s") or {}
+        rows.append({"arm": c["arm"], "concurrency": c["concurrency"], "requests_per_s": s["requests_per_s"],
+                     "ci": s["requests_per_s_ci95"], "ttft_p50_s": tt.get("p50"), "ttft_p90_s": tt.get("p90"),
+                     "tokens_per_s": s["output_tokens_per_s"], "completed": s["completed"], "errors": s["errors"]})
+    return {"device": device, "date": out["date"], "command": " ".join(out["command"]),
+            "raw": "the --out file of this run", "rows": rows}
 
 
 def main(argv=None) -> dict:
@@ -623,6 +651,8 @@ def main(argv=None) -> dict:
     out["table_markdown"] = table(out["cells"])
     out_path.parent.mkdir(parents=True, exist_ok=True)
     out_path.write_text(json.dumps(out, indent=1))
+    if args.headline:
+        pathlib.Path(args.headline).write_text(json.dumps(headline(out), indent=1) + "\n")
     print(out["table_markdown"])
     return out
 

@@ -11,8 +11,9 @@ Requests join (`join`) and leave (`leave`) between steps, as the plain batch's s
 slot's row is computed and ignored. A joining request larger than the batch in some size pads
 every member to it once; shapes otherwise stay, so steps compile nothing new.
 
-Every member reads one pool (the server's device arena). A native state (the Recomputed or
-prefix arm, a fallback) decodes on its own (`Consumer.decode_step`).
+Every member reads one pool (the server's device arena). Native states (the Recomputed or prefix
+arm's, a fallback's: every layer a cache) form batches of their own, every layer stepped over the
+stacked caches; a batch holds one kind or the other.
 """
 
 from __future__ import annotations
@@ -54,6 +55,7 @@ class DecodeBatch:
         self._empty()
 
     def _empty(self) -> None:
+        self.native: bool | None = None  # whether the members are native states (None: no member)
         self.pool = None
         self.sizes: dict | None = None  # the members' decode layouts' common padded sizes
         self.tables = None  # the members' decode layouts, stacked [slots, ...]
@@ -69,11 +71,12 @@ class DecodeBatch:
         return int(sum(x.nbytes for x in jax.tree.leaves((self.layers, self.tables))))
 
     def join(self, state: DecodeState) -> int:
-        """Take `state` (from the consumer's RedKnot prefill with `decode_rows`) into a free slot
-        and return the slot; its rows live in the batch from now on (`state.layers` emptied,
+        """Take `state` (from a consumer prefill with `decode_rows`: a RedKnot state, or a native
+        one into a batch of native states) into a free slot and return the slot; its rows live in the batch from now on (`state.layers` emptied,
         `state.batch` set). ValueError, naming why, for a state that cannot join."""
-        why = ("it is native (the Recomputed or prefix arm's): it decodes on its own" if state.native else
-               "it has no decode layout" if state.layout is None or state.plan is None else
+        why = (f"it is {'native' if state.native else 'a RedKnot state'}; the batch's members are "
+               f"{'native' if self.native else 'RedKnot states'}" if self.native not in (None, state.native) else
+               "it has no decode layout" if not state.native and (state.layout is None or state.plan is None) else
                "it joined a batch already" if state.batch is not None else
                "it has no room for another row" if not state.room else
                "it reads another pool than the batch's members" if self.pool is not None and
@@ -82,16 +85,18 @@ class DecodeBatch:
         if why:
             raise ValueError(f"DecodeBatch.join: {why}")
         c, slot = self.consumer, self.members.index(None)
-        self.pool = state.pool
-        sizes = max_sizes(state.layout.sizes(), *([self.sizes] if self.sizes else []))
-        tables = self._layout(state, sizes)
-        if sizes != self.sizes:  # every member's layout padded to the new sizes; a free slot's: a copy
-            per = [tables if s is None else self._layout(s, sizes) for s in self.members]
-            self.tables = jax.tree.map(lambda *a: jnp.stack(a), *per)
-            self.sizes = sizes
+        self.pool, self.native = state.pool, state.native
+        tables = None
+        if not state.native:
+            sizes = max_sizes(state.layout.sizes(), *([self.sizes] if self.sizes else []))
+            tables = self._layout(state, sizes)
+            if sizes != self.sizes:  # every member's layout padded to the new sizes; a free slot's: a copy
+                per = [tables if s is None else self._layout(s, sizes) for s in self.members]
+                self.tables = jax.tree.map(lambda *a: jnp.stack(a), *per)
+                self.sizes = sizes
         one = {}
         for i, keys in state.layers.items():
-            if c.profile.is_fence(i, c.cfg.num_layers):
+            if state.native or c.profile.is_fence(i, c.cfg.num_layers):
                 one[i] = jax.tree.map(lambda a: a[0], keys)  # the cache without its batch axis
             elif not state.stepped:  # the request's online entries, pooled once (a decode step's first work)
                 gd, st = c.defs[i]
@@ -108,7 +113,8 @@ class DecodeBatch:
             self.layers[i] = jax.tree.map(lambda s, sh: _fit(s, (self.slots,) + sh), self.layers[i], shapes)
             one[i] = jax.tree.map(_fit, v, shapes)
         self.layers = _put(self.layers, one, jnp.int32(slot))
-        self.tables = _put(self.tables, tables, jnp.int32(slot))
+        if tables is not None:
+            self.tables = _put(self.tables, tables, jnp.int32(slot))
         state.layers, state.batch, state.stepped = {}, self, True
         self.members[slot] = state
         return slot
@@ -135,7 +141,7 @@ class DecodeBatch:
         for b, s in enumerate(self.members):
             if s is None:
                 continue
-            if not s.room or int(s.layout.own_slot[s.rows]) != s.own:
+            if not s.room or (not s.native and int(s.layout.own_slot[s.rows]) != s.own):
                 raise RuntimeError(f"DecodeBatch.step: slot {b} has no room for row {s.rows}" if not s.room else
                                    f"DecodeBatch.step: slot {b}'s row {s.rows} would be compact row "
                                    f"{int(s.layout.own_slot[s.rows])}, expected {s.own}")
@@ -145,7 +151,7 @@ class DecodeBatch:
         x = c._embed(ids)
         for i in range(c.cfg.num_layers):
             gd, st = c.defs[i]
-            if c.profile.is_fence(i, c.cfg.num_layers):
+            if self.native or c.profile.is_fence(i, c.cfg.num_layers):
                 x, self.layers[i] = block_jit(st, x, ids, pos, n_new, self.layers[i], graphdef=gd,
                                               freqs=c.model.freqs(i), block=1)
             else:
@@ -155,7 +161,7 @@ class DecodeBatch:
         for s in self.members:
             if s is not None:
                 s.rows += 1
-                s.own += 1
+                s.own += not s.native
         return logits_jit(c.top_state, x, jnp.zeros((self.slots, 1), jnp.int32), graphdef=c.top_def)[:, 0]
 
     # ------------------------------------------------------------------ pieces

@@ -11,8 +11,10 @@ OpenAI extension fields (both completion endpoints):
   prompt: Request([Segment(doc tokens, artifact), ...] + [Segment(prompt tokens)]);
 * `arm`: "auto" (default: the arm the server's break-even table, `--break-even`, says reaches
   the first token sooner for this length and where its documents are; "redknot" without a
-  table), "redknot", or "recompute" (the Recomputed arm: the same token ids run natively
-  through the batched engine, no artifacts);
+  table), "redknot", "prefix" (what a prefix cache gives: the first document's artifact is an
+  exact prefix computed in no layer, every later row native; falls back to recomputation,
+  counted, when its artifact cannot be a prefix), or "recompute" (the Recomputed arm: the same
+  token ids run natively through the batched engine, no artifacts);
 * `ignore_eos` (vLLM's extension): true keeps generating past the end-of-sequence token until
   `max_tokens` (stop strings still apply), so a benchmark gets a fixed output length.
 `POST /tokenize` (vLLM's shape): {"prompt": str} -> {"tokens": [...], "count", "max_model_len"},
@@ -26,7 +28,8 @@ traffic away until it is ready, and a request that still arrives is told when to
 than held through minutes of compiling. Everything else (models, tokenize, documents read /
 delete, metrics) answers at once.
 Responses carry a `redknot` object (arm that ran, fallback reason, generated token ids, cached
-rows, ledgers; `arm_choice`: the table's tier and estimates when it chose the arm) and `usage.prompt_tokens_details.cached_tokens` = prompt rows not computed: the
+rows, ledgers; `arm_choice`: the table's tier and estimates when it chose the arm; `ttft_s`: the
+server's time from the request's submission to its first token, queue wait included) and `usage.prompt_tokens_details.cached_tokens` = prompt rows not computed: the
 exact prefix's rows and the relocated documents' rows restored from artifacts (candidate rows
 not protected).
 """
@@ -263,8 +266,8 @@ def parse_common(state, body: dict, allowed: set, tenant: str, prompt_tokens: li
     if not isinstance(ignore_eos, bool):
         raise bad("ignore_eos", f"expected a boolean, got {ignore_eos!r}")
     arm = body.get("arm", "auto")
-    if arm not in ("auto", "redknot", "recompute"):
-        raise bad("arm", f"expected 'auto', 'redknot' or 'recompute', got {arm!r}")
+    if arm not in ("auto", "redknot", "prefix", "recompute"):
+        raise bad("arm", f"expected 'auto', 'redknot', 'prefix' or 'recompute', got {arm!r}")
     if arm == "auto" and state.scheduler.break_even is None:  # nothing to choose by: RedKnot
         arm = "redknot"
     ids = body.get("documents") or []
@@ -348,7 +351,7 @@ def submit(state, job: Job) -> None:
 def make_job(state, p: Parsed) -> Job:
     loop = asyncio.get_running_loop()
     stop = frozenset() if p.ignore_eos else frozenset({state.eos_id})
-    if p.docs and p.arm in ("auto", "redknot"):  # "auto": the scheduler's break-even table decides
+    if p.docs and p.arm in ("auto", "redknot", "prefix"):  # "auto": the scheduler's break-even table decides
         return Job("reuse", loop, tokens=p.prompt_tokens, docs=p.docs, sampling=p.sampling, arm=p.arm,
                    stop_ids=stop)
     toks = [t for d in p.docs for t in d.tokens.tolist()] + p.prompt_tokens
@@ -420,7 +423,7 @@ async def run_completion(state, request: HTTPRequest, p: Parsed, chat: bool, end
         return {"arm": info.get("arm", job.arm), "fallback": info.get("fallback"),
                 "fallback_detail": info.get("fallback_detail", ""), "token_ids": ids,
                 "cached_tokens": info.get("cached_tokens", 0), "ledgers": info.get("ledgers"),
-                "arm_choice": info.get("arm_choice"), "documents": [d.id for d in p.docs]}
+                "arm_choice": info.get("arm_choice"), "documents": [d.id for d in p.docs], "ttft_s": job.ttft_s}
 
     st = StopText(tok, p.stop)
     early = {"arm": job.arm}  # the reuse job's info event (arm, cached rows, ledgers) comes first

@@ -117,8 +117,8 @@ class Metrics:
                               buckets=LAT_BUCKETS, registry=r)
         self.itl = Histogram("redknot_inter_token_seconds", "Time between consecutive tokens", ["arm"],
                              buckets=LAT_BUCKETS, registry=r)
-        self.requests = Counter("redknot_requests", "Completion requests run, by endpoint and arm",
-                                ["endpoint", "arm"], registry=r)
+        self.requests = Counter("redknot_requests", "Completion requests run, by endpoint and the arm asked for "
+                                "(auto: redknot_arm_choice_total says which ran)", ["endpoint", "arm"], registry=r)
         self.responses = Counter("redknot_http_responses", "HTTP responses by status code", ["code"], registry=r)
         self.queue_depth = Gauge("redknot_queue_depth", "Jobs waiting for the model worker", registry=r)
         self.active = Gauge("redknot_active_sequences", "Sequences in the continuous decode batch", registry=r)

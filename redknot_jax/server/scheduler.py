@@ -22,8 +22,10 @@ layer, `prefill_batch_steps`, each keeping its decode state), a layer at a time:
 the requests' rows over the model's layers of the step's budget, so a long document prefill
 spreads over steps as a chunked prompt does. Each then decodes as a row of the document decode
 batch (`reuse/decode_batch.py`, `slots` rows: every member's token in one jitted call per
-layer, a step each worker step right after the plain batch's: two calls, not yet one); one that
-finds the batch full, or that fell back to the Recomputed arm, decodes on its own. Artifact
+layer, a step each worker step right after the plain batch's: two calls, not yet one); one
+that finds its batch full decodes on its own. Requests in the prefix arm (`arm="prefix"`, what
+a prefix cache gives: the first document's artifact an exact prefix, every later row native)
+and fallbacks to the Recomputed arm keep native decode states, rows of a second such batch. Artifact
 builds (`build_artifact`) run whole between two steps. Model work never runs on the event loop: the
 HTTP side only enqueues jobs and reads their events.
 
@@ -114,6 +116,7 @@ class Job:
     cancelled: threading.Event = dataclasses.field(default_factory=threading.Event)
     t_submit: float = dataclasses.field(default_factory=time.perf_counter)
     by_stop: bool = False  # cancelled because a stop string matched, not because the client left
+    ttft_s: float | None = None  # from submission to its first token's emission (queue wait included)
 
     def emit(self, *ev) -> None:
         try:
@@ -171,12 +174,13 @@ class _Prefilling:
 class _Reuse:
     """A document request generating (`Scheduler._generation`): `gen` is sent the logits of its
     next row (None: it computes them itself) and yields after each token; `arts` pinned in the
-    arena; `slot` its row of the decode batch (None: it decodes on its own); `last` its last
-    token (None until its prefill ran)."""
+    arena; `slot` its row of the decode batch `batch` ("redknot" or "native": `Scheduler.batches`;
+    None: it decodes on its own); `last` its last token (None until its first)."""
     job: Job
     gen: object
     arts: list
     slot: int | None = None
+    batch: str | None = None
     last: int | None = None
 
 
@@ -226,8 +230,10 @@ class Scheduler:
         self.arena = runtime.consumer.arena(arena_rows, arena_docs) if runtime is not None else None
         if self.arena is not None:
             metrics.watch_arena(self.arena)
-        # document requests in the RedKnot arm decode as rows of one batch of `slots` (reuse/decode_batch.py)
-        self.decoding = runtime.consumer.decode_batch(slots) if runtime is not None else None
+        # document requests decode as rows of a batch of `slots` (reuse/decode_batch.py): RedKnot states in
+        # one, native ones (the prefix arm, fallbacks to the Recomputed arm) in another
+        self.batches = {k: runtime.consumer.decode_batch(slots) for k in ("redknot", "native")} \
+            if runtime is not None else {}
 
     # ------------------------------------------------------------------ warm-up
     def default_warmup(self) -> tuple[int, ...]:
@@ -445,7 +451,8 @@ class Scheduler:
         """Emit one token; return the finish reason if the sequence ends here."""
         now = time.perf_counter()
         if t_prev is None:
-            self.metrics.ttft.labels(arm).observe(now - job.t_submit)
+            job.ttft_s = now - job.t_submit
+            self.metrics.ttft.labels(arm).observe(job.ttft_s)
         else:
             self.metrics.itl.labels(arm).observe(now - t_prev)
         job.emit("token", tok)
@@ -690,25 +697,27 @@ class Scheduler:
                 r.job.emit("error", 503, "server is shutting down; generation stopped")
                 self._end(r)
         old = list(self._reuse)
-        members = [r for r in old if r.slot is not None]
-        if members:
-            toks = np.zeros(self.decoding.slots, np.int32)
+        for key, batch in list(self.batches.items()):
+            members = [r for r in old if r.batch == key]
+            if not members:
+                continue
+            toks = np.zeros(batch.slots, np.int32)
             for r in members:
                 toks[r.slot] = r.last
             self.metrics.reuse_decode_rows.observe(len(members))
             try:
-                logits = np.asarray(self.decoding.step(toks))
+                logits = np.asarray(batch.step(toks))
             except Exception as e:
                 log.error("batched document decode step failed:\n%s", traceback.format_exc())
                 for r in members:
                     r.job.emit("error", 500, f"internal error in decode: {type(e).__name__}: {e}")
                     self._end(r)
-                self.decoding = self.rt.consumer.decode_batch(self.decoding.slots)
+                self.batches[key] = self.rt.consumer.decode_batch(batch.slots)
                 members = []
             for r in members:
                 self._advance(r, logits[r.slot])
         for r in old:
-            if r.slot is None and r in self._reuse:
+            if r.batch is None and r in self._reuse:
                 self._advance(r, None)
 
     def _advance(self, r: _Reuse, logits=None) -> None:
@@ -729,8 +738,8 @@ class Scheduler:
     def _end(self, r: _Reuse) -> None:
         self._reuse.remove(r)
         r.gen.close()
-        if r.slot is not None:
-            self.decoding.leave(r.slot)
+        if r.batch is not None:
+            self.batches[r.batch].leave(r.slot)
         self.arena.release(r.arts)
 
     def _fail(self, job: Job, e: Exception) -> None:
@@ -752,9 +761,16 @@ class Scheduler:
             with self._cond:
                 self._pending.appendleft(job)
             return None
+        prompt = Segment(np.asarray(job.tokens, np.int32))
+        if job.arm == "prefix":  # a prefix cache: the first document's artifact, every later row native
+            self._ensure_artifact(job.docs[0])
+            segs = [Segment(np.asarray(d.tokens, np.int32), d.artifact if k == 0 else None)
+                    for k, d in enumerate(job.docs)]
+            return {"job": job, "req": Request(segs + [prompt]), "arts": [], "pool": None, "arm": "prefix",
+                    "detail": "", "choice": None}  # certified by the runtime's prefix arm (fallback counted)
         fetched = [self._ensure_artifact(d) for d in job.docs]
         segs = [Segment(np.asarray(d.tokens, np.int32), d.artifact) for d in job.docs]
-        req = Request(segs + [Segment(np.asarray(job.tokens, np.int32))])
+        req = Request(segs + [prompt])
         prep = {"job": job, "req": req, "arts": [], "pool": None, "arm": "redknot", "detail": "", "choice": choice}
         if self.rt.certify(req) is None:  # only certified artifacts enter the arena (each hashed once)
             try:
@@ -788,6 +804,8 @@ class Scheduler:
         fallback = first.fallback or (FallbackReason.ARENA_FULL if detail else None)
         info = {"arm": arm, "fallback": fallback.value if fallback else None,
                 "fallback_detail": first.fallback_detail or detail, "cached_tokens": 0, "arm_choice": prep["choice"]}
+        if arm == "prefix":  # the first document's rows: computed in no layer
+            info["cached_tokens"] = int(req.segments[0].tokens.size)
         if first.ledgers is not None:
             plan = first.plan
             # rows not computed: the exact prefix's, and the documents' rows restored from artifacts
@@ -804,9 +822,10 @@ class Scheduler:
         fin = self._token(job, toks[0], 1, None, arm)
         t_prev, r.last = time.perf_counter(), toks[0]
         st = first.decode
-        if fin is None and st is not None and not st.native and self.decoding.size < self.decoding.slots:
+        key = None if st is None else "native" if st.native else "redknot"
+        if fin is None and key is not None and self.batches[key].size < self.batches[key].slots:
             try:
-                r.slot = self.decoding.join(st)
+                r.slot, r.batch = self.batches[key].join(st), key
             except Exception:  # it decodes on its own
                 log.warning("document request decodes outside the batch:\n%s", traceback.format_exc())
         while fin is None:

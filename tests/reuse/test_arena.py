@@ -126,6 +126,17 @@ def test_a_decode_batch_steps_each_member_as_it_decodes_alone(setup):
         for r in [r for r in slot if done[r] == steps]:
             batch.leave(slot.pop(r))
     assert done == {0: 5, 1: steps, 2: steps} and batch.size == 0 and batch.layers == {}
+    # native states (the Recomputed and prefix arms') in a batch of their own: each as it decodes alone
+    runs = [rt.prefill(req(ix), arm, decode_rows=3) for ix, arm in (([3], "recompute"), ([0, 2], "prefix")) * 2]
+    assert [r.arm for r in runs] == ["recompute", "prefix"] * 2 and all(r.decode.native for r in runs)
+    natives = c.decode_batch(slots=2)
+    assert [natives.join(r.decode) for r in runs[:2]] == [0, 1]
+    for k in range(3):
+        toks = rng.integers(2, cfg.vocab_size, 2)
+        logits = np.asarray(natives.step(toks))
+        for b, r in enumerate(runs[2:]):
+            assert rel_err(logits[b], np.asarray(c.decode_step(int(toks[b]), r.decode))) < \
+                TOL["consumer_vs_reference"][0], (k, b)
     # the notebook API over it: generate_batch == generate, a request that falls back decoding on its own
     stale = dataclasses.replace(arts[3], certificate=dataclasses.replace(arts[3].certificate, model_digest="0" * 64))
     reqs = [req(ix) for ix in sets] + [Request([Segment(req([3]).segments[0].tokens, stale), req([3]).segments[-1]])]
@@ -135,10 +146,10 @@ def test_a_decode_batch_steps_each_member_as_it_decodes_alone(setup):
         assert t == rt.generate(r, 4, pool=arena)[0]
     with pytest.raises(ValueError, match="joined a DecodeBatch"):
         c.decode_step(1, mine[1])
-    with pytest.raises(ValueError, match="native"):
-        batch.join(rt.prefill(req([3]), "recompute", decode_rows=2).decode)
     one = c.decode_batch(slots=1)
     one.join(rt.prefill(req([3]), "redknot", pool=arena, decode_rows=2).decode)
+    with pytest.raises(ValueError, match="it is native; the batch's members are RedKnot states"):
+        one.join(rt.prefill(req([3]), "recompute", decode_rows=2).decode)
     with pytest.raises(ValueError, match="all 1 slots are taken"):
         one.join(rt.prefill(req([3]), "redknot", pool=arena, decode_rows=2).decode)
     with pytest.raises(ValueError, match="another pool"):

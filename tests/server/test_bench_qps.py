@@ -54,7 +54,7 @@ def test_cycles_tile_the_window():
     (["--concurrency", "a"], "--concurrency: expected comma-separated positive integers, got 'a'"),
     (["--concurrency", "2,2"], "--concurrency: repeated level in '2,2'"),
     (["--duration-s", "0"], "--duration-s: expected a positive number, got 0.0"),
-    (["--arms", "redknot,native"], "--arms: expected a comma-separated subset of redknot,recompute, got 'redknot,native'"),
+    (["--arms", "redknot,native"], "--arms: expected a comma-separated subset of redknot,prefix,recompute, got 'redknot,native'"),
     (["--docs", "2", "--docs-per-request", "3"], r"--docs-per-request: expected 1..--docs \(2\), got 3"),
     (["--serve-args", "--preset tiny --port 9"], r"--serve-args: --port is set here \(use --port\)"),
     (["--url", "http://127.0.0.1:1", "--serve-args", "--preset tiny"], "--serve-args: given with --url"),
@@ -93,13 +93,14 @@ def test_bench_against_real_server(tmp_path, monkeypatch, capsys):
     monkeypatch.delenv("XLA_FLAGS", raising=False)  # the server needs one CPU device, not the session's 8
     monkeypatch.setenv("JAX_PLATFORMS", "cpu")
     monkeypatch.delenv("REDKNOT_API_KEYS", raising=False)
-    out_file = tmp_path / "qps.json"
+    out_file, head_file = tmp_path / "qps.json", tmp_path / "qps_headline.json"
     dur = 3.0
     res = bench_qps.main(["--serve-args", "--preset tiny --profile tiny-exact --max-model-len 512 --log-level warning",
-                          "--port", str(_free_port()), "--concurrency", "1,2", "--arms", "redknot,recompute",
+                          "--port", str(_free_port()), "--concurrency", "1,2", "--arms", "redknot,prefix,recompute",
                           "--duration-s", str(dur), "--warmup-requests", "2", "--docs", "4",
                           "--docs-per-request", "2", "--doc-chars", "48", "--prompt-chars", "16",
-                          "--output-len", "4", "--bootstrap", "500", "--out", str(out_file)])
+                          "--output-len", "4", "--bootstrap", "500", "--out", str(out_file),
+                          "--headline", str(head_file)])
     printed = capsys.readouterr().out
     with capsys.disabled():
         print("\n" + printed)
@@ -110,10 +111,10 @@ def test_bench_against_real_server(tmp_path, monkeypatch, capsys):
     assert stop["stopped_by"] == "SIGTERM" and stop["exit_code"] in (0, -signal.SIGTERM), stop
     assert data["server"]["device"]["backend"] == "cpu"
     assert data["host"]["node"] and "serve.py" in " ".join(data["server"]["command"])
-    assert "closed loop" in data["policies"]["arrival"] and "one at a time" in data["policies"]["server_batching"]
+    assert "closed loop" in data["policies"]["arrival"] and "decode batch" in data["policies"]["server_batching"]
     assert [d["tokens"] for d in data["workload"]["documents"]] == [48] * 4  # byte tokenizer: one id per char
-    assert set(data["results"]) == {"redknot", "recompute"}
-    for arm in ("redknot", "recompute"):
+    assert set(data["results"]) == {"redknot", "prefix", "recompute"}
+    for arm in ("redknot", "prefix", "recompute"):
         assert set(data["results"][arm]) == {"1", "2"}
     assert "| redknot | 1 |" in printed and "| recompute | 2 |" in printed
     for cell in data["cells"]:
@@ -133,6 +134,11 @@ def test_bench_against_real_server(tmp_path, monkeypatch, capsys):
         assert s["output_tokens"] == sum(r["completion_tokens"] for r in recs)
         if cell["arm"] == "redknot":
             assert all(r["cached_tokens"] > 0 for r in recs)
+        if cell["arm"] == "prefix":  # the first cited document: computed in no layer
+            assert all(r["cached_tokens"] == 48 for r in recs)
+        ttft = sorted(r["ttft_s"] for r in recs)  # the server's, per request
+        assert 0 < ttft[0] and ttft[-1] < max(r["end_s"] - r["start_s"] for r in recs)
+        assert s["ttft_s"]["p50"] == pytest.approx(float(np.quantile(ttft, 0.5)))
         assert s["requests_per_s"] == pytest.approx(s["completed"] / s["window_s"], rel=1e-9)
         assert s["output_tokens_per_s"] == pytest.approx(s["output_tokens"] / s["window_s"], rel=1e-9)
         for key in ("requests_per_s", "output_tokens_per_s"):
@@ -145,3 +151,10 @@ def test_bench_against_real_server(tmp_path, monkeypatch, capsys):
         a = {(r["client"], r["seq"]): r["docs"] for r in by["redknot", level]}
         b = {(r["client"], r["seq"]): r["docs"] for r in by["recompute", level]}
         assert all(a[k] == b[k] for k in a.keys() & b.keys())
+    head = json.loads(head_file.read_text())  # issue #46's summary: one row per (arm, level)
+    assert head["date"] == data["date"] and "bench_qps.py" in head["command"] and "cpu" in head["device"]
+    assert [(r["arm"], r["concurrency"]) for r in head["rows"]] == [(c["arm"], c["concurrency"]) for c in data["cells"]]
+    for r, c in zip(head["rows"], data["cells"]):
+        assert (r["requests_per_s"], r["ci"], r["ttft_p50_s"], r["ttft_p90_s"]) == (
+            c["summary"]["requests_per_s"], c["summary"]["requests_per_s_ci95"], c["summary"]["ttft_s"]["p50"],
+            c["summary"]["ttft_s"]["p90"])

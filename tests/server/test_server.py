@@ -269,10 +269,10 @@ def test_document_reuse_first_token_equals_recompute(server):
 
 
 def test_concurrent_document_requests_match_each_alone(server):
-    """Document-citing requests sent at once (threads released together by a barrier, greedy,
-    fixed max_tokens, ignore_eos) each get exactly the tokens the same request gets alone:
-    jobs sharing the worker, the device arena of documents, the document requests' decode batch
-    and the continuous batch (Recomputed-arm and plain requests, longer, so they share decode
+    """Document-citing requests (RedKnot, prefix and Recomputed arms) sent at once (threads
+    released together by a barrier, greedy, fixed max_tokens, ignore_eos) each get exactly the
+    tokens the same request gets alone: jobs sharing the worker, the device arena of documents,
+    the document requests' decode batches and the continuous batch (Recomputed-arm and plain requests, longer, so they share decode
     steps: checked on the batch-rows histogram) do not leak into each other.
     Documents of DOC's length and a 6-token one, prompts of QUESTION's length: the shapes
     test_document_reuse compiled."""
@@ -282,19 +282,22 @@ def test_concurrent_document_requests_match_each_alone(server):
     q2 = QUESTION.upper()
     cases = [([ids[0]], QUESTION, "redknot", 4), ([ids[1]], QUESTION, "redknot", 4), ([ids[2]], q2, "redknot", 4),
              ([ids[0], short], q2, "redknot", 4), ([short, ids[1]], QUESTION, "redknot", 4),
-             ([ids[2], short], QUESTION, "redknot", 4), ([ids[1]], q2, "recompute", 12),
+             ([ids[2], short], QUESTION, "redknot", 4), ([ids[0], short], QUESTION, "prefix", 4),
+             ([ids[2]], q2, "prefix", 4), ([ids[1]], q2, "recompute", 12),
              ([ids[0], short], QUESTION, "recompute", 12), ([], QUESTION, "engine", 12), ([], q2, "engine", 12)]
 
     def send(case):
         docs, prompt, arm, mt = case
         body = {"model": MODEL, "prompt": prompt, "max_tokens": mt, "temperature": 0, "ignore_eos": True}
         if docs:
-            body |= {"documents": docs, "arm": "recompute" if arm == "recompute" else "redknot"}
+            body |= {"documents": docs, "arm": arm}
         st, r = server.request("POST", "/v1/completions", body)
         assert st == 200, (case, r)
         ext = r["redknot"]
         assert ext["arm"] == arm and ext["fallback"] is None, (case, ext)  # reuse really ran where cited
         assert len(ext["token_ids"]) == mt
+        if arm == "prefix":  # the first document's rows computed in no layer
+            assert r["usage"]["prompt_tokens_details"]["cached_tokens"] == len(DOC), r
         return ext["token_ids"]
 
     def shared_steps():  # batched decode steps that ran more than one sequence so far
@@ -951,9 +954,10 @@ def test_long_prompts_prefill_between_decode_steps_and_document_requests_decode_
         submitted = threading.Event()  # a's decode waits until b and c are queued: they join mid-generation
         sched._decode_batch = lambda *a: (submitted.wait(300), log.append(("*", "decode", None)), real_decode(*a))[2]
         sched._fill = lambda i: (log.append((sched._slots[i].job.name, "chunk", None)), real_fill(i))
-        real_layer, real_docs = sched._prefill_layer, sched.decoding.step
+        docs = sched.batches["redknot"]
+        real_layer, real_docs = sched._prefill_layer, docs.step
         sched._prefill_layer = lambda g: (log.append((g.preps[0]["job"].name, "layer", None)), real_layer(g))
-        sched.decoding.step = lambda t: (log.append(("*", "documents", sched.decoding.size)), real_docs(t))[1]
+        docs.step = lambda t: (log.append(("*", "documents", docs.size)), real_docs(t))[1]
         sched.start()
         try:
             for j in jobs:
