@@ -59,7 +59,8 @@ Output: --out JSON (command, date, host, server command and device, policies, wo
 cell the summary, the server's counter deltas from /metrics and the raw records), a markdown
 table on stdout, and with --headline the issue's one-row-per-point file ({"device", "date",
 "command", "rows": [{"arm", "concurrency", "requests_per_s", "ci", "ttft_p50_s", "ttft_p90_s",
-"tokens_per_s"}]}). Client side: standard library + numpy only.
+"tokens_per_s", "date", "command"}]}), merged into the file's earlier rows from the same device
+(a run split into calls, one concurrency level each: each row keeps its own command and date). Client side: standard library + numpy only.
 """
 
 from __future__ import annotations
@@ -550,9 +551,24 @@ def headline(out: dict) -> dict:
         tt = s.get("ttft_s") or {}
         rows.append({"arm": c["arm"], "concurrency": c["concurrency"], "requests_per_s": s["requests_per_s"],
                      "ci": s["requests_per_s_ci95"], "ttft_p50_s": tt.get("p50"), "ttft_p90_s": tt.get("p90"),
-                     "tokens_per_s": s["output_tokens_per_s"], "completed": s["completed"], "errors": s["errors"]})
-    return {"device": device, "date": out["date"], "command": " ".join(out["command"]),
-            "raw": "the --out file of this run", "rows": rows}
+                     "tokens_per_s": s["output_tokens_per_s"], "completed": s["completed"], "errors": s["errors"],
+                     "date": out["date"], "command": " ".join(out["command"])})
+    return {"device": device, "date": out["date"], "command": " ".join(out["command"]), "rows": rows}
+
+
+def merge_headline(old: dict | None, new: dict) -> dict:
+    """`new`'s rows over an earlier run's file on the same device (a run split over several calls,
+    e.g. a concurrency level each within a device's per-call time limit): a row of the same
+    (arm, concurrency) is replaced, the others kept; each row keeps its own command and date,
+    the file's are the latest run's. A file from another device is refused, naming both."""
+    if old is None:
+        return new
+    if old.get("device") != new["device"]:
+        raise SystemExit(f"bench_qps: --headline file is from device {old.get('device')!r}, this run's is "
+                         f"{new['device']!r}: give another file")
+    key = lambda r: (r["arm"], r["concurrency"])
+    mine = {key(r) for r in new["rows"]}
+    return {**new, "rows": [r for r in old.get("rows", []) if key(r) not in mine] + new["rows"]}
 
 
 def main(argv=None) -> dict:
@@ -652,7 +668,9 @@ def main(argv=None) -> dict:
     out_path.parent.mkdir(parents=True, exist_ok=True)
     out_path.write_text(json.dumps(out, indent=1))
     if args.headline:
-        pathlib.Path(args.headline).write_text(json.dumps(headline(out), indent=1) + "\n")
+        path = pathlib.Path(args.headline)
+        old = json.loads(path.read_text()) if path.is_file() else None
+        path.write_text(json.dumps(merge_headline(old, headline(out)), indent=1) + "\n")
     print(out["table_markdown"])
     return out
 

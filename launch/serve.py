@@ -41,6 +41,8 @@ def main(argv=None):
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--profile", default="auto", help="auto (the checkpoint's redknot_profile.json, else by layer "
                     "count) | tiny | tiny-exact | flash | pro | profile.json")
+    ap.add_argument("--artifact-codec", choices=["dense", "fp8", "fp4"],
+                    help="how artifacts are stored (docs/store.md, 'Artifact codecs'; default: the profile's)")
     ap.add_argument("--artifact-store", help="directory for document records (reloaded at start-up) and their artifacts "
                     "(per-tenant ArtifactStores under DIR/artifacts: published when built, read back verified)")
     ap.add_argument("--host", default="127.0.0.1")
@@ -118,7 +120,7 @@ def main(argv=None):
                          warmup_buckets=args.warmup_buckets, kernels=args.kernels,
                          shape_buckets=args.shape_buckets, arena_rows=args.arena_rows, arena_docs=args.arena_docs,
                          break_even=args.break_even, reuse_batch=args.reuse_batch,
-                         max_batched_tokens=args.max_batched_tokens)
+                         max_batched_tokens=args.max_batched_tokens, artifact_codec=args.artifact_codec)
     except ValueError as e:  # a flag's value the config refuses: named by its flag, as argparse names its own
         field, sep, rest = str(e).partition(":")
         ap.error(f"--{field.replace('_', '-')}:{rest}" if sep and field in ServeConfig.__dataclass_fields__ else str(e))

@@ -121,6 +121,23 @@ def decode(v, dtype) -> jax.Array:
     raise CodecError(f"artifact codec: not an encoded field (keys {sorted(v)})")
 
 
+def take(v, idx):
+    """Rows `idx` (any integer array, indices into the leading axis) of a field, encoded or
+    dense, in the same form: every array of an encoded field keeps the rows as its leading axis."""
+    return jax.tree.map(lambda a: jnp.asarray(a)[idx], v)
+
+
+def rows(v, idx, dtype=None) -> jax.Array:
+    """Rows `idx` of a field as a dense array: gathered encoded, then decoded (so only the rows
+    read are dequantised, never the whole pool). `dtype`: default the field's own (a dense
+    field's, or the exact RoPE part's of a latent); required for z_L and `ffn` in a compact codec."""
+    if dtype is None:
+        if isinstance(v, Mapping) and "rope" not in v:
+            raise CodecError("artifact codec: rows of an encoded field without an exact part need a dtype")
+        dtype = (v["rope"] if isinstance(v, Mapping) else v).dtype
+    return decode(take(v, idx), dtype)
+
+
 def topk_dtype(entries: int):
     """The narrowest signed integer holding entry ids below `entries` and the pad -1."""
     return jnp.int16 if entries <= np.iinfo(np.int16).max + 1 else jnp.int32
@@ -184,5 +201,6 @@ def produced_dtype(layer: Mapping):
 
 
 def dense(layer: Mapping) -> dict:
-    """`decode_layer` in the layer's own dtype (`produced_dtype`)."""
+    """`decode_layer` in the layer's own dtype (`produced_dtype`): a whole layer (the eager
+    reference's; the consumer reads `rows` of a pool instead)."""
     return decode_layer(layer, produced_dtype(layer))

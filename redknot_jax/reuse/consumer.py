@@ -39,7 +39,6 @@ from redknot_jax.config import CSA, HCA
 from redknot_jax.indexer import TOPK_STAGES
 from redknot_jax.model import block_jit
 from redknot_jax.pallas import DECODE_ONLY, resolve_kernels
-from redknot_jax.reuse import codec
 from redknot_jax.reuse.arena import DocArena
 from redknot_jax.reuse.artifact import local_head_mask
 from redknot_jax.reuse.decode import DecodeState
@@ -334,8 +333,7 @@ class Consumer:
             rows = L + np.arange(x.shape[1])
             d_row, pool_row = frame_rows(plan.frames, pool, rows[-1] + 1)
             gd, st = self.defs[self.reusable[0]]
-            kv = jax.device_put(codec.decode(pool_layer["kv"], codec.produced_dtype(pool_layer)),
-                                x.sharding)  # TP: the controller runs on one device
+            kv = jax.device_put(pool_layer["kv"], x.sharding)  # TP: the controller runs on one device
             dev = np.zeros(plan.n_rows)
             dev[L:] = np.asarray(deviation_jit(st, x, kv, jnp.asarray(pool_row[rows], jnp.int32),
                                                jnp.asarray(rows - d_row[rows], jnp.int32), graphdef=gd,

@@ -158,7 +158,6 @@ def decode_attention(blk, x, tab, pool_layer, keys, t0, *, freqs, kernels: str =
     document) instead of turning every entry. Returns (x, keys with the new rows written in)."""
     attn = blk.attn
     g = x.shape[1]
-    pool_layer = codec.dense(pool_layer)
     u, post, comb = blk.hc_attn.pre(x)
     xa = blk.attn_norm(u)[0]  # [g, d]
     rows = t0 + jnp.arange(g)
@@ -191,14 +190,16 @@ def decode_attention(blk, x, tab, pool_layer, keys, t0, *, freqs, kernels: str =
     def window_keys(kp):  # pool rows of the documents, compact rows of the rest
         r = jnp.clip(kp, 0, own.shape[0] - 1)
         ar = tab["art_row"][r]
-        kv = jnp.where((ar >= 0)[..., None], pool_layer["kv"][jnp.maximum(ar, 0)].astype(new["kv"].dtype),
-                       new["kv"][jnp.maximum(own[r], 0)])
+        pool_kv = codec.rows(pool_layer["kv"], jnp.maximum(ar, 0)).astype(new["kv"].dtype)
+        kv = jnp.where((ar >= 0)[..., None], pool_kv, new["kv"][jnp.maximum(own[r], 0)])
         return apply_rope(kv, tab["key_d"][r], freqs)
 
     q = head_queries(attn, cq, np.arange(attn.h), pos, freqs)
     if segments:
         kp = pos[:, None] - attn.window + 1 + jnp.arange(attn.window)  # as `pass_b`'s window
-        o = _decode_segments(q, pos, window_keys(kp), kp >= 0, new["ents"], rt, pool_layer.get("entries"),
+        pool_entries = codec.decode(pool_layer["entries"], codec.produced_dtype(pool_layer)) \
+            if "entries" in pool_layer else None  # read in place by the kernel: dense
+        o = _decode_segments(q, pos, window_keys(kp), kp >= 0, new["ents"], rt, pool_entries,
                              attn.attn_sink[...], attn.k ** -0.5, freqs, attn.compressor.m)
     else:
         o = pass_b(q, pos, window_keys, ents, idx, attn.attn_sink[...], attn.k ** -0.5, attn.kind, g, attn.window,

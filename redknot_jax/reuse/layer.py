@@ -30,6 +30,8 @@ groups and experts.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import numpy as np
 import jax
 import jax.numpy as jnp
@@ -82,9 +84,9 @@ def absolute_entries(pool_entries, tab, on_ents, E, dk, freqs):
     """Request entries [E, dk] (fp32) in absolute coordinates: pool entries turned by R(D) as
     they are read, then the online entries `on_ents` [E_on, dk] (absolute already) in place."""
     out = jnp.zeros((E, dk), jnp.float32)
-    if pool_entries is not None:
+    if pool_entries is not None:  # (encoded or dense: `codec.rows` dequantises the rows read)
         src = tab["src"]
-        pe = apply_rope(pool_entries[jnp.maximum(src, 0)].astype(jnp.float32), tab["d"], freqs)
+        pe = apply_rope(codec.rows(pool_entries, jnp.maximum(src, 0)).astype(jnp.float32), tab["d"], freqs)
         out = jnp.where((src >= 0)[:, None], pe, out)
     return out.at[tab["on_idx"]].set(on_ents.astype(jnp.float32), mode="drop")
 
@@ -244,7 +246,7 @@ def ffn_args(ffn_rows: str, tab, pool_layer) -> dict:
         raise ValueError("ffn_rows='restore': the pool holds no canonical FFN outputs (artifacts built "
                          "under a profile without ffn_rows='restore')")
     zr = tab["zl_row"]
-    y = codec.decode(pool_layer["ffn"], codec.produced_dtype(pool_layer))[jnp.maximum(zr, 0)]
+    y = codec.rows(pool_layer["ffn"], jnp.maximum(zr, 0), codec.produced_dtype(pool_layer))
     return {"rows": tab["prot_idx"], "restored": jnp.where((zr >= 0)[..., None], y, 0)}
 
 
@@ -330,7 +332,6 @@ def reusable_attention(blk, x, tab, pool_layer, *, freqs, glob, block, reduce=No
     attn = blk.attn
     t = x.shape[1]
     h, k, g, w = attn.h, attn.k, attn.g, attn.window
-    pool_layer = codec.dense(pool_layer)  # dequantised here, inside the layer's program (fused into its reads)
     u, post, comb = blk.hc_attn.pre(x)
     xa = blk.attn_norm(u)[0]  # [t, d]
     pos, d_row = tab["pos"], tab["d"]
@@ -347,7 +348,7 @@ def reusable_attention(blk, x, tab, pool_layer, *, freqs, glob, block, reduce=No
     ar = tab["art_row"]
     T = ar.shape[0]
     on = jnp.zeros((T,) + kv_on.shape[1:], kv_on.dtype).at[jnp.where(oi < t, pos[oc], T)].set(kv_on, mode="drop")
-    kv = jnp.where((ar >= 0)[:, None], pool_layer["kv"][jnp.maximum(ar, 0)].astype(kv_on.dtype), on)
+    kv = jnp.where((ar >= 0)[:, None], codec.rows(pool_layer["kv"], jnp.maximum(ar, 0)).astype(kv_on.dtype), on)
     kv_abs = apply_rope(kv, tab["key_d"], freqs)
 
     kind = attn.kind
@@ -361,7 +362,7 @@ def reusable_attention(blk, x, tab, pool_layer, *, freqs, glob, block, reduce=No
     zr = tab["zl_row"]
     csa_ids = None
     if kind == CSA:
-        local_ids = pool_layer["topk"][jnp.maximum(zr, 0)]  # document-local entry ids [t, K]
+        local_ids = pool_layer["topk"][jnp.maximum(zr, 0)].astype(jnp.int32)  # document-local entry ids [t, K]
         rt = tab["rates"]["csa"]
         csa_ids = jnp.where((zr >= 0)[:, None] & (local_ids >= 0), rt["ebase"][pos][:, None] + local_ids, -1)
     q_g = queries(cq, glob, pos)
@@ -389,8 +390,11 @@ def reusable_attention(blk, x, tab, pool_layer, *, freqs, glob, block, reduce=No
     # protected rows replaced by z_p (pallas/restore.py: the kernel or its XLA reference)
     gl = tuple(int(j) for j in (np.asarray(glob) % (h // g))[: len(glob) // g])
     restore_fn = restore_kernel if kernel_mode(kernels, "restore") == "mosaic" else restore_reference
-    z = restore_fn(o_g.reshape(t, g, len(gl), k), attn.wo_a[...], pool_layer["zl"], zr, z_p, pi,
-                   global_heads=gl)
+    zl = pool_layer["zl"]
+    if isinstance(zl, Mapping):  # a compact codec: the restored rows' z_L dequantised, request-sized
+        zl = codec.rows(zl, jnp.maximum(zr, 0), codec.produced_dtype(pool_layer))
+        zr = jnp.where(zr >= 0, jnp.arange(t, dtype=zr.dtype), -1)
+    z = restore_fn(o_g.reshape(t, g, len(gl), k), attn.wo_a[...], zl, zr, z_p, pi, global_heads=gl)
 
     y = attn.wo_b_apply(z[None])
     if reduce is not None:

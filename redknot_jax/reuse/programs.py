@@ -17,6 +17,7 @@ from flax import nnx
 
 from redknot_jax.indexer import TOPK_STAGES
 from redknot_jax.pallas.indexer_scores import index_scores
+from redknot_jax.reuse import codec
 from redknot_jax.reuse.decode import decode_attention, decode_entries
 from redknot_jax.reuse.layer import ffn_args, reusable_attention, reusable_ffn, reusable_layer
 from redknot_jax.reuse.planner import latent_deviation
@@ -141,5 +142,5 @@ def deviation_jit(state, x, pool_kv, pool_row, cpos, *, graphdef, freqs):
     blk = nnx.merge(graphdef, state)
     u, _, _ = blk.hc_attn.pre(x)
     kv = blk.attn.latent(blk.attn_norm(u), cpos[None], freqs)[0]
-    dev = latent_deviation(kv, pool_kv[jnp.maximum(pool_row, 0)])
+    dev = latent_deviation(kv, codec.rows(pool_kv, jnp.maximum(pool_row, 0)))  # (encoded or dense)
     return jnp.where(pool_row >= 0, dev, 0.0)

@@ -19,6 +19,7 @@ from redknot_jax.quality import SHIPPED_MODEL
 from redknot_jax.quality.model_config import PROFILE_FILE
 from redknot_jax.reuse import profile as profiles
 from redknot_jax.reuse.break_even import BreakEven, BreakEvenError
+from redknot_jax.reuse.certificate import CODECS
 from redknot_jax.reuse.pool import Buckets
 from redknot_jax.reuse.runtime import ReuseRuntime
 from redknot_jax.server.documents import DocumentRegistry
@@ -29,12 +30,16 @@ from redknot_jax.server.tokenizer import load_chat_template, load_tokenizer
 log = logging.getLogger("redknot.server")
 
 
+PROFILE_NAMES = ("auto", "tiny", "tiny-exact", "flash", "pro")  # `make_profile`'s; else a profile JSON file
+
+
 @dataclasses.dataclass(frozen=True)
 class ServeConfig:
     checkpoint: str | None = None  # safetensors dir with config.json (None and no preset: the shipped QA model)
     preset: str | None = None  # random-weight preset (e.g. "tiny") instead of a checkpoint
     dtype: str = "float32"
     profile: str = "auto"  # auto | tiny | tiny-exact | flash | pro | path/to/profile.json
+    artifact_codec: str | None = None  # dense | fp8 | fp4: the artifacts' codec (None: the profile's own)
     artifact_store: str | None = None
     host: str = "127.0.0.1"
     port: int = 8000
@@ -62,6 +67,11 @@ class ServeConfig:
     reuse_batch: int = 4  # document requests waiting together that prefill in one batch, at most
 
     def __post_init__(self):
+        if self.profile not in PROFILE_NAMES and not os.path.isfile(self.profile):
+            raise ValueError(f"profile: expected {', '.join(PROFILE_NAMES)} or a JSON file, got {self.profile!r} "
+                             f"(no such file)")
+        if self.artifact_codec is not None and self.artifact_codec not in CODECS:
+            raise ValueError(f"artifact_codec: expected one of {', '.join(CODECS)}, got {self.artifact_codec!r}")
         if self.break_even is not None:
             try:
                 BreakEven.read(self.break_even)
@@ -140,7 +150,7 @@ def make_profile(name: str, cfg: config.ModelConfig, checkpoint: str | None = No
         return profiles.pro_profile()
     if os.path.isfile(name):
         return profiles.RedKnotProfile.read(name)
-    raise ValueError(f"profile: expected auto, tiny, tiny-exact, flash, pro or a JSON file, got {name!r}")
+    raise ValueError(f"profile: expected {', '.join(PROFILE_NAMES)} or a JSON file, got {name!r}")
 
 
 @dataclasses.dataclass
@@ -185,6 +195,8 @@ def build_state(sc: ServeConfig) -> ServerState:
         fp = f"embedded-random:{preset}:seed0:{sc.dtype}:{cfg.fingerprint()}"
         name = sc.model_name or f"redknot-{preset}-random"
     prof = make_profile(sc.profile, cfg, ckpt)
+    if sc.artifact_codec is not None:
+        prof = dataclasses.replace(prof, artifact_codec=sc.artifact_codec)
     rt = ReuseRuntime(model, prof, fp, kernels=sc.kernels, buckets=sc.shape_buckets)
     eng = Engine(model, capacity=sc.max_model_len, kernels=sc.kernels)
     metrics = Metrics(rt.counters)

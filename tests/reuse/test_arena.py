@@ -17,7 +17,7 @@ from redknot_jax.reuse.artifact import build_artifact
 from redknot_jax.reuse.planner import Request, Segment
 from redknot_jax.reuse.profile import tiny_profile
 from redknot_jax.reuse.runtime import ReuseRuntime
-from redknot_jax.reuse import programs
+from redknot_jax.reuse import codec, programs
 from redknot_jax.reuse.layout import max_sizes
 from tests.tolerances import TOL, rel_err
 
@@ -155,3 +155,43 @@ def test_a_decode_batch_steps_each_member_as_it_decodes_alone(setup):
     with pytest.raises(ValueError, match="another pool"):
         one.join(rt.prefill(req([3]), "redknot", pool=c.pool([arts[3]]), decode_rows=2).decode)
     arena.release(arts)
+
+
+def _avals(jaxpr):
+    """Every value a jaxpr computes, nested jaxprs (jit, scan, cond, custom rules) included."""
+    for eqn in jaxpr.eqns:
+        yield from (v.aval for v in eqn.outvars)
+        for p in eqn.params.values():
+            for sub in p if isinstance(p, (tuple, list)) else (p,):
+                sub = getattr(sub, "jaxpr", sub)
+                if hasattr(sub, "eqns"):
+                    yield from _avals(sub)
+
+
+def test_layer_programs_dequantise_only_the_rows_they_read(setup):
+    """Over a compact (fp8) arena a reusable layer's prefill and decode programs gather the rows
+    they read encoded and dequantise those: no program computes a floating array as long as the
+    arena (a whole layer's z_L, K=V or FFN outputs dequantised)."""
+    cfg, rt, arts, req = setup
+    c = rt.consumer
+    arena = c.arena(rows=40 * cfg.hca_rate, docs=8)  # 40 units: a length no other array has
+    arena.acquire(arts[:2])
+    first = rt.prefill(req([0, 1]), "redknot", require_reuse=True, pool=arena, decode_rows=2)
+    c.decode_step(5, first.decode)
+    dec, lay = first.decode, c._layout(first.plan, arena)
+    P = codec.shape(arena.layers[c.reusable[0]]["kv"])[0]
+    assert P >= 40 * cfg.hca_rate
+    ids = jnp.zeros((1, lay.c), jnp.int32)
+    for i in c.reusable:
+        gd, st = c.defs[i]
+        kw = dict(graphdef=gd, freqs=c.model.freqs(i))
+        prefill = programs.reusable_jit.trace(st, c._embed(ids), ids, lay.tables, arena.layers[i], glob=c.glob,
+                                              block=c.block, fan=c.fan, kernels=c.prefill_kernels,
+                                              ffn_rows=c.ffn_rows, **kw)
+        step = programs.reusable_step_jit.trace(st, c._embed(ids[:, :1]), ids[:, :1], dec.layout.tables,
+                                                arena.layers[i], dec.layers[i], jnp.int32(dec.rows), fan=c.fan, **kw)
+        for traced in (prefill, step):
+            wide = [a for a in _avals(traced.jaxpr.jaxpr)
+                    if a.shape[:1] == (P,) and jnp.issubdtype(a.dtype, jnp.floating) and a.dtype.itemsize > 1]
+            assert not wide, (i, wide[:3])
+    arena.release(arts[:2])

@@ -81,6 +81,9 @@ def test_layer_codecs_bytes_and_round_trip():
             assert (err == 0) == (c == "dense") and err < tol, (c, name, err)
         if c != "dense":
             assert enc["topk"].dtype == jnp.int16 and enc["kv"]["rope"].dtype == jnp.float32
+        idx = jnp.asarray([[3, 0], [7, 3]])  # rows gathered encoded, then decoded: the same values
+        for name in ("kv", "zl", "ffn", "idx_entries"):
+            np.testing.assert_array_equal(codec.rows(enc[name], idx, jnp.float32), dec[name][idx])
     assert sizes["dense"] > sizes["fp8"] > sizes["fp4"]
     assert codec.topk_dtype(32768) == jnp.int16 and codec.topk_dtype(32769) == jnp.int32
 
@@ -92,5 +95,7 @@ def test_errors_name_the_codec_and_field():
         codec.encode_layer({"zl": jnp.zeros((4, 2, 24))}, "fp4", rope_dim=8)
     with pytest.raises(codec.CodecError, match="field 'kv' has 8 columns, rope_dim 8 leaves no NoPE part"):
         codec.encode_layer({"kv": jnp.zeros((4, 8))}, "fp8", rope_dim=8)
+    with pytest.raises(codec.CodecError, match="rows of an encoded field without an exact part need a dtype"):
+        codec.rows(codec.encode_fp8(jnp.ones((4, 16))), jnp.asarray([0]))
     with pytest.raises(codec.CodecError, match="not an encoded field"):
         codec.decode({"q": jnp.zeros(3)}, jnp.float32)

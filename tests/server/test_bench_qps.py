@@ -154,6 +154,13 @@ def test_bench_against_real_server(tmp_path, monkeypatch, capsys):
     head = json.loads(head_file.read_text())  # issue #46's summary: one row per (arm, level)
     assert head["date"] == data["date"] and "bench_qps.py" in head["command"] and "cpu" in head["device"]
     assert [(r["arm"], r["concurrency"]) for r in head["rows"]] == [(c["arm"], c["concurrency"]) for c in data["cells"]]
+    # a run split into calls: a later call's rows replace the same points, the others stay
+    later = {**head, "date": "later", "rows": [dict(head["rows"][0], requests_per_s=-1.0, date="later")]}
+    merged = bench_qps.merge_headline(head, later)
+    assert len(merged["rows"]) == len(head["rows"]) and merged["date"] == "later"
+    assert [r["requests_per_s"] for r in merged["rows"]].count(-1.0) == 1
+    with pytest.raises(SystemExit, match="from device 'cpu x1'"):
+        bench_qps.merge_headline({**head, "device": "cpu x1"}, later)
     for r, c in zip(head["rows"], data["cells"]):
         assert (r["requests_per_s"], r["ci"], r["ttft_p50_s"], r["ttft_p90_s"]) == (
             c["summary"]["requests_per_s"], c["summary"]["requests_per_s_ci95"], c["summary"]["ttft_s"]["p50"],

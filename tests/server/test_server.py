@@ -725,7 +725,8 @@ def test_artifacts_persist_in_per_tenant_stores(tmp_path):
 
 def test_kernels_flag_is_resolved_or_refused():
     """ServeConfig.kernels (serve.py --kernels) reaches both the RedKnot runtime and the engine,
-    resolved (off a GPU "auto" runs none); a kernel name it does not know is refused at start-up."""
+    resolved (off a GPU "auto" runs none); a kernel name it does not know is refused at start-up;
+    likewise the other flags ServeConfig checks."""
     from redknot_jax.server.state import ServeConfig, build_state
 
     for flag in ("auto", "xla"):
@@ -746,6 +747,14 @@ def test_kernels_flag_is_resolved_or_refused():
         ServeConfig(arena_docs=0)
     with pytest.raises(ValueError, match="break_even: break-even table /nonexistent/t.json: .*No such file"):
         ServeConfig(break_even="/nonexistent/t.json")
+    # --profile names are checked with the flags (before any model loads); --artifact-codec reaches the profile
+    with pytest.raises(ValueError, match=r"profile: expected auto, tiny, tiny-exact, flash, pro or a JSON file, "
+                                         r"got 'tinyy' \(no such file\)"):
+        ServeConfig(profile="tinyy")
+    with pytest.raises(ValueError, match="artifact_codec: expected one of dense, fp8, fp4, got 'int8'"):
+        ServeConfig(artifact_codec="int8")
+    assert build_state(ServeConfig(preset="tiny", artifact_codec="fp4", warmup=False)).runtime.profile.artifact_codec \
+        == "fp4"
 
 
 # ------------------------------------------------------------------ start-up warm-up (in-process)
