@@ -1007,3 +1007,55 @@ def test_long_prompts_prefill_between_decode_steps_and_document_requests_decode_
         log.clear()
         run([j])
         assert [e[2] for e in log if e[1] == "token"] == together[j.name], j.name
+
+
+def test_a_document_request_cancelled_mid_prefill_leaves_its_batch_and_unpins():
+    """Document prefills run a layer per step (a budget of one token: one layer a step). A request
+    cancelled between two layers of a batched prefill gets no token and unpins its documents;
+    the other request of its batch finishes with the tokens it gets alone. A lone request
+    cancelled mid-prefill stops prefilling at once."""
+    import asyncio
+
+    import numpy as np
+
+    from redknot_jax.generate import Engine
+    from redknot_jax.reuse.arena import doc_key
+    from redknot_jax.reuse.artifact import build_artifact
+    from redknot_jax.server.metrics import Metrics
+    from redknot_jax.server.scheduler import Job, Sampling, Scheduler
+
+    cfg, model, rt = _tiny_runtime()  # the worker-steps test's documents and prompts: its programs
+    toks = np.random.default_rng(0).integers(2, cfg.vocab_size, 40).astype(np.int32)
+    doc = _Doc("a" * 64, "t", toks, build_artifact(model, rt.profile, toks, checkpoint_fingerprint="fp-test"))
+    sched = lambda: Scheduler(Engine(model, capacity=64), rt, Metrics(rt.counters), slots=2, max_batched_tokens=1,
+                              checkpoint_fingerprint="fp-test")
+
+    def job(prompt):
+        j = Job("reuse", asyncio.new_event_loop(), tokens=prompt, docs=[doc], sampling=Sampling(max_tokens=4),
+                arm="redknot")
+        j.events = []
+        j.emit = lambda *ev: j.events.append(ev)
+        return j
+
+    s = sched()
+    c, d = job([5, 6, 7]), job([7, 6, 5])
+    s._start_reuse([c, d])
+    assert len(s._prefilling) == 1 and s.arena._res[doc_key(doc.artifact)].pins == 2  # one batch, both pinned
+    s._step()
+    s._step()  # two layers of the batch's prefill
+    assert s._prefilling and not c.events and not d.events
+    c.cancelled.set()
+    while s._prefilling or s._reuse:
+        s._step()
+    assert c.events == [] and s.metrics.cancelled._value.get() == 1
+    alone = job([7, 6, 5])
+    _run_reuse(sched(), [alone])
+    assert [e for e in d.events if e[0] == "token"] == [e for e in alone.events if e[0] == "token"]
+    assert d.events[-1][0] == "done" and s.arena._res[doc_key(doc.artifact)].pins == 0
+    e = job([5, 6, 7])  # alone, cancelled after its first layer: its prefill stops, nothing pinned
+    s._start_reuse([e])
+    s._step()
+    e.cancelled.set()
+    s._step()
+    assert not s._prefilling and not s._reuse and e.events == []
+    assert s.arena._res[doc_key(doc.artifact)].pins == 0 and s.metrics.cancelled._value.get() == 2
