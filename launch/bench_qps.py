@@ -102,7 +102,7 @@ BATCHING_POLICY = ("server (docs/serving.md 'What is batched'): each worker step
                    "arm=recompute share one continuous decode batch of --slots sequences (each joins after a "
                    "chunked prefill of --prefill-chunk rows); RedKnot requests prefill a layer at a time, up to "
                    "--reuse-batch together, then decode as rows of one document decode batch of --slots; prefix-arm "
-                   "requests prefill alone and decode in a batch of native states; cited documents stay in one "
+                   "requests prefill alone, then their caches join the plain batch; cited documents stay in one "
                    "device arena")
 CI_METHOD = ("bootstrap over per-request records: each record's cycle time (its client's previous boundary to "
              "its next start, or window end) tiles the window, rate = L * sum(ok or tokens) / sum(cycle); "

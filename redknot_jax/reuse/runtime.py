@@ -289,23 +289,29 @@ class ReuseRuntime:
 
     def generate_batch(self, reqs: list[Request], max_new_tokens: int, arm: str = "redknot",
                        require_reuse: bool = False, pool: DocPool | None = None):
-        """`generate` for several requests: one batched prefill (`prefill_batch`), then the
-        requests in the RedKnot arm decode as rows of one `DecodeBatch` (a jitted call per layer
-        for all of them per token); one that fell back decodes on its own. Returns (tokens per
-        request, PrefillResult per request), each request's equal to its `generate`."""
+        """`generate` for several requests: one batched prefill (`prefill_batch`), then every
+        request decodes as a row of a `DecodeBatch` (a jitted call per layer for all of them per
+        token): those in the RedKnot arm in one, those that fell back (native states) in another.
+        Returns (tokens per request, PrefillResult per request), each request's equal to its
+        `generate`."""
         firsts = self.prefill_batch(reqs, arm, require_reuse, pool=pool, decode_rows=max(0, max_new_tokens - 1))
         toks = [[int(np.argmax(f.logits[-1]))] for f in firsts]
-        batch = self.consumer.decode_batch(len(reqs))
-        slots = {k: batch.join(f.decode) for k, f in enumerate(firsts) if f.decode is not None and not f.decode.native}
+        batches, rows = {}, {}  # native or not -> its batch; request -> (batch, slot)
+        for k, f in enumerate(firsts):
+            if f.decode is not None:
+                b = batches.setdefault(f.decode.native, self.consumer.decode_batch(len(reqs)))
+                rows[k] = (b, b.join(f.decode))
         for _ in range(max_new_tokens - 1):
-            if slots:
-                last = np.zeros(batch.slots, np.int32)
-                for k, b in slots.items():
-                    last[b] = toks[k][-1]
-                logits = np.asarray(batch.step(last))
-            for k, (req, first) in enumerate(zip(reqs, firsts)):
-                row = logits[slots[k]] if k in slots else self.next_logits(req, first, toks[k])
-                toks[k].append(int(np.argmax(row)))
+            logits = {}
+            for b in batches.values():
+                last = np.zeros(b.slots, np.int32)
+                for k, (bk, slot) in rows.items():
+                    if bk is b:
+                        last[slot] = toks[k][-1]
+                out = np.asarray(b.step(last))
+                logits.update({k: out[slot] for k, (bk, slot) in rows.items() if bk is b})
+            for k, tk in enumerate(toks):
+                tk.append(int(np.argmax(logits[k])))
         return toks, firsts
 
     def next_logits(self, req: Request, first: PrefillResult, generated, pool: DocPool | None = None) -> np.ndarray:

@@ -25,7 +25,8 @@ batch (`reuse/decode_batch.py`, `slots` rows: every member's token in one jitted
 layer, a step each worker step right after the plain batch's: two calls, not yet one); one
 that finds its batch full decodes on its own. Requests in the prefix arm (`arm="prefix"`, what
 a prefix cache gives: the first document's artifact an exact prefix, every later row native)
-and fallbacks to the Recomputed arm keep native decode states, rows of a second such batch. Artifact
+and fallbacks to the Recomputed arm keep native decode states: each moves into a free slot of
+the plain batch (its caches spliced in) and decodes as one of its rows. Artifact
 builds (`build_artifact`) run whole between two steps. Model work never runs on the event loop: the
 HTTP side only enqueues jobs and reads their events.
 
@@ -59,6 +60,7 @@ import traceback
 
 import numpy as np
 import jax
+import jax.numpy as jnp
 
 from redknot_jax.generate import Engine, Prefill
 from redknot_jax.reuse.arena import ArenaFull
@@ -144,12 +146,14 @@ def sample_host(logits: np.ndarray, s: Sampling, rng: np.random.Generator) -> in
 
 @dataclasses.dataclass
 class _Slot:
-    """A decoding sequence of the plain batch."""
+    """A decoding sequence of the plain batch (`info`: what its "done" event says; None: a plain
+    completion's)."""
     job: Job
     last: int
     n: int
     rng: np.random.Generator
     t_last: float
+    info: dict | None = None
 
 
 @dataclasses.dataclass
@@ -174,13 +178,12 @@ class _Prefilling:
 class _Reuse:
     """A document request generating (`Scheduler._generation`): `gen` is sent the logits of its
     next row (None: it computes them itself) and yields after each token; `arts` pinned in the
-    arena; `slot` its row of the decode batch `batch` ("redknot" or "native": `Scheduler.batches`;
-    None: it decodes on its own); `last` its last token (None until its first)."""
+    arena; `slot` its row of the document decode batch (None: it decodes on its own); `last` its
+    last token (None until its first)."""
     job: Job
     gen: object
     arts: list
     slot: int | None = None
-    batch: str | None = None
     last: int | None = None
 
 
@@ -230,10 +233,8 @@ class Scheduler:
         self.arena = runtime.consumer.arena(arena_rows, arena_docs) if runtime is not None else None
         if self.arena is not None:
             metrics.watch_arena(self.arena)
-        # document requests decode as rows of a batch of `slots` (reuse/decode_batch.py): RedKnot states in
-        # one, native ones (the prefix arm, fallbacks to the Recomputed arm) in another
-        self.batches = {k: runtime.consumer.decode_batch(slots) for k in ("redknot", "native")} \
-            if runtime is not None else {}
+        # document requests in the RedKnot arm decode as rows of one batch of `slots` (reuse/decode_batch.py)
+        self.decoding = runtime.consumer.decode_batch(slots) if runtime is not None else None
 
     # ------------------------------------------------------------------ warm-up
     def default_warmup(self) -> tuple[int, ...]:
@@ -539,7 +540,7 @@ class Scheduler:
             fin = self._token(s.job, tok, s.n, s.t_last, s.job.arm)
             s.last, s.t_last = tok, time.perf_counter()
             if fin is not None:
-                s.job.emit("done", fin, {"arm": s.job.arm, "cached_tokens": 0})
+                s.job.emit("done", fin, s.info or {"arm": s.job.arm, "cached_tokens": 0})
                 self._slots[i] = None
 
     # ------------------------------------------------------------------ special jobs
@@ -697,27 +698,25 @@ class Scheduler:
                 r.job.emit("error", 503, "server is shutting down; generation stopped")
                 self._end(r)
         old = list(self._reuse)
-        for key, batch in list(self.batches.items()):
-            members = [r for r in old if r.batch == key]
-            if not members:
-                continue
-            toks = np.zeros(batch.slots, np.int32)
+        members = [r for r in old if r.slot is not None]
+        if members:
+            toks = np.zeros(self.decoding.slots, np.int32)
             for r in members:
                 toks[r.slot] = r.last
             self.metrics.reuse_decode_rows.observe(len(members))
             try:
-                logits = np.asarray(batch.step(toks))
+                logits = np.asarray(self.decoding.step(toks))
             except Exception as e:
                 log.error("batched document decode step failed:\n%s", traceback.format_exc())
                 for r in members:
                     r.job.emit("error", 500, f"internal error in decode: {type(e).__name__}: {e}")
                     self._end(r)
-                self.batches[key] = self.rt.consumer.decode_batch(batch.slots)
+                self.decoding = self.rt.consumer.decode_batch(self.decoding.slots)
                 members = []
             for r in members:
                 self._advance(r, logits[r.slot])
         for r in old:
-            if r.batch is None and r in self._reuse:
+            if r.slot is None and r in self._reuse:
                 self._advance(r, None)
 
     def _advance(self, r: _Reuse, logits=None) -> None:
@@ -738,13 +737,26 @@ class Scheduler:
     def _end(self, r: _Reuse) -> None:
         self._reuse.remove(r)
         r.gen.close()
-        if r.batch is not None:
-            self.batches[r.batch].leave(r.slot)
+        if r.slot is not None:
+            self.decoding.leave(r.slot)
         self.arena.release(r.arts)
 
     def _fail(self, job: Job, e: Exception) -> None:
         log.error("job failed:\n%s", traceback.format_exc())
         job.emit("error", 500, f"internal error: {type(e).__name__}: {e}")
+
+    def _engine_cache(self, st) -> dict:
+        """A native decode state's caches as the plain batch's cache of one sequence: each array
+        padded to the engine's capacity, or cut to it (rows past `max_model_len` are never
+        written)."""
+        want = jax.eval_shape(lambda: self.eng.new_cache(1))["layers"]
+
+        def fit(a, shape):
+            a = a[tuple(slice(0, n) for n in shape.shape)]
+            return jnp.pad(a, [(0, n - m) for m, n in zip(a.shape, shape.shape)]).astype(shape.dtype)
+
+        layers = [jax.tree.map(fit, st.layers[i], want[i]) for i in range(len(want))]
+        return {"length": jnp.full((1,), st.rows, jnp.int32), "layers": layers}
 
     def _prepare(self, job: Job) -> dict | None:
         """A document request made ready to prefill: its arm chosen (an "auto" request the
@@ -796,9 +808,10 @@ class Scheduler:
 
     def _generation(self, r: _Reuse, prep: dict, first):
         """One document request's generation (`_Reuse`) after its prefill (`first`): at the first
-        `next` its info event and first token, and it joins the decode batch when its decode
-        state can (a RedKnot state; a free slot); then at each `send(logits)` a token (logits
-        None: from its own decode state)."""
+        `next` its info event and first token; then a native decode state (the prefix arm's, a
+        fallback's) moves into a free slot of the plain batch (its generation here ends), and a
+        RedKnot one joins the document decode batch when it has a free slot; then at each
+        `send(logits)` a token (logits None: from its own decode state)."""
         job, req, pool, detail = prep["job"], prep["req"], prep["pool"], prep["detail"]
         arm = first.arm
         fallback = first.fallback or (FallbackReason.ARENA_FULL if detail else None)
@@ -822,10 +835,15 @@ class Scheduler:
         fin = self._token(job, toks[0], 1, None, arm)
         t_prev, r.last = time.perf_counter(), toks[0]
         st = first.decode
-        key = None if st is None else "native" if st.native else "redknot"
-        if fin is None and key is not None and self.batches[key].size < self.batches[key].slots:
+        free = [i for i, s in enumerate(self._slots) if s is None]
+        if fin is None and st is not None and st.native and free:  # a row of the plain batch from the next step
+            self.cache = self._splice(self.cache, self._engine_cache(st), free[0])
+            job.arm = arm  # the arm that ran labels its inter-token times
+            self._slots[free[0]] = _Slot(job, toks[0], 1, rng, t_prev, info)
+            return
+        if fin is None and st is not None and not st.native and self.decoding.size < self.decoding.slots:
             try:
-                r.slot, r.batch = self.batches[key].join(st), key
+                r.slot = self.decoding.join(st)
             except Exception:  # it decodes on its own
                 log.warning("document request decodes outside the batch:\n%s", traceback.format_exc())
         while fin is None:

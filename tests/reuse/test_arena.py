@@ -137,7 +137,7 @@ def test_a_decode_batch_steps_each_member_as_it_decodes_alone(setup):
         for b, r in enumerate(runs[2:]):
             assert rel_err(logits[b], np.asarray(c.decode_step(int(toks[b]), r.decode))) < \
                 TOL["consumer_vs_reference"][0], (k, b)
-    # the notebook API over it: generate_batch == generate, a request that falls back decoding on its own
+    # the notebook API over it: generate_batch == generate, a request that falls back in a batch of native states
     stale = dataclasses.replace(arts[3], certificate=dataclasses.replace(arts[3].certificate, model_digest="0" * 64))
     reqs = [req(ix) for ix in sets] + [Request([Segment(req([3]).segments[0].tokens, stale), req([3]).segments[-1]])]
     toks, firsts = rt.generate_batch(reqs, 4, pool=arena)

@@ -272,8 +272,9 @@ def test_concurrent_document_requests_match_each_alone(server):
     """Document-citing requests (RedKnot, prefix and Recomputed arms) sent at once (threads
     released together by a barrier, greedy, fixed max_tokens, ignore_eos) each get exactly the
     tokens the same request gets alone: jobs sharing the worker, the device arena of documents,
-    the document requests' decode batches and the continuous batch (Recomputed-arm and plain requests, longer, so they share decode
-    steps: checked on the batch-rows histogram) do not leak into each other.
+    the document requests' decode batch and the continuous batch (plain, Recomputed-arm and
+    prefix-arm requests, whose native caches are spliced into it; the first two longer, so they
+    share decode steps: checked on the batch-rows histogram) do not leak into each other.
     Documents of DOC's length and a 6-token one, prompts of QUESTION's length: the shapes
     test_document_reuse compiled."""
     texts = [DOC, DOC.swapcase(), DOC[::-1]]
@@ -627,7 +628,7 @@ class _Doc:
 def _run_reuse(sched, jobs) -> None:
     """Document requests from prefill to their last token on `sched`, nothing else running."""
     sched._start_reuse(jobs)
-    while sched._reuse or sched._prefilling:
+    while sched._active():  # (a native decode state decodes in the plain batch)
         sched._step()
 
 
@@ -963,7 +964,7 @@ def test_long_prompts_prefill_between_decode_steps_and_document_requests_decode_
         submitted = threading.Event()  # a's decode waits until b and c are queued: they join mid-generation
         sched._decode_batch = lambda *a: (submitted.wait(300), log.append(("*", "decode", None)), real_decode(*a))[2]
         sched._fill = lambda i: (log.append((sched._slots[i].job.name, "chunk", None)), real_fill(i))
-        docs = sched.batches["redknot"]
+        docs = sched.decoding
         real_layer, real_docs = sched._prefill_layer, docs.step
         sched._prefill_layer = lambda g: (log.append((g.preps[0]["job"].name, "layer", None)), real_layer(g))
         docs.step = lambda t: (log.append(("*", "documents", docs.size)), real_docs(t))[1]
@@ -1012,8 +1013,9 @@ def test_long_prompts_prefill_between_decode_steps_and_document_requests_decode_
 def test_a_document_request_cancelled_mid_prefill_leaves_its_batch_and_unpins():
     """Document prefills run a layer per step (a budget of one token: one layer a step). A request
     cancelled between two layers of a batched prefill gets no token and unpins its documents;
-    the other request of its batch finishes with the tokens it gets alone. A lone request
-    cancelled mid-prefill stops prefilling at once."""
+    the other request of its batch finishes with the tokens it gets alone. A prefix-arm request
+    decodes as a row of the plain batch. A lone request cancelled mid-prefill stops prefilling
+    at once."""
     import asyncio
 
     import numpy as np
@@ -1021,6 +1023,7 @@ def test_a_document_request_cancelled_mid_prefill_leaves_its_batch_and_unpins():
     from redknot_jax.generate import Engine
     from redknot_jax.reuse.arena import doc_key
     from redknot_jax.reuse.artifact import build_artifact
+    from redknot_jax.reuse.planner import Request, Segment
     from redknot_jax.server.metrics import Metrics
     from redknot_jax.server.scheduler import Job, Sampling, Scheduler
 
@@ -1052,6 +1055,19 @@ def test_a_document_request_cancelled_mid_prefill_leaves_its_batch_and_unpins():
     _run_reuse(sched(), [alone])
     assert [e for e in d.events if e[0] == "token"] == [e for e in alone.events if e[0] == "token"]
     assert d.events[-1][0] == "done" and s.arena._res[doc_key(doc.artifact)].pins == 0
+    # the prefix arm (a native decode state): its caches spliced into the plain batch, whose decode
+    # steps generate its tokens, those of its own decode state
+    p = job([5, 6, 7])
+    p.arm = "prefix"
+    rows = []
+    real = s._decode_batch
+    s._decode_batch = lambda t, active: (rows.append([sl.job for sl in s._slots if sl is not None]), real(t, active))[1]
+    _run_reuse(s, [p])
+    assert rows and all(r == [p] for r in rows), rows
+    want, first = rt.generate(Request([Segment(toks, doc.artifact), Segment(np.asarray([5, 6, 7], np.int32))]), 4,
+                              "prefix")
+    assert first.arm == "prefix" and [e[1] for e in p.events if e[0] == "token"] == want
+    assert p.events[-1][0] == "done" and p.events[-1][2]["cached_tokens"] == 40 and p.events[-1][2]["arm"] == "prefix"
     e = job([5, 6, 7])  # alone, cancelled after its first layer: its prefill stops, nothing pinned
     s._start_reuse([e])
     s._step()
