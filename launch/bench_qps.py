@@ -22,17 +22,21 @@ subset in a random order (`documents`: the extension field), then a prompt drawn
 output length), temperature 0. Output tokens are still the server's `usage.completion_tokens`,
 never assumed. The arms differ only in `arm` ("redknot", "prefix": the first cited document as a
 prefix cache would serve it, "recompute"); request i of client c at concurrency level L cites
-the same documents with the same prompt in every arm. Equal
-token lengths keep every request of an arm at one set of shapes, so the warm-up requests
-compile everything the window runs.
+the same documents with the same prompt in every arm. Equal token lengths keep every request
+of an arm at few shapes; what still varies (document batch sizes up to the level, the rows a
+plan protects) compiles in the warm-up.
 
 Arrival policy: closed loop, zero think time. Each of the L clients (one thread, one keep-alive
 HTTP connection) sends its next request as soon as the previous one finished, from the window
 start t0 until t0 + --duration-s; a request started before that deadline is always waited for
 (the window ends at the last such request's end, t_end), so every request sent in the window
 is in the records, errors included. Cells run level by level, the arms at each level in turn,
-each after --warmup-requests (sent by the same clients, kept in the output as warm-up records,
-not in the window).
+each after a warm-up by the same clients (kept in the output as warm-up records, not in the
+window): rounds in which every client sends --warmup-requests, repeated while the server's
+`redknot_compiled_programs_total` still grows (at most --warmup-max-rounds). Each cell records
+the programs each round compiled and those compiled during its window
+(`programs_compiled_in_window`: not 0 means the window paid for a compilation, and the run says
+so on stderr).
 
 Server batching policy (`BATCHING_POLICY`, docs/serving.md "What is batched"): plain
 completions and `arm: recompute` share one continuous decode batch of `--slots` sequences, each
@@ -394,30 +398,33 @@ def run_cell(url, api_key, model, doc_ids, prompts, arm, level, args) -> dict:
     warm: list[dict] = []
     lock = threading.Lock()
     t_warm = time.perf_counter()
-    if args.warmup_requests:  # warm-up: the clients share a counter of warmup_requests
-        left = [args.warmup_requests]
+    rounds = []  # programs the server compiled in each warm-up round
+    metrics = Client(url, None, args.request_timeout_s)
 
-        def warm_worker(c):
-            while True:
-                with lock:
-                    if left[0] <= 0:
-                        return
-                    left[0] -= 1
-                    seq = args.warmup_requests - left[0] - 1
-                order, prompt = next(request_stream(args.seed + 10_007, level, seq, len(doc_ids),
-                                                    args.docs_per_request, prompts))
-                r = one_request(clients[c], model, doc_ids, order, prompt, arm, args.output_len, t_warm, c, seq)
-                with lock:
-                    warm.append(r)
+    def warm_worker(c, rnd):  # a round: each client sends its warm-up requests back to back
+        for k in range(args.warmup_requests):
+            seq = (rnd * level + c) * args.warmup_requests + k
+            order, prompt = next(request_stream(args.seed + 10_007, level, seq, len(doc_ids),
+                                                args.docs_per_request, prompts))
+            r = one_request(clients[c], model, doc_ids, order, prompt, arm, args.output_len, t_warm, c, seq)
+            with lock:
+                warm.append(dict(r, round=rnd))
 
-        ts = [threading.Thread(target=warm_worker, args=(c,)) for c in range(level)]
+    while args.warmup_requests and len(rounds) < args.warmup_max_rounds:
+        before = compiled_programs(metrics)
+        ts = [threading.Thread(target=warm_worker, args=(c, len(rounds))) for c in range(level)]
         for t in ts:
             t.start()
         for t in ts:
             t.join()
-        if warm and all(r["status"] != 200 for r in warm):
-            raise SystemExit(f"bench_qps: every warm-up request of arm {arm}, concurrency {level} failed; "
-                             f"first: status {warm[0]['status']}: {warm[0].get('error')}")
+        after = compiled_programs(metrics)
+        rounds.append(None if before is None or after is None else after - before)
+        if not rounds[-1]:  # nothing compiled (or the server does not say): warm
+            break
+    if warm and all(r["status"] != 200 for r in warm):
+        raise SystemExit(f"bench_qps: every warm-up request of arm {arm}, concurrency {level} failed; "
+                         f"first: status {warm[0]['status']}: {warm[0].get('error')}")
+    before = compiled_programs(metrics)
 
     records: list[dict] = []
     go = threading.Event()
@@ -446,8 +453,19 @@ def run_cell(url, api_key, model, doc_ids, prompts, arm, level, args) -> dict:
     for c in clients:
         c.close()
     records.sort(key=lambda r: (r["start_s"], r["client"]))
+    after = compiled_programs(metrics)
+    metrics.close()
     return {"arm": arm, "concurrency": level, "t0_unix": box["t0_unix"], "records": records,
-            "warmup_records": sorted(warm, key=lambda r: r["start_s"])}
+            "warmup_records": sorted(warm, key=lambda r: r["start_s"]), "warmup_round_programs": rounds,
+            "programs_compiled_in_window": None if before is None or after is None else after - before}
+
+
+def compiled_programs(client: Client) -> float | None:
+    """The server's `redknot_compiled_programs_total` (programs it lowered so far), or None."""
+    st, text = client.request("GET", "/metrics")
+    m = re.search(r"^redknot_compiled_programs_total ([0-9.eE+-]+)$", text if st == 200 and isinstance(text, str)
+                  else "", re.M)
+    return float(m.group(1)) if m else None
 
 
 # ---------------------------------------------------------------------------------- CLI
@@ -462,7 +480,10 @@ def parse_args(argv):
     ap.add_argument("--arms", default="redknot,recompute", help=f"comma-separated subset of {','.join(ARMS)}")
     ap.add_argument("--concurrency", default="1,2,4", help="comma-separated numbers of closed-loop clients")
     ap.add_argument("--duration-s", type=float, default=30.0, help="measurement window per arm and level")
-    ap.add_argument("--warmup-requests", type=int, default=4, help="per arm and level, before the window")
+    ap.add_argument("--warmup-requests", type=int, default=2,
+                    help="per client and warm-up round, before each arm and level's window")
+    ap.add_argument("--warmup-max-rounds", type=int, default=4,
+                    help="warm-up rounds at most: they repeat while the server still compiles programs")
     ap.add_argument("--docs", type=int, default=6, help="documents registered")
     ap.add_argument("--docs-per-request", type=int, default=2)
     ap.add_argument("--doc-chars", type=int, default=96,
@@ -496,6 +517,7 @@ def parse_args(argv):
     need("--duration-s", math.isfinite(args.duration_s) and args.duration_s > 0,
          f"expected a positive number, got {args.duration_s}")
     need("--warmup-requests", args.warmup_requests >= 0, f"expected >= 0, got {args.warmup_requests}")
+    need("--warmup-max-rounds", args.warmup_max_rounds >= 1, f"expected >= 1, got {args.warmup_max_rounds}")
     need("--docs", args.docs >= 1, f"expected >= 1, got {args.docs}")
     need("--docs-per-request", 1 <= args.docs_per_request <= args.docs,
          f"expected 1..--docs ({args.docs}), got {args.docs_per_request}")
@@ -552,8 +574,8 @@ def headline(out: dict) -> dict:
         rows.append({"arm": c["arm"], "concurrency": c["concurrency"], "requests_per_s": s["requests_per_s"],
                      "ci": s["requests_per_s_ci95"], "ttft_p50_s": tt.get("p50"), "ttft_p90_s": tt.get("p90"),
                      "tokens_per_s": s["output_tokens_per_s"], "completed": s["completed"], "errors": s["errors"],
-                     "date": out["date"], "command": " ".join(out["command"])})
-    return {"device": device, "date": out["date"], "command": " ".join(out["command"]), "rows": rows}
+                     "date": out["date"], "command": shlex.join(out["command"])})
+    return {"device": device, "date": out["date"], "command": shlex.join(out["command"]), "rows": rows}
 
 
 def merge_headline(old: dict | None, new: dict) -> dict:
@@ -584,7 +606,8 @@ def main(argv=None) -> dict:
                         "doc_chars": args.doc_chars, "prompt_chars": args.prompt_chars,
                         "output_len": args.output_len, "ignore_eos": True, "temperature": 0, "stream": False,
                         "endpoint": "/v1/completions", "duration_s": args.duration_s,
-                        "warmup_requests": args.warmup_requests, "concurrency": args.concurrency_levels,
+                        "warmup_requests": args.warmup_requests, "warmup_max_rounds": args.warmup_max_rounds,
+                        "concurrency": args.concurrency_levels,
                         "arms": args.arm_list, "bootstrap": args.bootstrap},
            "cells": []}
     srv = None
@@ -654,6 +677,10 @@ def main(argv=None) -> dict:
                 s = cell["summary"]
                 bar.write(f"bench_qps: {arm} x{level}: {s['completed']} completed, {s['errors']} errors, "
                           f"{s['requests_per_s']:.3f} req/s over {s['window_s']:.2f} s", file=sys.stderr)
+                if cell["programs_compiled_in_window"]:
+                    bar.write(f"bench_qps: WARNING: {arm} x{level}: the server compiled "
+                              f"{cell['programs_compiled_in_window']:.0f} programs during the window (warm-up rounds "
+                              f"compiled {cell['warmup_round_programs']}): raise --warmup-max-rounds", file=sys.stderr)
                 bar.update()
                 save()
         bar.close()

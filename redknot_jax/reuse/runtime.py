@@ -209,7 +209,7 @@ class ReuseRuntime:
         return None
 
     def prefill_batch(self, reqs: list[Request], arm: str = "redknot", require_reuse: bool = False,
-                      pool: DocPool | None = None, decode_rows: int = 0) -> list[PrefillResult]:
+                      pool: DocPool | None = None, decode_rows: int = 0, batch_sizes=None) -> list[PrefillResult]:
         """`prefill` for several requests, each arm's requests in one jitted call per layer
         (the consumer's `recompute_batch` / `redknot_batch`; requests padded to common shapes).
         Certification, fallback and counting are per request exactly as in `prefill`: a request
@@ -219,11 +219,14 @@ class ReuseRuntime:
         many generated rows (`next_logits` then decodes each request on its own; a request that
         falls back is recomputed on its own with its state). `seconds` of every result is the
         whole batch's wall time."""
-        return run_steps(self.prefill_batch_steps(reqs, arm, require_reuse, pool, decode_rows))
+        return run_steps(self.prefill_batch_steps(reqs, arm, require_reuse, pool, decode_rows, batch_sizes))
 
     def prefill_batch_steps(self, reqs: list[Request], arm: str = "redknot", require_reuse: bool = False,
-                            pool: DocPool | None = None, decode_rows: int = 0):
-        """`prefill_batch` a layer at a time (as `prefill_steps`); returns the results."""
+                            pool: DocPool | None = None, decode_rows: int = 0, batch_sizes=None):
+        """`prefill_batch` a layer at a time (as `prefill_steps`); returns the results.
+        `batch_sizes`: the sizes a RedKnot batch is padded to (the smallest that holds it; copies
+        of its last request, their results dropped, nothing counted), so that a server's batches
+        of any size share a few compiled programs."""
         if arm not in ("recompute", "redknot"):
             raise ValueError(f"arm: expected 'recompute' or 'redknot', got {arm!r}")
         if not reqs:
@@ -248,7 +251,10 @@ class ReuseRuntime:
             if pool is None:
                 arts = {id(s.artifact): s.artifact for k in red for s in reqs[k].segments if s.artifact is not None}
                 pool = self.consumer.pool(list(arts.values()))
-            res = yield from self.consumer.redknot_batch_steps([plans[k] for k in red], [reqs[k].tokens for k in red],
+            pad = min((n for n in batch_sizes or () if n >= len(red)), default=len(red)) - len(red)
+            ghosts = [plan_request(reqs[red[-1]], self.profile) for _ in range(pad)]  # (each its own plan)
+            res = yield from self.consumer.redknot_batch_steps([plans[k] for k in red] + ghosts,
+                                                               [reqs[k].tokens for k in red + [red[-1]] * pad],
                                                                pool, decode_rows=decode_rows)
             for k, (logits, hist, *state) in zip(red, res):
                 hist = np.asarray(hist) if hist is not None else None

@@ -144,6 +144,12 @@ def test_a_decode_batch_steps_each_member_as_it_decodes_alone(setup):
     assert [f.arm for f in firsts] == ["redknot"] * 3 + ["recompute"]
     for r, t in zip(reqs, toks):
         assert t == rt.generate(r, 4, pool=arena)[0]
+    # a batch of 3 padded to 4 (a server's batch sizes): the same logits, the copy neither returned nor counted
+    v0 = rt.counters.snapshot()["validated"]
+    padded = rt.prefill_batch(reqs[:3], "redknot", pool=arena, batch_sizes=(2, 4))
+    assert len(padded) == 3 and rt.counters.snapshot()["validated"] == v0 + 3
+    for a, b in zip(padded, firsts):
+        assert rel_err(a.logits, b.logits) < TOL["consumer_vs_reference"][0]
     with pytest.raises(ValueError, match="joined a DecodeBatch"):
         c.decode_step(1, mine[1])
     one = c.decode_batch(slots=1)

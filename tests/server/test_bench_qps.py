@@ -97,7 +97,7 @@ def test_bench_against_real_server(tmp_path, monkeypatch, capsys):
     dur = 3.0
     res = bench_qps.main(["--serve-args", "--preset tiny --profile tiny-exact --max-model-len 512 --log-level warning",
                           "--port", str(_free_port()), "--concurrency", "1,2", "--arms", "redknot,prefix,recompute",
-                          "--duration-s", str(dur), "--warmup-requests", "2", "--docs", "4",
+                          "--duration-s", str(dur), "--warmup-requests", "1", "--warmup-max-rounds", "3", "--docs", "4",
                           "--docs-per-request", "2", "--doc-chars", "48", "--prompt-chars", "16",
                           "--output-len", "4", "--bootstrap", "500", "--out", str(out_file),
                           "--headline", str(head_file)])
@@ -144,7 +144,13 @@ def test_bench_against_real_server(tmp_path, monkeypatch, capsys):
         for key in ("requests_per_s", "output_tokens_per_s"):
             lo, hi = s[key + "_ci95"]
             assert lo <= s[key] * (1 + 1e-9) and s[key] <= hi * (1 + 1e-9), (key, lo, s[key], hi)
-        assert cell["warmup_records"] and len(cell["warmup_records"]) == 2
+        # warm-up rounds (each client 1 request) until one compiles nothing, at most 3; the window's compiles said
+        rounds = cell["warmup_round_programs"]
+        assert len(cell["warmup_records"]) == len(rounds) * cell["concurrency"]
+        if cell["concurrency"] == 1 and cell["arm"] != "recompute":  # an arm's first request compiles (the
+            assert rounds[0] > 0  # plain path, recompute's, was warmed at start-up)
+        assert (rounds[-1] == 0 or len(rounds) == 3) and 0 not in rounds[:-1], rounds
+        assert cell["programs_compiled_in_window"] >= 0 and data["workload"]["warmup_max_rounds"] == 3
     # both arms see the same request stream at a level: same citations in the same order
     by = {(c["arm"], c["concurrency"]): c["records"] for c in data["cells"]}
     for level in (1, 2):
