@@ -42,6 +42,10 @@ read from the pool, and the request's entries; the decode layout) against what p
 of every request row would hold. With several --kernels sets the RedKnot decode runs under each
 (`decode.by_kernels`): decode kernels ("seg_attention") side by side.
 
+--decode-batch B (with --decode-steps) then decodes B copies of the request per arm as rows of one
+`DecodeBatch` (the server's document decode batch; native states for the Recomputed arm):
+seconds per step and per token, and whether every row's tokens are the single run's.
+
 --store DIR keeps the built artifacts in an artifact store (raw codec) and reads them back on a
 later run with the same records, profile and model (content ids): a run too long for one call
 (128K: the build alone is minutes) can be split into a build call and a timed call. The row
@@ -172,13 +176,32 @@ def _decode(rt, req, pool, arm: str, steps: int):
     return res.decode, gen, secs
 
 
-def decode_row(rts: dict, req, pool, steps: int, out: dict, save=lambda: None) -> dict:
+def _decode_batch(rt, req, pool, arm: str, steps: int, size: int):
+    """`size` copies of the request prefilled one by one keeping decode states, then `steps` greedy
+    tokens for all of them as rows of one `DecodeBatch`: (tokens, seconds per step, whether every
+    row gave the first row's token at every step)."""
+    firsts = [rt.prefill(req, arm, require_reuse=arm == "redknot", pool=pool, decode_rows=steps) for _ in range(size)]
+    batch = rt.consumer.decode_batch(size)
+    for f in firsts:
+        batch.join(f.decode)
+    gen, secs, same = [int(np.argmax(firsts[0].logits[-1]))], [], True
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        top = np.argmax(np.asarray(batch.step(np.full(size, gen[-1], np.int32))), -1)
+        secs.append(time.perf_counter() - t0)
+        gen.append(int(top[0]))
+        same &= bool((top == top[0]).all())
+    return gen, secs, same
+
+
+def decode_row(rts: dict, req, pool, steps: int, out: dict, save=lambda: None, batch: int = 0) -> dict:
     """Both arms under the first kernel set of `rts`: a prefill keeping a decode state, then
     `steps` greedy tokens, one row each (`next_logits` -> `Consumer.decode_step`). The RedKnot
     state's device bytes by part, after the steps (the first step adds the request's entries),
-    against per-row copies. Every further kernel set: the RedKnot arm's steps again
-    ("by_kernels"), so decode kernels are timed side by side. Fills `out` and calls `save` after
-    each run."""
+    against per-row copies. With `batch` > 1, per arm that many copies decoding as rows of one
+    `DecodeBatch` ("batch": seconds per step and per token, tokens equal to the single run's).
+    Every further kernel set: the RedKnot arm's steps again ("by_kernels"), so decode kernels are
+    timed side by side. Fills `out` and calls `save` after each run."""
     rt = next(iter(rts.values()))
     out.update(steps=steps, request_rows=int(req.tokens.size))
     med = lambda secs: statistics.median(secs[1:]) if steps > 1 else None
@@ -200,6 +223,14 @@ def decode_row(rts: dict, req, pool, steps: int, out: dict, save=lambda: None) -
         save()
     if steps > 1:
         out["recompute_over_redknot_step"] = out["recompute"]["step_median_s"] / out["redknot"]["step_median_s"]
+    for arm in ("redknot", "recompute") if batch else ():
+        gen, secs, same = _decode_batch(rt, req, pool, arm, steps, batch)
+        step = med(secs)
+        out.setdefault("batch", {"size": batch})[arm] = {
+            "first_step_s": secs[0], "step_s": secs[1:], "step_median_s": step,
+            "per_token_s": step / batch if step else None, "tokens": gen,
+            "tokens_equal_alone": gen == out[arm]["tokens"] and same}
+        save()
     for k, krt in list(rts.items())[1:]:
         _, gen, secs = _decode(krt, req, pool, "redknot", steps)
         out.setdefault("by_kernels", {})[k] = {"redknot": {
@@ -257,9 +288,14 @@ def main(argv=None):
     ap.add_argument("--decode-steps", type=int, default=0,
                     help="after the timed runs: one RedKnot prefill keeping a decode state, then this many greedy "
                          "tokens (the state's bytes, seconds per token)")
+    ap.add_argument("--decode-batch", type=int, default=0,
+                    help="with --decode-steps: also that many copies of the request per arm decoding as rows of one "
+                         "DecodeBatch (seconds per step and per token; every row's tokens the request's own)")
     args = ap.parse_args(argv)
     if args.decode_steps < 0:
         ap.error(f"--decode-steps: expected >= 0, got {args.decode_steps}")
+    if args.decode_batch < 0 or (args.decode_batch and not args.decode_steps):
+        ap.error(f"--decode-batch: expected >= 0, with --decode-steps, got {args.decode_batch}")
     try:
         Buckets(args.shape_buckets)
     except ValueError as e:
@@ -482,7 +518,7 @@ def main(argv=None):
                    for arm in ("recompute", "redknot")}}
             save()
         if args.decode_steps:
-            decode_row(rts, req, pool, args.decode_steps, row.setdefault("decode", {}), save)
+            decode_row(rts, req, pool, args.decode_steps, row.setdefault("decode", {}), save, args.decode_batch)
             save()
         if args.cold:  # after the hot runs, with their pool gone: construction + admission + prefill
             del pool

@@ -20,6 +20,15 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 from launch import _cli  # noqa: E402
 
 
+def _warmup_documents(text: str):
+    from redknot_jax.server.state import parse_warmup_documents
+
+    try:
+        return parse_warmup_documents(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def _warmup_buckets(text: str):
     from redknot_jax.server.state import parse_warmup_buckets
 
@@ -67,7 +76,12 @@ def main(argv=None):
                     help="prompt lengths in tokens (e.g. 512,4096) whose plain-path programs (chunked prefill, a "
                          "decode step) the model worker compiles at start-up while the socket is open and /healthz "
                          "answers 503 'warming'; default: a prompt of two --prefill-chunk chunks, which covers every "
-                         "plain prompt length. Document requests (RedKnot arm) are not warmed")
+                         "plain prompt length. Document requests are warmed by --warmup-documents")
+    ap.add_argument("--warmup-documents", type=_warmup_documents, metavar="DxT+P[,...]",
+                    help="document requests compiled at start-up after the prompt lengths, e.g. 4x8192+32: 4 "
+                         "documents of 8192 tokens and a 32-token prompt (seeded random documents, built, "
+                         "admitted, then requested in the RedKnot arm alone and in each batch size, and in the "
+                         "prefix arm; they count in the metrics like any request)")
     ap.add_argument("--kernels", default="auto",
                     help="Mosaic GPU kernels: auto (on a GPU those measured faster than XLA that the model's shapes "
                          "allow), xla (none), mosaic (all), or a comma list of indexer, restore, ragged_dot, "
@@ -89,8 +103,9 @@ def main(argv=None):
                     help="persistent XLA compilation cache ('' to disable): later starts skip most compiles")
     ap.add_argument("--log-level", default="info")
     args = ap.parse_args(argv)
-    if args.no_warmup and args.warmup_buckets:
-        ap.error("--warmup-buckets and --no-warmup: give one of them")
+    if args.no_warmup and (args.warmup_buckets or args.warmup_documents):
+        ap.error(f"{'--warmup-buckets' if args.warmup_buckets else '--warmup-documents'} and --no-warmup: give one "
+                 f"of them")
     if args.profile.endswith(".json") or os.sep in args.profile:  # a profile file, not a preset's name
         try:
             _cli.input_file(args.profile)
@@ -117,7 +132,8 @@ def main(argv=None):
                          max_tokens_limit=args.max_tokens_limit, max_body_bytes=args.max_body_bytes,
                          prefill_chunk=args.prefill_chunk,
                          shutdown_grace_s=args.shutdown_grace_s, warmup=not args.no_warmup,
-                         warmup_buckets=args.warmup_buckets, kernels=args.kernels,
+                         warmup_buckets=args.warmup_buckets, warmup_documents=args.warmup_documents or (),
+                         kernels=args.kernels,
                          shape_buckets=args.shape_buckets, arena_rows=args.arena_rows, arena_docs=args.arena_docs,
                          break_even=args.break_even, reuse_batch=args.reuse_batch,
                          max_batched_tokens=args.max_batched_tokens, artifact_codec=args.artifact_codec)

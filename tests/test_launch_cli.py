@@ -118,6 +118,9 @@ def test_serve_refuses_a_missing_profile_file_but_not_a_profile_name(monkeypatch
 
 
 BAD_FLAGS = [  # (script, command line, the error line's text): checks added with the shared parser
+    ("serve", ["--warmup-documents", "4x8"], r"argument --warmup-documents: warmup documents '4x8': expected "
+                                             r"comma-separated DOCSxTOKENS\+PROMPT"),
+    ("serve", ["--no-warmup", "--warmup-documents", "1x8+2"], "--warmup-documents and --no-warmup: give one of them"),
     ("bench_moe", ["--experts", "16,x"], r"--experts / --chunks: expected comma-separated integers, got '16,x'"),
     ("bench_model", ["--lengths", "8k"], "--lengths: expected comma-separated integers, got '8k'"),
     ("profile_layers", ["--contexts", "a"], "--contexts: expected comma-separated integers, got 'a'"),

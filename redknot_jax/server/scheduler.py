@@ -165,6 +165,15 @@ class _Filling:
 
 
 @dataclasses.dataclass
+class _WarmupDoc:
+    """A document the warm-up makes (what the scheduler reads of a registered one)."""
+    id: str
+    tenant: str
+    tokens: np.ndarray
+    artifact: object
+
+
+@dataclasses.dataclass
 class _Prefilling:
     """Document requests prefilling, a layer per `next(steps)` (`ReuseRuntime.prefill_steps` or,
     several together, `prefill_batch_steps`); `cost`: a layer's share of the step's token
@@ -192,10 +201,14 @@ class Scheduler:
     def __init__(self, engine: Engine, runtime: ReuseRuntime, metrics, *, slots: int = 8, max_queue: int = 64,
                  checkpoint_fingerprint: str = "", store_root: str | None = None, prefill_chunk: int = 256,
                  warmup=None, arena_rows: int = 16384, arena_docs: int = 64, break_even=None, reuse_batch: int = 4,
-                 max_batched_tokens: int = 2048):
+                 max_batched_tokens: int = 2048, warmup_documents=(), max_new_tokens: int | None = None):
         """warmup: prompt lengths the worker warms before its first job (a sequence of ints),
-        "auto" (`default_warmup`), or None (no warm-up: ready at once). max_batched_tokens:
-        a worker step's token budget (decode rows + prefill chunk rows; at least one chunk runs)."""
+        "auto" (`default_warmup`), or None (no warm-up: ready at once); warmup_documents: document
+        requests it warms then, (documents, tokens each, prompt tokens) each (`_warm_documents`).
+        max_batched_tokens: a worker step's token budget (decode rows + prefill chunk rows; at
+        least one chunk runs). max_new_tokens: the most tokens a request may ask for; document
+        requests' decode states are made for that many (one set of shapes, whatever a request
+        asks), else (None) for each request's own."""
         self.eng, self.rt, self.metrics = engine, runtime, metrics
         # one compiled prefill program: prompts run in chunks of this many rows (the last one
         # padded), the largest power of two within both the flag and the cache's capacity
@@ -204,6 +217,8 @@ class Scheduler:
             raise ValueError(f"max_batched_tokens: expected a positive int, got {max_batched_tokens!r}")
         self.max_batched_tokens = max_batched_tokens
         self.warmup_lengths = self._warmup_lengths(warmup)
+        self.warmup_documents = tuple(tuple(d) for d in warmup_documents) if self.warmup_lengths else ()
+        self.max_new_tokens = max_new_tokens
         self.phase = "warming" if self.warmup_lengths else "ready"  # -> "ready" | "failed"
         self.warmup_error: str | None = None
         self.warmup_done = 0  # lengths warmed so far
@@ -266,7 +281,8 @@ class Scheduler:
         elapsed, programs = self.warmup_s, self.warmup_programs
         if elapsed is None and self._warm_t0 is not None:  # under way
             elapsed, programs = time.perf_counter() - self._warm_t0, compiled_programs() - self._warm_p0
-        return {"lengths": list(self.warmup_lengths), "done": self.warmup_done, "total": len(self.warmup_lengths),
+        return {"lengths": list(self.warmup_lengths), "documents": [list(d) for d in self.warmup_documents],
+                "done": self.warmup_done, "total": len(self.warmup_lengths) + len(self.warmup_documents),
                 "programs": programs, "seconds": None if elapsed is None else round(elapsed, 3)}
 
     def check_ready(self) -> None:
@@ -293,6 +309,42 @@ class Scheduler:
             self._decode_batch(toks, active)
             if lengths is None:
                 self.warmup_done += 1
+        for spec in self.warmup_documents if lengths is None else ():
+            if self._stopping:
+                break
+            self._warm_documents(*spec)
+            self.warmup_done += 1
+
+    def _warm_documents(self, n_docs: int, tokens: int, prompt: int) -> None:
+        """Compile what document requests of `n_docs` documents of `tokens` tokens and a prompt of
+        `prompt` tokens run: seeded random documents, built (the builder's programs) and admitted
+        to the arena, then requests through the worker's own path: RedKnot ones alone and in each
+        padded batch size (prefill, decode batch), a prefix-arm one (its prefill, the splice into
+        the plain batch); then the documents leave the arena. A request whose plan differs (another
+        number of protected rows, documents or lengths) may still compile."""
+        rt, vocab = self.rt, self.eng.cfg.vocab_size
+        rng = np.random.default_rng([n_docs, tokens, prompt])
+        docs = []
+        for k in range(n_docs):
+            toks = rng.integers(2, vocab, tokens).astype(np.int32)
+            docs.append(_WarmupDoc(f"warmup-{k}", "", toks, build_artifact(
+                rt.model, rt.profile, toks, checkpoint_fingerprint=self.fp, kernels=rt.consumer.kernels)))
+        events = []
+        for arm, size in [("redknot", 1)] + [("redknot", b) for b in self.batch_sizes if b > 1] + [("prefix", 1)]:
+            jobs = []
+            for _ in range(size):
+                j = Job("reuse", None, tokens=rng.integers(2, vocab, prompt).tolist(), docs=docs,
+                        sampling=Sampling(max_tokens=2), arm=arm)
+                j.emit = lambda *ev: events.append(ev)
+                jobs.append(j)
+            self._start_reuse(jobs)
+            while self._active():
+                self._step()
+            bad = [e for e in events if e[0] == "error"]
+            if bad:
+                raise RuntimeError(f"document warm-up ({n_docs} x {tokens} tokens + {prompt}, {arm}, batch of "
+                                   f"{size}): {bad[0][2]}")
+        self.arena.evict([d.artifact for d in docs])
 
     def _warm(self) -> bool:
         """The worker's warm-up: phase "ready" on success; on a failure, logged, phase "failed"
@@ -631,13 +683,18 @@ class Scheduler:
         if len(preps) > 1:
             rows = max(p["job"].sampling.max_tokens for p in preps) - 1
             steps = self.rt.prefill_batch_steps([p["req"] for p in preps], "redknot", pool=self.arena,
-                                                decode_rows=max(0, rows), batch_sizes=self.batch_sizes)
+                                                decode_rows=self._decode_rows(rows + 1), batch_sizes=self.batch_sizes)
         else:
             p = preps[0]
             steps = self.rt.prefill_steps(p["req"], p["arm"], pool=p["pool"],
-                                          decode_rows=max(0, p["job"].sampling.max_tokens - 1))
+                                          decode_rows=self._decode_rows(p["job"].sampling.max_tokens))
         rows = sum(int(p["req"].tokens.size) for p in preps)
         return _Prefilling(preps, steps, max(1, rows // self.rt.cfg.num_layers))
+
+    def _decode_rows(self, max_tokens: int) -> int:
+        """Rows a document request's decode state is made for: `max_new_tokens` - 1 when the
+        server sets it (one set of shapes), else the request's own."""
+        return max(0, (self.max_new_tokens or max_tokens) - 1)
 
     def _prefill_layer(self, g: _Prefilling) -> None:
         """The next layer of a document prefill. At its end each request still wanted gets its

@@ -59,6 +59,8 @@ class ServeConfig:
     # default (Scheduler.default_warmup: a prompt one row longer than a prefill chunk, so two
     # chunks: every plain-path program)
     warmup_buckets: tuple[int, ...] | None = None
+    # document requests warmed after them (--warmup-documents): (documents, tokens each, prompt tokens)
+    warmup_documents: tuple[tuple[int, int, int], ...] = ()
     kernels: str = "auto"  # Mosaic GPU kernels (redknot_jax.pallas.resolve_kernels): auto | xla | mosaic | a list
     shape_buckets: int = 8  # RedKnot requests' padded sizes per octave (reuse.pool.Buckets; 0: exact)
     arena_rows: int = 0  # the device arena's document rows (reuse.arena.DocArena; 0: 8 x max_model_len)
@@ -100,6 +102,15 @@ class ServeConfig:
                     raise ValueError(f"warmup_buckets: prompt length {n!r} outside [1, {self.max_model_len - 1}] "
                                      f"(a prompt leaves room for one generated token within max_model_len "
                                      f"{self.max_model_len})")
+        if self.warmup_documents and not self.warmup:
+            raise ValueError("warmup_documents given with warmup=False (--no-warmup): give one of them")
+        for spec in self.warmup_documents:
+            ok = isinstance(spec, tuple) and len(spec) == 3 and all(
+                isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in spec)
+            if not ok or spec[0] * spec[1] + spec[2] + 2 > self.max_model_len:
+                raise ValueError(f"warmup_documents: {spec!r}: expected (documents, tokens each, prompt tokens), "
+                                 f"positive, whose request and 2 generated tokens fit max_model_len "
+                                 f"{self.max_model_len}")
         try:
             Buckets(self.shape_buckets)
         except ValueError as e:
@@ -117,6 +128,19 @@ def parse_warmup_buckets(text: str) -> tuple[int, ...]:
                              f"in tokens, e.g. 512,4096), got {x!r}")
         out.add(int(x))
     return tuple(sorted(out))
+
+
+def parse_warmup_documents(text: str) -> tuple[tuple[int, int, int], ...]:
+    """`--warmup-documents 4x8192+32,1x2048+16`: document requests to warm, each DOCSxTOKENS+PROMPT
+    (documents, tokens each, prompt tokens); anything else is a ValueError naming the bad item."""
+    out = []
+    for x in (x.strip() for x in text.split(",")):
+        m = re.fullmatch(r"([0-9]+)x([0-9]+)\+([0-9]+)", x)
+        if not m or min(int(g) for g in m.groups()) < 1:
+            raise ValueError(f"warmup documents {text!r}: expected comma-separated DOCSxTOKENS+PROMPT (e.g. "
+                             f"4x8192+32: 4 documents of 8192 tokens and a 32-token prompt), got {x!r}")
+        out.append(tuple(int(g) for g in m.groups()))
+    return tuple(out)
 
 
 def model_source(sc: ServeConfig) -> tuple[str | None, str | None]:
@@ -205,6 +229,7 @@ def build_state(sc: ServeConfig) -> ServerState:
     sched = Scheduler(eng, rt, metrics, slots=sc.slots, max_queue=sc.max_queue, checkpoint_fingerprint=fp,
                       prefill_chunk=sc.prefill_chunk, store_root=store_root,
                       warmup=(sc.warmup_buckets or "auto") if sc.warmup else None,
+                      warmup_documents=sc.warmup_documents, max_new_tokens=sc.max_tokens_limit,
                       arena_rows=sc.arena_rows or 8 * sc.max_model_len, arena_docs=sc.arena_docs,
                       break_even=BreakEven.read(sc.break_even) if sc.break_even else None, reuse_batch=sc.reuse_batch,
                       max_batched_tokens=sc.max_batched_tokens)

@@ -23,7 +23,7 @@ def test_bench_ttft_store_host_resident_cold_layers(monkeypatch, tmp_path):
     out = tmp_path / "ttft.json"
     res = bench_ttft.main(common + ["--resident", "host", "--host-kind", "pinned", "--cold", "--layer-times",
                                     "--kernels", "xla,auto", "--topk-stages", "4,1",
-                                    "--op-profile", "0,2", "--decode-steps", "3", "--out", str(out)])
+                                    "--op-profile", "0,2", "--decode-steps", "3", "--decode-batch", "2", "--out", str(out)])
     assert json.loads(out.read_text()) == json.loads(json.dumps(res)) and res["resident"] == "host"
     row = res["lengths"][0]
     # the same records, their artifacts read back from the store (content ids), not rebuilt
@@ -32,9 +32,9 @@ def test_bench_ttft_store_host_resident_cold_layers(monkeypatch, tmp_path):
     assert 0 < row["protected_fraction"] < 1 and row["pool_gb"] > 0 and row["pool"] == "HostPool"
     assert row["host_kind"] == "pinned"
     assert len(row["cold_redknot_s"]) == 1 and row["cold_redknot_median_s"] > 0
-    # warm-up + 1 hot repeat + the RedKnot decode prefill + 1 cold run, each certified (the cold one on
-    # freshly built artifacts)
-    assert row["cert"]["validated"] == 4 and not any(row["cert"]["fallback"].values())
+    # warm-up + 1 hot repeat + the RedKnot decode prefill + its 2 decode-batch copies + 1 cold run, each
+    # certified (the cold one on freshly built artifacts)
+    assert row["cert"]["validated"] == 6 and not any(row["cert"]["fallback"].values())
     # both kernel sets (off a GPU "auto" resolves to none) x both stagings, each timed per repeat, each
     # certified; the first named fills the row's main fields
     names = {"xla/stages4", "xla/stages1", "auto/stages4", "auto/stages1"}
@@ -66,6 +66,9 @@ def test_bench_ttft_store_host_resident_cold_layers(monkeypatch, tmp_path):
         assert d["rows_after"] == dec["request_rows"] + 3 and len(d["step_s"]) == 2 and d["step_median_s"] > 0
         assert len(d["tokens"]) == 4 and d["state_gb"] > 0
     assert dec["recompute_over_redknot_step"] > 0
+    for arm in ("redknot", "recompute"):  # two copies as rows of one DecodeBatch: the single run's tokens
+        b = dec["batch"][arm]
+        assert dec["batch"]["size"] == 2 and b["tokens_equal_alone"] and b["per_token_s"] == b["step_median_s"] / 2
     red = dec["redknot"]
     assert red["compact_rows"] < dec["request_rows"] // 2 and red["compact_capacity"] >= red["compact_rows"] + 3
     assert 0 < red["compact_gb"] < red["per_row_copy_gb"] and red["fence_cache_gb"] > 0 and red["entries_gb"] > 0
@@ -93,6 +96,7 @@ def test_bench_ttft_store_host_resident_cold_layers(monkeypatch, tmp_path):
     (["--op-profile", "99"], r"--op-profile: layer indices must lie in \[0, 6\)"),
     (["--op-profile", "a"], "--op-profile: expected comma-separated layer indices"),
     (["--decode-steps", "-1"], "--decode-steps: expected >= 0, got -1"),
+    (["--decode-batch", "2"], "--decode-batch: expected >= 0, with --decode-steps, got 2"),
     (["--shape-buckets", "3"], "--shape-buckets: Buckets: per_octave must be 0 or a power of two, got 3"),
     (["--topk-stages", "0"], "--topk-stages: expected distinct ints >= 1"),
     (["--topk-stages", "2,2"], "--topk-stages: expected distinct ints >= 1"),

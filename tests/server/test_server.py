@@ -1075,3 +1075,51 @@ def test_a_document_request_cancelled_mid_prefill_leaves_its_batch_and_unpins():
     s._step()
     assert not s._prefilling and not s._reuse and e.events == []
     assert s.arena._res[doc_key(doc.artifact)].pins == 0 and s.metrics.cancelled._value.get() == 2
+
+
+def test_warmed_document_requests_compile_nothing():
+    """--warmup-documents: after warming requests of 2 documents of 24 tokens and a 3-token prompt,
+    requests of that shape (other documents, other prompts, fewer tokens asked: decode states are
+    made for --max-tokens-limit) compile no program, alone or batched; one citing 3 documents does.
+    Its flag is parsed, or refused naming the item."""
+    import asyncio
+
+    import numpy as np
+
+    from redknot_jax.generate import Engine
+    from redknot_jax.reuse.artifact import build_artifact
+    from redknot_jax.server.metrics import Metrics, compiled_programs
+    from redknot_jax.server.scheduler import Job, Sampling, Scheduler
+    from redknot_jax.server.state import ServeConfig, parse_warmup_documents
+
+    assert parse_warmup_documents("4x8192+32, 1x16+2") == ((4, 8192, 32), (1, 16, 2))
+    for bad in ("4x8192", "0x8+2", "4*8+2"):
+        with pytest.raises(ValueError, match=f"expected comma-separated DOCSxTOKENS\\+PROMPT.*got '{re.escape(bad)}'"):
+            parse_warmup_documents(bad)
+    with pytest.raises(ValueError, match=r"warmup_documents: \(2, 32, 3\): .*fit max_model_len 64"):
+        ServeConfig(max_model_len=64, warmup_documents=((2, 32, 3),))
+    cfg, model, rt = _tiny_runtime()
+    sched = Scheduler(Engine(model, capacity=128), rt, Metrics(rt.counters), slots=2, prefill_chunk=16, warmup=(5,),
+                      warmup_documents=((2, 24, 3),), max_new_tokens=4, checkpoint_fingerprint="fp-test")
+    sched.warmup()
+    assert sched.warmup_status()["done"] == 2 and not sched.arena.snapshot()["docs"]  # warm-up documents gone
+    rng = np.random.default_rng(9)
+    docs = []
+    for k in range(3):
+        toks = rng.integers(2, cfg.vocab_size, 24).astype(np.int32)
+        docs.append(_Doc(str(k) * 64, "t", toks, build_artifact(model, rt.profile, toks, checkpoint_fingerprint="fp-test")))
+    events = []
+
+    def job(ds, prompt):
+        j = Job("reuse", asyncio.new_event_loop(), tokens=prompt, docs=ds, sampling=Sampling(max_tokens=3),
+                arm="redknot")
+        j.emit = lambda *ev: events.append(ev)
+        return j
+
+    before = compiled_programs()
+    _run_reuse(sched, [job(docs[:2], [4, 5, 6])])
+    _run_reuse(sched, [job(docs[:2], [6, 5, 4]), job(docs[1:], [5, 5, 5])])
+    assert compiled_programs() == before and sum(e[0] == "token" for e in events) == 9, events
+    assert not [e for e in events if e[0] == "error"]
+    _run_reuse(sched, [job(docs, [4, 5, 6])])
+    assert compiled_programs() > before  # a shape the warm-up did not cover
