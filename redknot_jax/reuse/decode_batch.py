@@ -72,8 +72,9 @@ class DecodeBatch:
 
     def join(self, state: DecodeState) -> int:
         """Take `state` (from a consumer prefill with `decode_rows`: a RedKnot state, or a native
-        one into a batch of native states) into a free slot and return the slot; its rows live in the batch from now on (`state.layers` emptied,
-        `state.batch` set). ValueError, naming why, for a state that cannot join."""
+        one into a batch of native states) into a free slot and return the slot; its rows live in
+        the batch from now on (`state.layers` emptied, `state.batch` set). ValueError, naming
+        why, for a state that cannot join."""
         why = (f"it is {'native' if state.native else 'a RedKnot state'}; the batch's members are "
                f"{'native' if self.native else 'RedKnot states'}" if self.native not in (None, state.native) else
                "it has no decode layout" if not state.native and (state.layout is None or state.plan is None) else

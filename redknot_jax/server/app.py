@@ -29,9 +29,9 @@ than held through minutes of compiling. Everything else (models, tokenize, docum
 delete, metrics) answers at once.
 Responses carry a `redknot` object (arm that ran, fallback reason, generated token ids, cached
 rows, ledgers; `arm_choice`: the table's tier and estimates when it chose the arm; `ttft_s`: the
-server's time from the request's submission to its first token, queue wait included) and `usage.prompt_tokens_details.cached_tokens` = prompt rows not computed: the
-exact prefix's rows and the relocated documents' rows restored from artifacts (candidate rows
-not protected).
+server's time from the request's submission to its first token, queue wait included) and
+`usage.prompt_tokens_details.cached_tokens` = prompt rows not computed: the exact prefix's rows
+and the relocated documents' rows restored from artifacts (candidate rows not protected).
 """
 
 from __future__ import annotations
