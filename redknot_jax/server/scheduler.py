@@ -746,9 +746,9 @@ class Scheduler:
 
     def _reuse_step(self) -> None:
         """One token of each document request decoding: the decode batch's members in one
-        batched step, the others each on its own. One that ends (done, cancelled, failed, or past the shutdown
-        grace) leaves the batch and unpins its documents. A failed batched step fails its members
-        (their rows were in it), not the others."""
+        batched step, the others each on its own. One that ends (done, cancelled, failed, or past
+        the shutdown grace) leaves the batch and unpins its documents. A failed batched step fails
+        its members (their rows were in it), not the others."""
         with self._cond:
             late = self._stopping and time.perf_counter() > self._deadline
         for r in list(self._reuse):
