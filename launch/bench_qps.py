@@ -64,7 +64,8 @@ cell the summary, the server's counter deltas from /metrics and the raw records)
 table on stdout, and with --headline the issue's one-row-per-point file ({"device", "date",
 "command", "rows": [{"arm", "concurrency", "requests_per_s", "ci", "ttft_p50_s", "ttft_p90_s",
 "tokens_per_s", "date", "command"}]}), merged into the file's earlier rows from the same device
-(a run split into calls, one concurrency level each: each row keeps its own command and date). Client side: standard library + numpy only.
+(a run split into calls, one concurrency level each: each row keeps its own command and date).
+Client side: standard library + numpy only.
 """
 
 from __future__ import annotations

@@ -23,7 +23,8 @@ def test_bench_ttft_store_host_resident_cold_layers(monkeypatch, tmp_path):
     out = tmp_path / "ttft.json"
     res = bench_ttft.main(common + ["--resident", "host", "--host-kind", "pinned", "--cold", "--layer-times",
                                     "--kernels", "xla,auto", "--topk-stages", "4,1",
-                                    "--op-profile", "0,2", "--decode-steps", "3", "--decode-batch", "2", "--out", str(out)])
+                                    "--op-profile", "0,2", "--decode-steps", "3", "--decode-batch", "2",
+                                    "--out", str(out)])
     assert json.loads(out.read_text()) == json.loads(json.dumps(res)) and res["resident"] == "host"
     row = res["lengths"][0]
     # the same records, their artifacts read back from the store (content ids), not rebuilt

@@ -1107,7 +1107,8 @@ def test_warmed_document_requests_compile_nothing():
     docs = []
     for k in range(3):
         toks = rng.integers(2, cfg.vocab_size, 24).astype(np.int32)
-        docs.append(_Doc(str(k) * 64, "t", toks, build_artifact(model, rt.profile, toks, checkpoint_fingerprint="fp-test")))
+        art = build_artifact(model, rt.profile, toks, checkpoint_fingerprint="fp-test")
+        docs.append(_Doc(str(k) * 64, "t", toks, art))
     events = []
 
     def job(ds, prompt):
