@@ -87,6 +87,13 @@ for arm in ("redknot", "recompute"):
     print(f"jitted batch prefill, {arm}: {len(reqs)} requests ({[q.tokens.size for q in reqs]} rows) in "
           f"{dt * 1e3:.1f} ms; max |logit difference| to one at a time {diff:.2e}")
 
+# %% batched generation (`generate_batch`): one batched prefill, then every request decodes as a
+# row of one DecodeBatch (a jitted call per layer for all of them per token): greedy tokens equal
+# to each request's `generate`
+toks, _ = runtime.generate_batch(reqs, 4, pool=pool)
+alone = [runtime.generate(q, 4, pool=pool)[0] for q in reqs]
+print(f"batched generation of {len(reqs)} requests, 4 tokens each: {toks}; equal to one at a time: {toks == alone}")
+
 # %% the plain engine: batch prefill of raw prompts (no documents), bucketed
 engine = Engine(model, capacity=256)
 prompts = [np.concatenate(documents[:2]).tolist(), documents[2].tolist()]
