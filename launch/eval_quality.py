@@ -36,6 +36,7 @@ import time
 import numpy as np
 import jax
 
+from redknot_jax.config import ModelConfig
 from redknot_jax.quality import data as D
 from redknot_jax.quality.model_config import profile_of
 from redknot_jax.quality.train import load_model
@@ -287,13 +288,14 @@ def main(argv=None):
                          "e.g. compact artifacts against dense ones: --variants default,default-fp4 --paired-with default")
     args = ap.parse_args(argv)
 
-    model = load_model(args.checkpoint)
-    cfg = model.cfg
+    # the variants are checked against the checkpoint's config and profile before any weight loads
+    cfg = ModelConfig.from_json(pathlib.Path(args.checkpoint) / "config.json")
     fingerprint = f"qa_model:{pathlib.Path(args.checkpoint).name}"
     base = profile_of(args.checkpoint)
     vs = variants(args.variants.split(","), base.reusable_layers(cfg.num_layers), cfg.num_layers, cfg.sliding_window)
     if args.paired_with is not None and args.paired_with not in dict(vs):
         raise SystemExit(f"--paired-with: {args.paired_with!r} is not one of --variants {[n for n, _ in vs]}")
+    model = load_model(args.checkpoint)
     runtimes = {}
     for name, ov in vs:
         ov = {k: v for k, v in ov.items() if not k.startswith("_")}

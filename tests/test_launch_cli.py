@@ -117,6 +117,14 @@ def test_serve_refuses_a_missing_profile_file_but_not_a_profile_name(monkeypatch
             "--warmup-buckets and --no-warmup: give one of them")
 
 
+def test_eval_quality_refuses_a_bad_variant_before_any_model(monkeypatch, refused):
+    _no_model(monkeypatch)
+    ev = _load("eval_quality")
+    refused(ev.main, ["--variants", "b0-tau"], r"--variants: unknown \['b0-tau'\]")
+    refused(ev.main, ["--variants", "default", "--paired-with", "b10-k3"],
+            r"--paired-with: 'b10-k3' is not one of --variants \['default'\]")
+
+
 BAD_FLAGS = [  # (script, command line, the error line's text): checks added with the shared parser
     ("serve", ["--warmup-documents", "4x8"], r"argument --warmup-documents: warmup documents '4x8': expected "
                                              r"comma-separated DOCSxTOKENS\+PROMPT"),
