@@ -19,9 +19,9 @@ of hot documents (`reuse/arena.py`: one copy of each document whatever set cites
 shapes so a new set compiles nothing, least recently used documents back to host memory): up
 to `reuse_batch` of them waiting at the queue's front prefill together (one jitted call per
 layer, `prefill_batch_steps`, each keeping its decode state; the batch padded to a power of two
-or `reuse_batch` with a copy of its last request, so few batch sizes compile), a layer at a time: a layer costs
-the requests' rows over the model's layers of the step's budget, so a long document prefill
-spreads over steps as a chunked prompt does. Each then decodes as a row of the document decode
+or `reuse_batch` with a copy of its last request, so few batch sizes compile), a layer at a
+time: a layer costs the requests' rows over the model's layers of the step's budget, so a long
+document prefill spreads over steps as a chunked prompt does. Each then decodes as a row of the document decode
 batch (`reuse/decode_batch.py`, `slots` rows: every member's token in one jitted call per
 layer, a step each worker step right after the plain batch's: two calls, not yet one); one
 that finds its batch full decodes on its own. Requests in the prefix arm (`arm="prefix"`, what
@@ -652,10 +652,12 @@ class Scheduler:
         self._ensure_artifact(job.doc)
         job.emit("done", "built", {})
 
+    # ------------------------------------------------------------------ document requests: prepared, prefilled a
+    # layer per step (_prefill_layer), then decoded in the document decode batch or the plain one (_generation)
     def _start_reuse(self, jobs: list[Job]) -> None:
         """Requests citing documents, RedKnot arm (each falls back to recomputation, counted, when
         an artifact fails certification), made ready and queued to prefill a layer at a time
-        (`_prefill_layers`): those certified and resident in the device arena together, one
+        (`_prefill_layer`, from `_step`): those certified and resident in the device arena together, one
         jitted call per layer (`ReuseRuntime.prefill_batch_steps`, each keeping its decode
         state); a lone one or a fallback on its own (`prefill_steps`). Decoding after the first
         token follows `ReuseRuntime.generate` (plan frozen, generated tokens appended as
@@ -680,14 +682,13 @@ class Scheduler:
     def _prefill_group(self, preps: list[dict]) -> _Prefilling:
         """Requests' prefill as steps of a layer each; a layer's share of the token budget is the
         requests' rows over the model's layers."""
+        decode_rows = self._decode_rows(max(p["job"].sampling.max_tokens for p in preps))
         if len(preps) > 1:
-            rows = max(p["job"].sampling.max_tokens for p in preps) - 1
             steps = self.rt.prefill_batch_steps([p["req"] for p in preps], "redknot", pool=self.arena,
-                                                decode_rows=self._decode_rows(rows + 1), batch_sizes=self.batch_sizes)
+                                                decode_rows=decode_rows, batch_sizes=self.batch_sizes)
         else:
             p = preps[0]
-            steps = self.rt.prefill_steps(p["req"], p["arm"], pool=p["pool"],
-                                          decode_rows=self._decode_rows(p["job"].sampling.max_tokens))
+            steps = self.rt.prefill_steps(p["req"], p["arm"], pool=p["pool"], decode_rows=decode_rows)
         rows = sum(int(p["req"].tokens.size) for p in preps)
         return _Prefilling(preps, steps, max(1, rows // self.rt.cfg.num_layers))
 

@@ -1077,6 +1077,7 @@ def test_a_document_request_cancelled_mid_prefill_leaves_its_batch_and_unpins():
     assert s.arena._res[doc_key(doc.artifact)].pins == 0 and s.metrics.cancelled._value.get() == 2
 
 
+# ------------------------------------------------------------------ document warm-up (in-process)
 def test_warmed_document_requests_compile_nothing():
     """--warmup-documents: after warming requests of 2 documents of 24 tokens and a 3-token prompt,
     requests of that shape (other documents, other prompts, fewer tokens asked: decode states are
