@@ -70,6 +70,7 @@ from redknot_jax.reuse.break_even import request_tier
 from redknot_jax.reuse.certificate import FallbackReason
 from redknot_jax.reuse.planner import Request, Segment
 from redknot_jax.reuse.runtime import ReuseRuntime
+from redknot_jax.server.documents import Document
 from redknot_jax.server.metrics import compiled_programs
 
 log = logging.getLogger("redknot.server")
@@ -162,15 +163,6 @@ class _Filling:
     """A sequence whose prompt is being prefilled a chunk per worker step; its slot is held."""
     job: Job
     prefill: Prefill
-
-
-@dataclasses.dataclass
-class _WarmupDoc:
-    """A document the warm-up makes (what the scheduler reads of a registered one)."""
-    id: str
-    tenant: str
-    tokens: np.ndarray
-    artifact: object
 
 
 @dataclasses.dataclass
@@ -327,7 +319,7 @@ class Scheduler:
         docs = []
         for k in range(n_docs):
             toks = rng.integers(2, vocab, tokens).astype(np.int32)
-            docs.append(_WarmupDoc(f"warmup-{k}", "", toks, build_artifact(
+            docs.append(Document(f"warmup-{k}", "", toks, shared=False, created=0, artifact=build_artifact(
                 rt.model, rt.profile, toks, checkpoint_fingerprint=self.fp, kernels=rt.consumer.kernels)))
         events = []
         for arm, size in [("redknot", 1)] + [("redknot", b) for b in self.batch_sizes if b > 1] + [("prefix", 1)]:
