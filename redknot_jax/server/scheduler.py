@@ -298,7 +298,7 @@ class Scheduler:
             self._prefill_slot([int(t) for t in np.arange(n) % vocab], 0)
             toks, active = np.zeros(self.slots_n, np.int32), np.zeros(self.slots_n, np.int32)
             active[0] = 1
-            self._decode_batch(toks, active)
+            np.asarray(self._decode_batch(toks, active))
             if lengths is None:
                 self.warmup_done += 1
         for spec in self.warmup_documents if lengths is None else ():
@@ -464,9 +464,12 @@ class Scheduler:
         first, within what is left of `max_batched_tokens` (at least one chunk or layer)."""
         plain = sum(isinstance(s, _Slot) for s in self._slots)
         budget = self.max_batched_tokens - plain - len(self._reuse)
-        if plain:
-            self._decode_step()
+        # the plain batch's step is dispatched first and read back after the document requests'
+        # step is dispatched: the device runs one while the host prepares the other
+        pending = self._decode_dispatch() if plain else None
         self._reuse_step()
+        if pending is not None:
+            self._decode_finish(*pending)
         filling = sorted((i for i, s in enumerate(self._slots) if isinstance(s, _Filling)),
                          key=lambda i: self._slots[i].job.t_submit)
         ran = 0
@@ -550,13 +553,15 @@ class Scheduler:
         self.cache = self._splice(self.cache, one, slot)
         return np.asarray(logits[0])
 
-    def _decode_batch(self, toks: np.ndarray, active: np.ndarray) -> np.ndarray:
-        """One batched decode step of every slot (inactive ones not written): logits [slots, vocab]
-        on the host. What a decode step and the warm-up run."""
+    def _decode_batch(self, toks: np.ndarray, active: np.ndarray) -> jax.Array:
+        """One batched decode step of every slot (inactive ones not written), dispatched: logits
+        [slots, vocab] on the device. What a decode step and the warm-up run."""
         logits, self.cache = self.eng.decode(toks, self.cache, active)
-        return np.asarray(logits)
+        return logits
 
-    def _decode_step(self) -> None:
+    def _decode_dispatch(self) -> tuple | None:
+        """The plain batch's decode step dispatched (cancelled sequences leave first): (logits on
+        the device, the active mask), or None when no sequence decodes."""
         toks = np.zeros(self.slots_n, np.int32)
         active = np.zeros(self.slots_n, np.int32)
         for i, s in enumerate(self._slots):
@@ -568,17 +573,20 @@ class Scheduler:
                 continue
             toks[i], active[i] = s.last, 1
         if not active.any():
-            return
+            return None
         self.metrics.batch_rows.observe(int(active.sum()))
         try:
-            logits = self._decode_batch(toks, active)
+            return self._decode_batch(toks, active), active
         except Exception as e:
-            log.error("decode step failed:\n%s", traceback.format_exc())
-            for i, s in enumerate(self._slots):  # the batch cache is lost: every decoding sequence with it
-                if isinstance(s, _Slot):
-                    s.job.emit("error", 500, f"internal error in decode: {type(e).__name__}: {e}")
-                    self._slots[i] = None
-            self.cache = self.eng.new_cache(self.slots_n)
+            self._decode_failed(e)
+            return None
+
+    def _decode_finish(self, logits, active: np.ndarray) -> None:
+        """The dispatched step's logits read back; each active sequence samples its token."""
+        try:
+            logits = np.asarray(logits)
+        except Exception as e:  # an error raised on the device surfaces here
+            self._decode_failed(e)
             return
         for i, s in enumerate(self._slots):
             if not isinstance(s, _Slot) or not active[i]:
@@ -590,6 +598,15 @@ class Scheduler:
             if fin is not None:
                 s.job.emit("done", fin, s.info or {"arm": s.job.arm, "cached_tokens": 0})
                 self._slots[i] = None
+
+    def _decode_failed(self, e: Exception) -> None:
+        """The batch cache is lost: every decoding sequence with it; a fresh cache replaces it."""
+        log.error("decode step failed:\n%s", traceback.format_exc())
+        for i, s in enumerate(self._slots):
+            if isinstance(s, _Slot):
+                s.job.emit("error", 500, f"internal error in decode: {type(e).__name__}: {e}")
+                self._slots[i] = None
+        self.cache = self.eng.new_cache(self.slots_n)
 
     # ------------------------------------------------------------------ special jobs
     def _ensure_artifact(self, doc) -> str | None:
