@@ -50,10 +50,11 @@ sequences finish for up to `grace_s` seconds, then fails whatever is left, expli
 from __future__ import annotations
 
 import asyncio
+import collections
+import contextlib
+import dataclasses
 import hashlib
 import os
-import collections
-import dataclasses
 import logging
 import threading
 import time
@@ -67,11 +68,11 @@ from redknot_jax.generate import Engine, Prefill
 from redknot_jax.reuse.arena import ArenaFull
 from redknot_jax.reuse.artifact import build_artifact
 from redknot_jax.reuse.break_even import request_tier
-from redknot_jax.reuse.certificate import FallbackReason
+from redknot_jax.reuse.certificate import CertCounters, FallbackReason
 from redknot_jax.reuse.planner import Request, Segment
 from redknot_jax.reuse.runtime import ReuseRuntime
 from redknot_jax.server.documents import Document
-from redknot_jax.server.metrics import compiled_programs
+from redknot_jax.server.metrics import Metrics, compiled_programs
 
 log = logging.getLogger("redknot.server")
 
@@ -291,6 +292,29 @@ class Scheduler:
         `self.warmup_lengths`): its batch-1 chunked prefill spliced into a slot with the logits
         read back, then a batched decode step with that slot active (the slot is free
         afterwards: the next admission splices over it). Synchronous, on the calling thread."""
+        with self._unrecorded():
+            self._warmup(lengths)
+
+    @contextlib.contextmanager
+    def _unrecorded(self):
+        """The warm-up's requests are no client's: what they record (the server's metrics, the
+        certification counters, the arena's admissions and evictions) goes to scratch copies, so
+        /metrics after start-up counts client requests only."""
+        metrics, self.metrics = self.metrics, Metrics(CertCounters())
+        counters = self.rt.counters if self.rt is not None else None
+        arena_stats = dict(self.arena.stats) if self.arena is not None else None
+        if self.rt is not None:
+            self.rt.counters = CertCounters()
+        try:
+            yield
+        finally:
+            self.metrics = metrics
+            if self.rt is not None:
+                self.rt.counters = counters
+            if self.arena is not None:
+                self.arena.stats.update(arena_stats)
+
+    def _warmup(self, lengths) -> None:
         vocab = self.eng.cfg.vocab_size
         for n in self.warmup_lengths if lengths is None else lengths:
             if self._stopping:  # shut down while warming: the rest would be thrown away

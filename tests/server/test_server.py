@@ -1082,7 +1082,7 @@ def test_warmed_document_requests_compile_nothing():
     """--warmup-documents: after warming requests of 2 documents of 24 tokens and a 3-token prompt,
     requests of that shape (other documents, other prompts, fewer tokens asked: decode states are
     made for --max-tokens-limit) compile no program, alone or batched; one citing 3 documents does.
-    Its flag is parsed, or refused naming the item."""
+    The warm-up leaves /metrics as it found it. Its flag is parsed, or refused naming the item."""
     import asyncio
 
     import numpy as np
@@ -1102,8 +1102,15 @@ def test_warmed_document_requests_compile_nothing():
     cfg, model, rt = _tiny_runtime()
     sched = Scheduler(Engine(model, capacity=128), rt, Metrics(rt.counters), slots=2, prefill_chunk=16, warmup=(5,),
                       warmup_documents=((2, 24, 3),), max_new_tokens=4, checkpoint_fingerprint="fp-test")
+    def scrape():  # /metrics but what the warm-up is for: programs compiled, the arena's arrays allocated
+        return [ln for ln in sched.metrics.render().decode().splitlines()
+                if "compiled_programs" not in ln and "arena_bytes" not in ln]
+
+    scraped = scrape()
     sched.warmup()
     assert sched.warmup_status()["done"] == 2 and not sched.arena.snapshot()["docs"]  # warm-up documents gone
+    # the warm-up's requests are no client's: no TTFT, ledger, certificate or arena admission recorded
+    assert scrape() == scraped and not sched.arena.stats["admitted"]
     rng = np.random.default_rng(9)
     docs = []
     for k in range(3):
