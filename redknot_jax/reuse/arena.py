@@ -15,7 +15,8 @@ documents compiles nothing (each layer program compiles once per request size bu
   document can split the free rows (`ArenaFull` names the longest free range).
 * Admission (`acquire`): documents not resident are written in (one jitted scatter per layer and
   document length bucket, the arena's buffers donated); each cited document is pinned until
-  `release`. Eviction: least recently used unpinned documents, until the new ones fit; they stay
+  `release`. Eviction: least recently used unpinned documents, until the new ones fit (of that
+  run only those in the way of the range taken; the others stay resident); evicted ones stay
   in host memory (their `Artifact`), the host tier, and are written in again when cited.
   `ArenaFull` when the pinned documents leave no room.
 * Identity: a document is its `Artifact` object (held while resident), as in `DocPool`. The
@@ -199,15 +200,10 @@ class DocArena:
         if self.codec is not None and codec_name != self.codec:
             raise ValueError(f"DocArena: artifacts stored in codec {codec_name!r}; this arena holds {self.codec!r}")
         start, slot = self._place(need)
-        while start is None or slot is None:
-            victim = next((k for k, r in self._res.items() if not r.pins), None)
-            if victim is None:
-                raise ArenaFull(f"DocArena: {need} rows asked; {self.capacity - self.rows_used} of {self.capacity} "
-                                f"free (the longest free range {self._longest_free()} rows) and "
-                                f"{self.docs_capacity - len(self._res)} of {self.docs_capacity} document slots free; "
-                                "every resident document is pinned by a request in flight")
-            del self._res[victim]
-            self.stats["evicted"] += 1
+        if start is None or slot is None:
+            for k in self._victims(need):
+                del self._res[k]
+                self.stats["evicted"] += 1
             start, slot = self._place(need)
         put = lambda x, dt: jnp.asarray(x, dt)
         pad = self.buckets(n, POOL_ROW_PAD)
@@ -256,10 +252,34 @@ class DocArena:
 
         self.layers[layer] = {f: jax.tree.map(lambda a: full(f, a), v) for f, v in doc.items()}
 
-    def _free_ranges(self) -> list[tuple[int, int]]:
-        """The free row ranges (start, length), in row order."""
+    def _victims(self, need: int) -> list[int]:
+        """The documents to evict so that `need` contiguous rows and a slot are free: the shortest
+        run of least recently used unpinned documents whose eviction would leave room, and of those
+        only the ones in the way of the range then taken (others in the run stay resident), plus the
+        least recently used of the run when every slot is taken. `ArenaFull` when evicting every
+        unpinned document would not do."""
+        order = [k for k, r in self._res.items() if not r.pins]  # least recently used first
+        for n in range(1, len(order) + 1):
+            run = set(order[:n])
+            start = next((s for s, m in self._free_ranges([r for k, r in self._res.items() if k not in run])
+                          if m >= need), None)
+            if start is None:
+                continue
+            out = [k for k in order[:n] if self._res[k].start < start + need and start < self._res[k].start
+                   + self._res[k].rows]
+            if len(self._res) - len(out) >= self.docs_capacity:  # a slot too
+                out.append(next(k for k in order[:n] if k not in out))
+            return out
+        raise ArenaFull(f"DocArena: {need} rows asked; {self.capacity - self.rows_used} of {self.capacity} "
+                        f"free (the longest free range {self._longest_free()} rows) and "
+                        f"{self.docs_capacity - len(self._res)} of {self.docs_capacity} document slots free; "
+                        "every resident document is pinned by a request in flight")
+
+    def _free_ranges(self, residents=None) -> list[tuple[int, int]]:
+        """The free row ranges (start, length), in row order, around `residents` (default: all)."""
+        residents = self._res.values() if residents is None else residents
         out, prev = [], 0
-        for s, e in sorted((r.start, r.start + r.rows) for r in self._res.values()) + [(self.capacity,) * 2]:
+        for s, e in sorted((r.start, r.start + r.rows) for r in residents) + [(self.capacity,) * 2]:
             if s > prev:
                 out.append((prev, s - prev))
             prev = max(prev, e)

@@ -94,6 +94,16 @@ def test_lru_eviction_pins_and_errors(setup):
     with pytest.raises(ValueError, match="codec 'dense'; this arena holds 'fp8'"):
         arena.acquire([dense])
 
+    # only the documents in the way are evicted: 0 at [0, 48), 1 at [48, 96) pinned, 2 at [96, 128),
+    # 32 rows free; 3 (64 rows) fits once 0 and 2, the two least recently used, are gone, in 2's range
+    arena = rt.consumer.arena(rows=need[0] + need[1] + 2 * need[2], docs=4)
+    arena.acquire(arts[:3])
+    arena.release(arts[:3])
+    arena.acquire([arts[1]])
+    arena.acquire([arts[3]])
+    assert [arena.resident(a) for a in arts] == [True, True, False, True] and arena.stats["evicted"] == 1
+    assert arena._res[arena_key(arts[3])].start == need[0] + need[1]
+
 
 def test_a_decode_batch_steps_each_member_as_it_decodes_alone(setup):
     """`DecodeBatch`: requests of different sizes over the arena joining (the larger pads every
