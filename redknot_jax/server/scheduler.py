@@ -54,8 +54,8 @@ import collections
 import contextlib
 import dataclasses
 import hashlib
-import os
 import logging
+import os
 import threading
 import time
 import traceback
