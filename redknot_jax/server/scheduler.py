@@ -490,7 +490,7 @@ class Scheduler:
         budget = self.max_batched_tokens - plain - len(self._reuse)
         # the plain batch's step is dispatched first and read back after the document requests'
         # step is dispatched: the device runs one while the host prepares the other
-        pending = self._decode_dispatch() if plain else None
+        pending = self._decode_dispatch()
         self._reuse_step()
         if pending is not None:
             self._decode_finish(*pending)
