@@ -1,0 +1,73 @@
+#!/bin/bash
+# The GPU benchmark queue for the lent device machine (`run`: at most 600 s a call, a machine
+# kept warm ~30 s between calls, device time cut by the budget left).
+#
+#   bash launch/device_chain.sh WAIT_S [STEPS]
+#
+# The first call on a machine starts the queue detached (setsid: it outlives the call); every
+# call then waits up to WAIT_S seconds for it, copying what it has written (*.json, *.md, *.log)
+# to $OUT every 10 s, so a call cut at its limit still returns the partial results, and prints
+# the queue's progress. Keep WAIT_S 30+ s under the call's expected limit_s (the budget left
+# after the machine started can be less than the timeout asked). Later calls on the same warm
+# machine wait for the same queue. STEPS (a comma list of the step names below; default: the
+# device's list) picks what runs; a failed step does not stop the next. Results: /tmp/res on
+# the device, then $OUT. One GPU process at a time: do not start another benchmark while the
+# queue runs (two on one GPU both die of out-of-memory in XLA's autotuner).
+set -u
+cd "$(dirname "$0")/.."
+R=/tmp/res
+mkdir -p "$R"
+
+step() {  # name, then the command's arguments after `python`
+  local name=$1; shift
+  echo "== $name start $(date +%T)" >> $R/chain.log
+  python "$@" > $R/$name.log 2>&1
+  echo "== $name rc=$? $(date +%T)" >> $R/chain.log
+}
+
+run_steps() {
+  export PYTHONPATH=$PWD JAX_PLATFORMS=cuda PYTHONUNBUFFERED=1 JAX_COMPILATION_CACHE_DIR=/tmp/jc
+  local d today; d=$(nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200 && echo h200 || echo h100)
+  today=$(date +%Y%m%d)
+  local steps=${1:-}
+  if [ -z "$steps" ]; then  # what docs/benchmarks.md still lists as not measured, by device
+    if [ $d = h200 ]; then steps=ttft64,ttft128,ttft256build,ttft256,break_even,decode_batch
+    else steps=decode_batch16,ttft32; fi
+  fi
+  for s in ${steps//,/ }; do case $s in
+    ttft64) step $s launch/bench_ttft.py --lengths 65536 --repeats 2 --layer-times \
+      --profiles tail0-b10-omit,tail0-b10-restore,default --out $R/ttft_64k_modes_${d}_$today.json ;;
+    ttft128) step $s launch/bench_ttft.py --lengths 131072 --repeats 2 --profiles tail0-b10-omit-fp4,fp4 \
+      --out $R/ttft_128k_fp4_${d}_$today.json ;;
+    ttft256build) step $s launch/bench_ttft.py --lengths 262144 --profiles tail0-b10-omit-fp4 \
+      --store /tmp/art --build-only --out $R/ttft_256k_build_${d}_$today.json ;;
+    ttft256) step $s launch/bench_ttft.py --lengths 262144 --repeats 2 --profiles tail0-b10-omit-fp4 \
+      --store /tmp/art --out $R/ttft_256k_fp4_${d}_$today.json ;;
+    break_even) step $s launch/bench_break_even.py --preset flash-shaped --dtype bfloat16 --profile flash \
+      --artifact-codec fp4 --lengths 16384,65536 --repeats 2 --out $R/break_even_${d}_$today.json ;;
+    decode_batch) step $s launch/bench_ttft.py --lengths 32768 --repeats 1 --decode-steps 16 \
+      --decode-batch 8 --no-prefix-arm --out $R/decode_batch_32k_${d}_$today.json ;;
+    decode_batch16) step $s launch/bench_ttft.py --lengths 16384 --repeats 1 --tail-rows 0 --budget 0.1 \
+      --decode-steps 8 --decode-batch 4 --no-prefix-arm --out $R/decode_batch_16k_${d}_$today.json ;;
+    ttft32) step $s launch/bench_ttft.py --lengths 32768 --repeats 2 --layer-times \
+      --profiles tail0-b10-omit-fp4,tail0-b10-restore-fp4,fp4 --out $R/ttft_32k_fp4_${d}_$today.json ;;
+    *) echo "== $s: no such step" >> $R/chain.log ;;
+  esac; done
+  touch $R/done
+}
+
+if [ "${1:-}" = --queue ]; then run_steps "${2:-}"; exit; fi
+if [ ! -f $R/started ]; then
+  touch $R/started
+  nvidia-smi --query-gpu=name,memory.total --format=csv,noheader >> $R/chain.log
+  setsid nohup bash "$0" --queue "${2:-}" > $R/queue.out 2>&1 < /dev/null &
+fi
+end=$((SECONDS + ${1:-540}))
+save() { cp $R/*.json $R/*.md $R/*.log "${OUT:-/tmp}"/ 2>/dev/null; }
+while [ ! -f $R/done ] && [ $SECONDS -lt $end ]; do sleep 10; save; echo "t=$SECONDS $(tail -1 $R/chain.log)"; done
+save
+cat $R/chain.log
+for f in $R/*.log; do
+  [ "$f" = $R/chain.log ] && continue
+  echo "--- $f"; tr '\r' '\n' < "$f" | grep -v "it/s\]\|s/it\]\|^    @" | tail -12
+done
