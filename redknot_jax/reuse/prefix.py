@@ -12,7 +12,10 @@ request of a prefix document plus new rows therefore gives the Recomputed arm's 
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
+import jax
 import jax.numpy as jnp
 
 from redknot_jax.reuse.certificate import can_prefix
@@ -37,6 +40,16 @@ def native_cache(attn, state: dict, cap: int, dtype) -> dict:
         c[name] = jnp.pad(e, ((0, c[name].shape[1] - e.shape[0]), (0, 0)))[None].astype(dtype)
         c[st] = {k: jnp.asarray(v)[None].astype(c[st][k].dtype) for k, v in state[st].items()}
     return c
+
+
+def hot_prefix(artifact, num_layers: int):
+    """What a prefix cache (vLLM's, SGLang's) holds of `artifact`'s document: every layer's
+    native state (`Artifact.native_state`, a compact codec's latents decoded once) dense on the
+    device, as an artifact of those alone (`prefix_layers`; no reusable layer, the same
+    certificate). `Consumer.prefix` over it reads no host array and decodes nothing per request;
+    it gives the logits of `artifact` itself."""
+    states = {i: jax.device_put(artifact.native_state(i)) for i in range(num_layers)}
+    return dataclasses.replace(artifact, layers={}, prefix_layers=states)
 
 
 def prefix_check(artifact, tokens, num_layers: int) -> None:

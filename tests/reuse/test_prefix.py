@@ -23,7 +23,7 @@ from redknot_jax.reuse import consumer as consumer_mod
 from redknot_jax.reuse.artifact import Artifact, build_artifact
 from redknot_jax.reuse.certificate import Certificate, FallbackReason, can_prefix, payload_digest
 from redknot_jax.reuse.planner import Request, Segment
-from redknot_jax.reuse.prefix import native_cache
+from redknot_jax.reuse.prefix import hot_prefix, native_cache
 from redknot_jax.reuse.profile import tiny_profile
 from redknot_jax.reuse.runtime import ReuseFallback, ReuseRuntime
 from redknot_jax.store import ArtifactStore, split_tp
@@ -124,6 +124,12 @@ def test_both_arms_with_a_prefix_are_the_recomputed_arm_and_compute_no_prefix_ro
             a, b = rt.next_logits(req, res, gen), rt.next_logits(req, rec, gen)
             assert res.decode.rows == req.tokens.size + s + 1  # the incremental path ran
             assert rel_err(a, b) < TOL_FP32, (arm, s)
+    # the prefix arm over the document's state held dense on the device (what a prefix cache holds)
+    hot = hot_prefix(arts[L], CFG.num_layers)
+    assert not hot.layers and sorted(hot.prefix_layers) == list(range(CFG.num_layers))
+    assert all(isinstance(v, jax.Array) for v in jax.tree.leaves(hot.prefix_layers))
+    np.testing.assert_array_equal(rt.consumer.prefix(hot, req.tokens, req.query_rows),
+                                  rt.consumer.prefix(arts[L], req.tokens, req.query_rows))
 
 
 def test_old_artifacts_relocate_and_fall_back_from_the_prefix_counted(model, docs, arts):
