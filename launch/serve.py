@@ -93,6 +93,9 @@ def main(argv=None):
                     help="document rows the device arena of hot documents holds (every document request reads it; "
                          "least recently used documents leave it for host memory); default 8 x --max-model-len")
     ap.add_argument("--arena-docs", type=int, default=64, help="documents the device arena holds at once")
+    ap.add_argument("--prefix-docs", type=int, default=4,
+                    help="first documents whose state of every layer the prefix arm (arm='prefix') keeps on the device, "
+                         "least recently used evicted (a prefix cache); 0: each prefix request reads its artifact")
     ap.add_argument("--reuse-batch", type=int, default=4,
                     help="document requests waiting together that prefill in one batch (one jitted call per layer), "
                          "at most; 1: one at a time")
@@ -135,6 +138,7 @@ def main(argv=None):
                          warmup_buckets=args.warmup_buckets, warmup_documents=args.warmup_documents or (),
                          kernels=args.kernels,
                          shape_buckets=args.shape_buckets, arena_rows=args.arena_rows, arena_docs=args.arena_docs,
+                         prefix_docs=args.prefix_docs,
                          break_even=args.break_even, reuse_batch=args.reuse_batch,
                          max_batched_tokens=args.max_batched_tokens, artifact_codec=args.artifact_codec)
     except ValueError as e:  # a flag's value the config refuses: named by its flag, as argparse names its own

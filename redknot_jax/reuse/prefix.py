@@ -12,7 +12,9 @@ request of a prefix document plus new rows therefore gives the Recomputed arm's 
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import threading
 
 import numpy as np
 import jax
@@ -50,6 +52,64 @@ def hot_prefix(artifact, num_layers: int):
     it gives the logits of `artifact` itself."""
     states = {i: jax.device_put(artifact.native_state(i)) for i in range(num_layers)}
     return dataclasses.replace(artifact, layers={}, prefix_layers=states)
+
+
+class PrefixCache:
+    """The prefix arm's device cache: the `hot_prefix` of up to `capacity` documents, least
+    recently used evicted first (vLLM's automatic prefix caching holds a prefix's KV blocks on
+    the device the same way). Keyed by the artifact's payload digest, so a rebuilt or
+    regenerated artifact is a new entry; `stats`: hits, misses, evictions. Thread-safe."""
+
+    def __init__(self, capacity: int, num_layers: int):
+        if not isinstance(capacity, int) or capacity < 1:
+            raise ValueError(f"PrefixCache: capacity must be an int >= 1, got {capacity!r}")
+        self.capacity, self.num_layers = capacity, num_layers
+        self._hot: collections.OrderedDict = collections.OrderedDict()
+        self._lock = threading.Lock()
+        self.stats = {"hits": 0, "misses": 0, "evictions": 0}
+
+    @staticmethod
+    def _key(artifact) -> str:
+        return artifact.certificate.payload_digest
+
+    def get(self, artifact):
+        """`artifact`'s hot prefix, made (and the least recently used one evicted) on a miss."""
+        key = self._key(artifact)
+        with self._lock:
+            if key in self._hot:
+                self._hot.move_to_end(key)
+                self.stats["hits"] += 1
+                return self._hot[key]
+        hot = hot_prefix(artifact, self.num_layers)  # outside the lock: device work
+        with self._lock:
+            self.stats["misses"] += 1
+            self._hot[key] = hot
+            self._hot.move_to_end(key)
+            while len(self._hot) > self.capacity:
+                self._hot.popitem(last=False)
+                self.stats["evictions"] += 1
+        return hot
+
+    def drop(self, artifact) -> bool:
+        """Forget `artifact`'s entry (its document deleted); whether there was one."""
+        with self._lock:
+            return self._hot.pop(self._key(artifact), None) is not None
+
+    def clear(self) -> None:
+        """Forget every entry (the statistics stay)."""
+        with self._lock:
+            self._hot.clear()
+
+    def __len__(self) -> int:
+        return len(self._hot)
+
+    def nbytes(self) -> int:
+        with self._lock:
+            return sum(v.nbytes for h in self._hot.values() for v in jax.tree.leaves(h.prefix_layers))
+
+    def snapshot(self) -> dict:
+        """Entries ("docs"), device bytes and the statistics, for metrics."""
+        return {"docs": len(self), "bytes": self.nbytes(), **self.stats}
 
 
 def prefix_check(artifact, tokens, num_layers: int) -> None:

@@ -631,6 +631,9 @@ async def delete_document(state, request):
     arena = state.scheduler.arena
     if arena is not None and doc is not None and doc.artifact is not None:
         arena.evict([doc.artifact])  # its device rows freed now (unless a request in flight reads them)
+    prefixes = state.scheduler.rt.prefix_cache if state.scheduler.rt is not None else None
+    if prefixes is not None and doc is not None and doc.artifact is not None:
+        prefixes.drop(doc.artifact)  # and its hot prefix state
     state.metrics.documents.set(len(state.registry))
     return JSONResponse({"id": did, "object": "document", "deleted": True})
 

@@ -12,6 +12,8 @@ tests can build several apps in one process).
 * queue depth, active decode slots, rows per batched decode step, documents registered;
 * the device arena of hot documents: `redknot_arena_rows_used`, `_rows_capacity`, `_documents`,
   `_pinned_documents`, `_bytes`, `redknot_arena_admissions_total`, `redknot_arena_evictions_total`;
+* the prefix arm's device cache: `redknot_prefix_cache_documents`, `_bytes`,
+  `redknot_prefix_cache_hits_total`, `_misses_total`, `_evictions_total`;
 * `redknot_compiled_programs_total`: XLA programs this process lowered (jit cache misses, each
   then compiled or read from the persistent compilation cache), counted through
   `jax.monitoring`: after the start-up warm-up it grows only for request shapes the warm-up
@@ -84,30 +86,38 @@ class _CertCollector:
         yield fb
 
 
-class _ArenaCollector:
-    """The device arena of hot documents (`reuse.arena.DocArena`), read at scrape time."""
+class _SnapshotCollector:
+    """Gauges and counters `redknot_<prefix>_<name>` read at scrape time from `source.snapshot()`
+    (the latest source given; none: nothing reported). gauges / counters: (name, key, help)."""
 
-    def __init__(self):
-        self.arena = None
+    def __init__(self, prefix: str, gauges, counters):
+        self.source, self.prefix, self.gauges, self.counters = None, prefix, gauges, counters
 
     def collect(self):
-        if self.arena is None:
+        if self.source is None:
             return
-        snap = self.arena.snapshot()
-        for name, key, help_ in (("rows_used", "rows_used", "Document rows held by the device arena"),
-                                 ("rows_capacity", "rows_capacity", "Document rows the device arena can hold"),
-                                 ("documents", "docs", "Documents resident in the device arena"),
-                                 ("pinned_documents", "pinned", "Arena documents pinned by requests in flight"),
-                                 ("bytes", "bytes", "Device bytes of the arena's arrays")):
-            g = GaugeMetricFamily(f"redknot_arena_{name}", help_)
-            g.add_metric([], snap[key])
-            yield g
-        for name, key, help_ in (("admissions", "admitted", "Documents written into the device arena"),
-                                 ("evictions", "evicted", "Documents evicted from the device arena (least recently "
-                                  "used, to host memory) to make room")):
-            c = CounterMetricFamily(f"redknot_arena_{name}", help_)
-            c.add_metric([], snap[key])
-            yield c
+        snap = self.source.snapshot()
+        for family, specs in ((GaugeMetricFamily, self.gauges), (CounterMetricFamily, self.counters)):
+            for name, key, help_ in specs:
+                m = family(f"redknot_{self.prefix}_{name}", help_)
+                m.add_metric([], snap[key])
+                yield m
+
+
+ARENA = ("arena", (("rows_used", "rows_used", "Document rows held by the device arena"),
+                   ("rows_capacity", "rows_capacity", "Document rows the device arena can hold"),
+                   ("documents", "docs", "Documents resident in the device arena"),
+                   ("pinned_documents", "pinned", "Arena documents pinned by requests in flight"),
+                   ("bytes", "bytes", "Device bytes of the arena's arrays")),
+         (("admissions", "admitted", "Documents written into the device arena"),
+          ("evictions", "evicted", "Documents evicted from the device arena (least recently used, to host memory) "
+           "to make room")))
+PREFIX_CACHE = ("prefix_cache", (("documents", "docs", "First documents the prefix arm holds hot on the device"),
+                                 ("bytes", "bytes", "Device bytes of the prefix arm's cache")),
+                (("hits", "hits", "Prefix-arm requests whose first document's state was held hot"),
+                 ("misses", "misses", "Prefix-arm requests that decoded their first document's state onto the "
+                  "device"),
+                 ("evictions", "evictions", "Hot prefix states dropped, least recently used, to make room")))
 
 
 class Metrics:
@@ -154,12 +164,17 @@ class Metrics:
         r.register(_CertCollector(cert_counters))
         count_compiled_programs()
         r.register(_CompileCollector())
-        self._arena = _ArenaCollector()
+        self._arena, self._prefixes = _SnapshotCollector(*ARENA), _SnapshotCollector(*PREFIX_CACHE)
         r.register(self._arena)
+        r.register(self._prefixes)
 
     def watch_arena(self, arena) -> None:
         """Report this device arena's occupancy, admissions and evictions (the latest one given)."""
-        self._arena.arena = arena
+        self._arena.source = arena
+
+    def watch_prefix_cache(self, cache) -> None:
+        """Report the prefix arm's device cache (`reuse.prefix.PrefixCache`): size, hits, misses."""
+        self._prefixes.source = cache
 
     def record_ledgers(self, ledgers: dict, cached: int) -> None:
         self.head_row_last.set(ledgers["head_row"]["saving"])

@@ -245,6 +245,7 @@ class Scheduler:
         self.arena = runtime.consumer.arena(arena_rows, arena_docs) if runtime is not None else None
         if self.arena is not None:
             metrics.watch_arena(self.arena)
+            metrics.watch_prefix_cache(runtime.prefix_cache)
         # document requests in the RedKnot arm decode as rows of one batch of `slots` (reuse/decode_batch.py)
         self.decoding = runtime.consumer.decode_batch(slots) if runtime is not None else None
 
@@ -298,11 +299,14 @@ class Scheduler:
     @contextlib.contextmanager
     def _unrecorded(self):
         """The warm-up's requests are no client's: what they record (the server's metrics, the
-        certification counters, the arena's admissions and evictions) goes to scratch copies, so
-        /metrics after start-up counts client requests only."""
+        certification counters, the arena's admissions and evictions, the prefix cache's
+        statistics) goes to scratch copies, so /metrics after start-up counts client requests
+        only; the prefix cache forgets the warm-up's documents."""
         metrics, self.metrics = self.metrics, Metrics(CertCounters())
         counters = self.rt.counters if self.rt is not None else None
         arena_stats = dict(self.arena.stats) if self.arena is not None else None
+        prefixes = self.rt.prefix_cache if self.rt is not None else None
+        prefix_stats = dict(prefixes.stats) if prefixes is not None else None
         if self.rt is not None:
             self.rt.counters = CertCounters()
         try:
@@ -313,6 +317,9 @@ class Scheduler:
                 self.rt.counters = counters
             if self.arena is not None:
                 self.arena.stats.update(arena_stats)
+            if prefixes is not None:
+                prefixes.clear()
+                prefixes.stats.update(prefix_stats)
 
     def _warmup(self, lengths) -> None:
         vocab = self.eng.cfg.vocab_size

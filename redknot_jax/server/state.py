@@ -65,6 +65,7 @@ class ServeConfig:
     shape_buckets: int = 8  # RedKnot requests' padded sizes per octave (reuse.pool.Buckets; 0: exact)
     arena_rows: int = 0  # the device arena's document rows (reuse.arena.DocArena; 0: 8 x max_model_len)
     arena_docs: int = 64  # documents the arena holds at once
+    prefix_docs: int = 4  # the prefix arm's device cache (reuse.prefix.PrefixCache): first documents held hot; 0: none
     break_even: str | None = None  # a break-even table (reuse.break_even): "auto" requests run the faster arm
     reuse_batch: int = 4  # document requests waiting together that prefill in one batch, at most
 
@@ -79,6 +80,8 @@ class ServeConfig:
                 BreakEven.read(self.break_even)
             except BreakEvenError as e:
                 raise ValueError(f"break_even: {e}") from None
+        if not isinstance(self.prefix_docs, int) or self.prefix_docs < 0:
+            raise ValueError(f"prefix_docs: expected an int >= 0 (0: no prefix cache), got {self.prefix_docs!r}")
         if not isinstance(self.arena_rows, int) or self.arena_rows < 0:
             raise ValueError(f"arena_rows: expected an int >= 0 (0: 8 x max_model_len), got {self.arena_rows!r}")
         for f in ("slots", "max_queue", "max_model_len", "max_tokens_limit", "max_body_bytes", "prefill_chunk",
@@ -221,7 +224,7 @@ def build_state(sc: ServeConfig) -> ServerState:
     prof = make_profile(sc.profile, cfg, ckpt)
     if sc.artifact_codec is not None:
         prof = dataclasses.replace(prof, artifact_codec=sc.artifact_codec)
-    rt = ReuseRuntime(model, prof, fp, kernels=sc.kernels, buckets=sc.shape_buckets)
+    rt = ReuseRuntime(model, prof, fp, kernels=sc.kernels, buckets=sc.shape_buckets, prefix_cache=sc.prefix_docs)
     eng = Engine(model, capacity=sc.max_model_len, kernels=sc.kernels)
     metrics = Metrics(rt.counters)
     # artifacts persist in per-tenant artifact stores under the registry's directory

@@ -23,7 +23,7 @@ from redknot_jax.reuse import consumer as consumer_mod
 from redknot_jax.reuse.artifact import Artifact, build_artifact
 from redknot_jax.reuse.certificate import Certificate, FallbackReason, can_prefix, payload_digest
 from redknot_jax.reuse.planner import Request, Segment
-from redknot_jax.reuse.prefix import hot_prefix, native_cache
+from redknot_jax.reuse.prefix import PrefixCache, hot_prefix, native_cache
 from redknot_jax.reuse.profile import tiny_profile
 from redknot_jax.reuse.runtime import ReuseFallback, ReuseRuntime
 from redknot_jax.store import ArtifactStore, split_tp
@@ -124,12 +124,27 @@ def test_both_arms_with_a_prefix_are_the_recomputed_arm_and_compute_no_prefix_ro
             a, b = rt.next_logits(req, res, gen), rt.next_logits(req, rec, gen)
             assert res.decode.rows == req.tokens.size + s + 1  # the incremental path ran
             assert rel_err(a, b) < TOL_FP32, (arm, s)
-    # the prefix arm over the document's state held dense on the device (what a prefix cache holds)
+    # the prefix arm over the document's state held dense on the device (what a prefix cache
+    # holds), through a runtime with a prefix cache: the same logits; a hit the second time
     hot = hot_prefix(arts[L], CFG.num_layers)
     assert not hot.layers and sorted(hot.prefix_layers) == list(range(CFG.num_layers))
     assert all(isinstance(v, jax.Array) for v in jax.tree.leaves(hot.prefix_layers))
-    np.testing.assert_array_equal(rt.consumer.prefix(hot, req.tokens, req.query_rows),
-                                  rt.consumer.prefix(arts[L], req.tokens, req.query_rows))
+    want = rt.prefill(req, "prefix").logits
+    cached = ReuseRuntime(model, PROF, FP, prefix_cache=1)
+    for _ in range(2):
+        np.testing.assert_array_equal(cached.prefill(req, "prefix", require_reuse=True).logits, want)
+    assert cached.prefix_cache.stats == {"hits": 1, "misses": 1, "evictions": 0}
+
+
+def test_prefix_cache_keeps_the_least_recently_used_out(arts):
+    cache = PrefixCache(1, CFG.num_layers)
+    a, b = cache.get(arts[45]), cache.get(arts[32])  # b evicts a
+    assert cache.get(arts[32]) is b and cache.get(arts[45]) is not a and len(cache) == 1
+    assert cache.stats == {"hits": 1, "misses": 3, "evictions": 2}
+    assert cache.nbytes() == sum(v.nbytes for v in jax.tree.leaves(hot_prefix(arts[45], CFG.num_layers).prefix_layers))
+    assert cache.drop(arts[45]) and not cache.drop(arts[45]) and len(cache) == 0
+    with pytest.raises(ValueError, match="capacity"):
+        PrefixCache(0, CFG.num_layers)
 
 
 def test_old_artifacts_relocate_and_fall_back_from_the_prefix_counted(model, docs, arts):

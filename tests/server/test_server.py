@@ -306,8 +306,13 @@ def test_concurrent_document_requests_match_each_alone(server):
                 - server.metric("redknot_decode_batch_rows_bucket", 'le="1.0"'))
 
     s0 = shared_steps()
+    hits = lambda: server.metric("redknot_prefix_cache_hits_total")  # noqa: E731
+    looked_up = lambda: hits() + server.metric("redknot_prefix_cache_misses_total")  # noqa: E731
+    p0 = looked_up()
     alone = [send(c) for c in cases]
     assert shared_steps() == s0  # alone: every decode step ran one sequence
+    assert looked_up() == p0 + 2  # the prefix arm's cache, once per prefix request
+    h1 = hits()
     gate = threading.Barrier(len(cases))
 
     def together(case):
@@ -319,6 +324,11 @@ def test_concurrent_document_requests_match_each_alone(server):
     assert shared_steps() > s0  # the batch really held several of them at once
     for case, a, b in zip(cases, alone, at_once):
         assert b == a, (case, a, b)
+    assert hits() == h1 + 2  # both first documents' states were held hot (the same tokens)
+    n, held = server.metric("redknot_prefix_cache_documents"), server.metric("redknot_prefix_cache_bytes")
+    assert n >= 2 and held > 0
+    assert server.request("DELETE", f"/v1/documents/{ids[2]}")[0] == 200
+    assert server.metric("redknot_prefix_cache_documents") == n - 1  # its hot state dropped
     # distinct requests gave distinct answers somewhere: the comparison could tell them apart
     assert len({tuple(a) for a in alone}) > 1, alone
 
