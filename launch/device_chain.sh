@@ -12,7 +12,9 @@
 # machine wait for the same queue. STEPS (a comma list of the step names below; default: the
 # device's list) picks what runs; a failed step does not stop the next. Results: /tmp/res on
 # the device, then $OUT. One GPU process at a time: do not start another benchmark while the
-# queue runs (two on one GPU both die of out-of-memory in XLA's autotuner).
+# queue runs (two on one GPU both die of out-of-memory in XLA's autotuner). Step `qps` needs the
+# server's wheels: `pip download -d .whl uvicorn starlette prometheus_client` here, and
+# `carry: [".whl"]` in the `run` call (.whl/ is ignored by git).
 set -u
 cd "$(dirname "$0")/.."
 R=/tmp/res
@@ -31,8 +33,8 @@ run_steps() {
   today=$(date +%Y%m%d)
   local steps=${1:-}
   if [ -z "$steps" ]; then  # what docs/benchmarks.md still lists as not measured, by device
-    if [ $d = h200 ]; then steps=ttft64,ttft128,ttft256build,ttft256,break_even,decode_batch
-    else steps=decode_batch16,ttft32; fi
+    if [ $d = h200 ]; then steps=ttft64,ttft128,break_even,qps,ttft256build,ttft256,decode_batch
+    else steps=decode_batch16,qps; fi
   fi
   for s in ${steps//,/ }; do case $s in
     ttft64) step $s launch/bench_ttft.py --lengths 65536 --repeats 2 --layer-times \
@@ -51,6 +53,13 @@ run_steps() {
       --decode-steps 8 --decode-batch 4 --no-prefix-arm --out $R/decode_batch_16k_${d}_$today.json ;;
     ttft32) step $s launch/bench_ttft.py --lengths 32768 --repeats 2 --layer-times \
       --profiles tail0-b10-omit-fp4,tail0-b10-restore-fp4,fp4 --out $R/ttft_32k_fp4_${d}_$today.json ;;
+    qps)  # issue #46's command F at 1 / 4 / 16 clients; the server's wheels carried in .whl/ (docs/benchmarks.md)
+      pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl >> $R/chain.log 2>&1
+      PYTHONPATH=/tmp/site:$PWD step $s launch/bench_qps.py --serve-args "--preset flash-shaped --dtype bfloat16 \
+--artifact-codec fp4 --max-model-len 33280 --arena-rows 65536 --max-tokens-limit 64" --arms redknot,prefix,recompute \
+      --concurrency 1,4,16 --duration-s 30 --warmup-requests 1 --warmup-max-rounds 3 --docs 8 --docs-per-request 4 \
+      --doc-chars 8192 --prompt-chars 32 --output-len 64 --startup-timeout-s 600 \
+      --headline $R/qps_headline_${d}_$today.json --out $R/qps_flash_${d}_$today.json ;;
     *) echo "== $s: no such step" >> $R/chain.log ;;
   esac; done
   touch $R/done

@@ -16,6 +16,9 @@ import os
 import pathlib
 import sys
 
+# a serving process owns its GPU (vLLM's --gpu-memory-utilization is 0.9): flash-scale weights,
+# the document arena and the decode caches do not fit JAX's default 75 %; an explicit value wins
+os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 from launch import _cli  # noqa: E402
 
