@@ -130,7 +130,7 @@ class Attention(nnx.Module):
 
     # ------------------------------------------------------------------ forward
     def __call__(self, x, pos0, n_new, cache, freqs, block: int, trace: bool = False, kernels: str = "xla",
-                 sparse: str = "xla", topk_stages: int = TOPK_STAGES):
+                 sparse: str = "xla", topk_stages: int = TOPK_STAGES, out=None):
         """x [b, t, d] (normed block input) at positions pos0 + [0, t), n_new real rows each.
 
         Returns (y [b, t, d], new cache), plus with `trace` a dict of intermediates the artifact
@@ -145,12 +145,19 @@ class Attention(nnx.Module):
         whose per-set attention masses only the XLA form gives). `topk_stages`: a CSA query
         block scores and selects over the shortest of that many entry prefixes that holds what
         it sees (`indexer.select_topk_causal`; 1: over every entry), when the call has several
-        blocks.
+        blocks. `out` (row0, rows): only rows [row0, row0 + rows) get queries and an output
+        (y [b, rows, d]; row0 traced, a multiple of `block`; rows static, a multiple of it),
+        every row still its keys, entries and cache; None: every row.
         """
         b, t, _ = x.shape
         w, m = self.window, None
         pos = pos0[:, None] + jnp.arange(t)
-        q, cq = self.query(x, pos, freqs)
+        row0, rows = (0, t) if out is None else out
+        if out is not None and (trace or rows % block or rows > t):
+            raise ValueError(f"attention: output rows {rows} must be a multiple of the block {block}, at most "
+                             f"the call's {t} rows, and without trace")
+        xo, po = (x, pos) if out is None else (jax.lax.dynamic_slice_in_dim(v, row0, rows, axis=1) for v in (x, pos))
+        q, cq = self.query(xo, po, freqs)
         kv = self.latent(x, pos, freqs).astype(cache["win"].dtype)
         ext = jnp.concatenate([ring_read(cache["win"], pos0), kv], axis=1)  # positions pos0-w ..
         new = {"win": ring_write(ext, pos0 - w, pos0 + n_new, w)}
@@ -164,7 +171,7 @@ class Attention(nnx.Module):
             ient, iids, new["idx"] = self.indexer.compressor(x, pos0, n_new, cache["idx"], freqs)
             n_max = cache["idx_entries"].shape[1]
             new["idx_entries"] = scatter_rows(cache["idx_entries"], jnp.where(iids < 0, n_max, iids), ient)
-            iq, iw = self.indexer.queries(x, cq, pos, freqs)
+            iq, iw = self.indexer.queries(xo, cq, po, freqs)
 
         scale = self.k ** -0.5
         sink = self.attn_sink[...]
@@ -178,10 +185,10 @@ class Attention(nnx.Module):
             span = table.shape[1]
             table = table.reshape(b * span, self.k)
 
-        nblk = t // block
+        nblk = rows // block
 
-        def run_block(start):
-            qb = jax.lax.dynamic_slice_in_dim(q, start, block, axis=1)
+        def run_block(start):  # rows start .. start + block of the call
+            qb = jax.lax.dynamic_slice_in_dim(q, start - row0, block, axis=1)
             pb = pos0[:, None] + start + jnp.arange(block)  # [b, tb]
             wk = jax.lax.dynamic_slice_in_dim(ext, start, block + w, axis=1)
             wp = pos0[:, None] - w + start + jnp.arange(block + w)
@@ -195,8 +202,8 @@ class Attention(nnx.Module):
                 sets.append((ents, vis[:, :, None, :], "bthk,bwk->bthw"))
             elif self.kind == CSA:
                 ients = new["idx_entries"]
-                iqb = jax.lax.dynamic_slice_in_dim(iq, start, block, axis=1)
-                iwb = jax.lax.dynamic_slice_in_dim(iw, start, block, axis=1)
+                iqb = jax.lax.dynamic_slice_in_dim(iq, start - row0, block, axis=1)
+                iwb = jax.lax.dynamic_slice_in_dim(iw, start - row0, block, axis=1)
                 vis = jnp.arange(ients.shape[1])[None, None, :] < ((pb + 1) // m)[..., None]
                 kk = min(self.indexer.topk, ients.shape[1])
                 sel, ok = select_topk_causal(score_function(kernels), iqb, iwb, ients, vis, kk,
@@ -215,12 +222,12 @@ class Attention(nnx.Module):
             return o.astype(x.dtype), picked, far
 
         if nblk == 1:
-            res = run_block(0)
+            res = run_block(row0)
         else:
-            res = jax.lax.map(run_block, jnp.arange(nblk) * block)  # [nblk, b, tb, ...]
-            res = tuple(jnp.moveaxis(r, 0, 1).reshape(b, t, *r.shape[3:]) for r in res)
+            res = jax.lax.map(run_block, row0 + jnp.arange(nblk) * block)  # [nblk, b, tb, ...]
+            res = tuple(jnp.moveaxis(r, 0, 1).reshape(b, rows, *r.shape[3:]) for r in res)
         o, picked = res[0], res[1]
-        o = apply_rope(o, pos, freqs, inverse=True)
+        o = apply_rope(o, po, freqs, inverse=True)
         y = self.wo_b_apply(self.wo_a_apply(o))
         if trace:
             return y, new, {"o": o, "kv": kv, "topk": picked, "far": res[2]}

@@ -26,14 +26,16 @@ from redknot_jax.rope import inv_freq
 HIGHEST = jax.lax.Precision.HIGHEST
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "freqs", "block", "kernels", "topk_stages"),
+@functools.partial(jax.jit, static_argnames=("graphdef", "freqs", "block", "kernels", "topk_stages", "rows"),
                    donate_argnames=("cache",))
-def block_jit(state, x, ids, pos0, n_new, cache, *, graphdef, freqs, block, kernels="", topk_stages=TOPK_STAGES):
+def block_jit(state, x, ids, pos0, n_new, cache, row0=0, *, graphdef, freqs, block, kernels="", topk_stages=TOPK_STAGES,
+              rows=0):
     """One `Block` (`nnx.split` of it: graphdef static, state) over b chunks x [b, t, n, d] at
     pos0 [b] (n_new [b] real rows) with its cache: (x, new cache). Blocks of equal structure
-    share the compiled program, so a stack compiles a few layer programs, not one unrolled one."""
+    share the compiled program, so a stack compiles a few layer programs, not one unrolled one.
+    rows > 0: only rows [row0, row0 + rows) come out (`Block.__call__`'s `out`)."""
     return nnx.merge(graphdef, state)(x, ids, pos0, n_new, cache, freqs, block, kernels=kernels,
-                                      topk_stages=topk_stages)
+                                      topk_stages=topk_stages, out=(row0, rows) if rows else None)
 
 
 class Block(nnx.Module):
@@ -50,22 +52,26 @@ class Block(nnx.Module):
         self.compressed = cfg.layer_types[layer] != SLIDING
 
     def __call__(self, x, ids, pos0, n_new, cache, freqs, block, trace: bool = False, keep_fn=None,
-                 kernels: str = "", topk_stages: int = TOPK_STAGES):
+                 kernels: str = "", topk_stages: int = TOPK_STAGES, out=None):
         """x [b, t, n, d] streams -> (streams, cache[, trace]); see `Attention.__call__`.
         kernels: the Mosaic GPU kernels to run, a comma list of `redknot_jax.pallas.KERNELS`
         ("": the XLA references); the block uses "indexer", "sparse_attention" and "ragged_dot".
         topk_stages: the CSA selection's entry prefixes (`indexer.select_topk_causal`). The
-        trace (`Attention.__call__`'s) also holds `ffn`, the FFN sub-layer output [b, t, d]."""
+        trace (`Attention.__call__`'s) also holds `ffn`, the FFN sub-layer output [b, t, d].
+        `out` (row0, rows): the streams of those rows only ([b, rows, n, d]: the last layer
+        when only some rows' logits are read), every row's cache; None: every row."""
         u, post, comb = self.hc_attn.pre(x)
-        out = self.attn(self.attn_norm(u), pos0, n_new, cache, freqs, block, trace=trace,
+        res = self.attn(self.attn_norm(u), pos0, n_new, cache, freqs, block, trace=trace,
                         kernels=kernel_mode(kernels, "indexer"), sparse=kernel_mode(kernels, "sparse_attention"),
-                        topk_stages=topk_stages)
-        a, cache = out[0], out[1]
+                        topk_stages=topk_stages, out=out)
+        a, cache = res[0], res[1]
+        if out is not None:
+            x, ids, post, comb = (jax.lax.dynamic_slice_in_dim(v, out[0], out[1], axis=1) for v in (x, ids, post, comb))
         x = HyperConnection.post(x, a, post, comb)
         if not trace:
             return self.ffn_residual(x, ids, keep_fn, kernels=kernels), cache
         x, y = self.ffn_residual(x, ids, keep_fn, kernels=kernels, with_out=True)
-        return x, cache, {**out[2], "ffn": y}
+        return x, cache, {**res[2], "ffn": y}
 
     def ffn_residual(self, x, ids, keep_fn=None, with_keep: bool = False, kernels: str = "",
                      with_out: bool = False):

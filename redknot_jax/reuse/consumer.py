@@ -183,13 +183,27 @@ class Consumer:
         ids = jnp.asarray(np.pad(np.asarray(tokens, np.int32), (0, t - t_real)))[None]
         return ids, t, t_real
 
-    def _native(self, i, x, ids, t_real, t):
-        """t_real: an int, or one per request of the batch."""
+    def _native(self, i, x, ids, t_real, t, out=(0, 0)):
+        """t_real: an int, or one per request of the batch; `out`: `_out`'s."""
         gd, st = self.defs[i]
         cap = self._cap(t)
-        return native_jit(st, x, ids, jnp.asarray(np.reshape(t_real, -1), jnp.int32), graphdef=gd,
+        return native_jit(st, x, ids, jnp.asarray(np.reshape(t_real, -1), jnp.int32), out[0], graphdef=gd,
                           freqs=self.model.freqs(i), block=min(self.block, t), cap=cap,
-                          kernels=self.prefill_kernels if x.shape[0] == 1 else self.batch_kernels, topk_stages=self.topk_stages)
+                          kernels=self.prefill_kernels if x.shape[0] == 1 else self.batch_kernels,
+                          topk_stages=self.topk_stages, rows=out[1])
+
+    def _out(self, i: int, rows, t: int) -> tuple[int, int]:
+        """The rows of layer i's output that are read when `rows` (of t computed rows) are the
+        only ones whose logits are, as (row0, count) for `_native` / `_native_cached`: in the
+        last layer, when they lie in one query block (a prompt's last row: every request's
+        first token), that block; otherwise (0, 0), every row. Exact: no later layer reads the
+        other rows' output, and their keys and cache are still computed. One block, not a
+        bucket of the rows' span, so the last layer has two programs at most."""
+        rows = np.asarray(rows, np.int64).reshape(-1)
+        lo = int(rows.min()) // self.block * self.block
+        if i != self.cfg.num_layers - 1 or t <= self.block or int(rows.max()) >= lo + self.block:
+            return 0, 0
+        return lo, self.block
 
     def _embed(self, ids):
         return embed_jit(self.top_state, ids, graphdef=self.top_def)
@@ -217,21 +231,22 @@ class Consumer:
         rows is followed by c padded computed rows: whole windows of both compression rates."""
         return ceil_to(max(self._cap(n), L + c), math.lcm(self.cfg.hca_rate, self.cfg.csa_rate))
 
-    def _native_cached(self, i, x, ids, pos0, n_real, cap, artifacts, state=None):
+    def _native_cached(self, i, x, ids, pos0, n_real, cap, artifacts, state=None, out=(0, 0)):
         """Native layer i over computed rows x [b, C, ...] with a cache of `cap` rows: after each
         request's exact prefix (`artifacts`: one per request, None for a request without one,
         whose pos0 is then 0), the cache rebuilt from the artifact (`prefix.native_cache`); with
-        `state` (a `DecodeState`, or one per request of a batch) the cache is kept for decoding."""
+        `state` (a `DecodeState`, or one per request of a batch) the cache is kept for decoding;
+        `out`: `_out`'s."""
         gd, st = self.defs[i]
         attn = self.model.layers[i].attn
         caches = [native_cache(attn, a.native_state(i), cap, self.model.dtype) if a is not None
                   else attn.init_cache(1, cap, self.model.dtype) for a in artifacts]
         cache = caches[0] if len(caches) == 1 else jax.tree.map(lambda *c: jnp.concatenate(c), *caches)
         x, cache = block_jit(st, x, ids, jnp.asarray(pos0, jnp.int32).reshape(-1),
-                             jnp.asarray(n_real, jnp.int32).reshape(-1), cache, graphdef=gd, freqs=self.model.freqs(i),
-                             block=min(self.block, x.shape[1]),
+                             jnp.asarray(n_real, jnp.int32).reshape(-1), cache, out[0], graphdef=gd,
+                             freqs=self.model.freqs(i), block=min(self.block, x.shape[1]),
                              kernels=self.prefill_kernels if x.shape[0] == 1 else self.batch_kernels,
-                             topk_stages=self.topk_stages)
+                             topk_stages=self.topk_stages, rows=out[1])
         if isinstance(state, DecodeState):
             state.layers[i] = cache
         elif state is not None:  # a batch: each request's row of the cache
@@ -256,11 +271,12 @@ class Consumer:
         state = DecodeState(t_real, self._cap(t_real + decode_rows), None, native=True) \
             if decode_rows else None
         for i in range(self.cfg.num_layers):
-            x = self._native(i, x, ids, t_real, t) if state is None else \
-                self._native_cached(i, x, ids, 0, t_real, state.cap, [None], state)
+            out = self._out(i, query_rows, t)
+            x = self._native(i, x, ids, t_real, t, out) if state is None else \
+                self._native_cached(i, x, ids, 0, t_real, state.cap, [None], state, out)
             clock.lap(x)
             yield
-        logits = self._logits(x, query_rows)
+        logits = self._logits(x, np.asarray(query_rows) - out[0])
         return (logits, state) if decode_rows else logits
 
     def prefix(self, artifact, tokens, query_rows, decode_rows: int = 0, layer_times: list | None = None):
@@ -286,10 +302,11 @@ class Consumer:
         clock = _LayerClock(layer_times, x)
         state = DecodeState(n, cap, None, native=True)
         for i in range(self.cfg.num_layers):
-            x = self._native_cached(i, x, ids, L, t_real, cap, [artifact], state)
+            out = self._out(i, q - L, t)
+            x = self._native_cached(i, x, ids, L, t_real, cap, [artifact], state, out)
             clock.lap(x)
             yield
-        logits = self._logits(x, q - L)
+        logits = self._logits(x, q - L - out[0])
         return (logits, state) if decode_rows else logits
 
     def controller(self, plan: Plan, x, pool: DocPool, pool_layer: dict) -> None:
@@ -365,12 +382,15 @@ class Consumer:
         hist, layout = None, None
         cap = self._prefix_cap(L, t, n + decode_rows) if L else self._cap(n + decode_rows)
         state = DecodeState(n, cap, pool) if decode_rows else None
+        out = (0, 0)  # the last layer's output rows (`_out`; a reusable last layer: every row)
         for i in range(cfg.num_layers):
             if prof.is_fence(i, cfg.num_layers):
+                out = self._out(i, plan.query_rows - L, t)
                 if L or state is not None:
-                    x = self._native_cached(i, x, ids, L, t_real, cap, [plan.frames[0].artifact if L else None], state)
+                    x = self._native_cached(i, x, ids, L, t_real, cap, [plan.frames[0].artifact if L else None], state,
+                                            out)
                 else:
-                    x = self._native(i, x, ids, t_real, t)
+                    x = self._native(i, x, ids, t_real, t, out)
                 clock.lap(x)
                 yield
                 continue
@@ -397,7 +417,7 @@ class Consumer:
             hist = h if hist is None else hist + h
             clock.lap(x)
             yield
-        logits = self._logits(x, plan.query_rows - L)
+        logits = self._logits(x, plan.query_rows - L - out[0])
         return (logits, hist, state) if decode_rows else (logits, hist)
 
     def decode_step(self, token: int, state: "DecodeState") -> jax.Array:

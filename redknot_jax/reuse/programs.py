@@ -24,14 +24,16 @@ from redknot_jax.reuse.planner import latent_deviation
 from redknot_jax.rope import apply_rope
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "freqs", "block", "cap", "kernels", "topk_stages"))
-def native_jit(state, x, ids, n_real, *, graphdef, freqs, block, cap, kernels="", topk_stages=TOPK_STAGES):
-    """One native layer over a batch of b padded requests (n_real [b] real rows each)."""
+@functools.partial(jax.jit, static_argnames=("graphdef", "freqs", "block", "cap", "kernels", "topk_stages", "rows"))
+def native_jit(state, x, ids, n_real, row0=0, *, graphdef, freqs, block, cap, kernels="", topk_stages=TOPK_STAGES,
+               rows=0):
+    """One native layer over a batch of b padded requests (n_real [b] real rows each); rows > 0:
+    only rows [row0, row0 + rows) come out (`Block.__call__`'s `out`)."""
     blk = nnx.merge(graphdef, state)
     b = x.shape[0]
     cache = blk.attn.init_cache(b, cap, x.dtype)
     x, _ = blk(x, ids, jnp.zeros((b,), jnp.int32), n_real, cache, freqs, block, kernels=kernels,
-               topk_stages=topk_stages)
+               topk_stages=topk_stages, out=(row0, rows) if rows else None)
     return x
 
 

@@ -45,7 +45,7 @@ def _request(cfg, prof, model, seed):
 
 
 @pytest.mark.parametrize("kind,refresh,fan", CASES)
-def test_consumer_equals_reference(kind, refresh, fan):
+def test_consumer_equals_reference(kind, refresh, fan, monkeypatch):
     cfg = config.tiny(kind)  # top-3 routing; a minimum of 2 lets the tau rule trim
     model = random_model(cfg, seed=7, dtype=jnp.float32)
     prof = dataclasses.replace(tiny_profile(cfg.num_layers), budget_override=0.2, tail_rows=8,
@@ -89,6 +89,13 @@ def test_consumer_equals_reference(kind, refresh, fan):
     rec_ref = rt.prefill(req, "recompute", path="reference")
     assert rel_err(rec.logits, rec_ref.logits) < TOL["chunked_vs_oneshot"][0]
     assert rel_err(fast.logits, rec.logits) > 1e-4  # negative control: relocation is an approximation
+    # the last row alone (a first token): the last layer computes the outputs of its query block only
+    out_rows = []
+    native = consumer_mod.native_jit
+    monkeypatch.setattr(consumer_mod, "native_jit", lambda *a, **k: out_rows.append(k["rows"]) or native(*a, **k))
+    last = rt.prefill(Request(req.segments), "recompute")
+    assert out_rows == [0] * (cfg.num_layers - 1) + [rt.consumer.block]
+    assert rel_err(last.logits[-1], rec_ref.logits[-1]) < TOL["chunked_vs_oneshot"][0]
 
 
 def test_deviation_rule_protects_the_rows_whose_latents_moved():
@@ -335,7 +342,9 @@ def test_requests_of_similar_sizes_share_compiled_programs():
     compiled = lambda: sum(f._cache_size() for f in jits)
     bucketed, exact = ReuseRuntime(model, prof, "fp", buckets=2), ReuseRuntime(model, prof, "fp", buckets=0)
     counts = []
-    for (lens, new, query, steps) in (((40, 33, 25), 52, (48, 3, 0), 4), ((40, 33, 25, 28), 36, (9, 0), 6)):
+    # query rows wider than a 32-row block: the last layer computes every row in both requests
+    # (a block's worth of query rows would run it over that block: `Consumer._out`, one more program)
+    for (lens, new, query, steps) in (((40, 33, 25), 52, (48, 3, 0), 4), ((40, 33, 25, 28), 36, (40, 0), 6)):
         req, arts = request(lens, new, query)
         got = [bucketed.prefill(req, "redknot", require_reuse=True, pool=bucketed.consumer.pool(arts),
                                 decode_rows=steps), bucketed.prefill(req, "recompute", decode_rows=steps)]
