@@ -56,7 +56,8 @@ run_steps() {
     qps)  # issue #46's command F at 1 / 4 / 16 clients; the server's wheels carried in .whl/ (docs/benchmarks.md)
       pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl >> $R/chain.log 2>&1
       PYTHONPATH=/tmp/site:$PWD step $s launch/bench_qps.py --serve-args "--preset flash-shaped --dtype bfloat16 \
---artifact-codec fp4 --max-model-len 33280 --arena-rows 65536 --max-tokens-limit 64" --arms redknot,prefix,recompute \
+--artifact-codec fp4 --max-model-len 33280 --arena-rows 65536 --max-tokens-limit 64 --prefill-chunk 8192 \
+--max-batched-tokens 8192" --arms redknot,prefix,recompute \
       --concurrency 1,4,16 --duration-s 30 --warmup-requests 1 --warmup-max-rounds 3 --docs 8 --docs-per-request 4 \
       --doc-chars 8192 --prompt-chars 32 --output-len 64 --startup-timeout-s 600 \
       --headline $R/qps_headline_${d}_$today.json --out $R/qps_flash_${d}_$today.json ;;
