@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from redknot_jax.model import Model, block_jit
+from redknot_jax.model import Model, block_jit, output_block
 from redknot_jax.pallas import resolve_kernels
 
 
@@ -135,18 +135,20 @@ class Engine:
     def _chunk(self, ids, pos0, n_new, rows, cache):
         """`Model.forward` of a prefill chunk, one jitted program per distinct layer structure
         (`model.block_jit`) instead of one unrolled over every layer: XLA compiles a few layer
-        programs, so a long chunk compiles in about the time of one layer."""
+        programs, so a long chunk compiles in about the time of one layer. rows: host ints; the
+        last layer computes the outputs of their query block only (`model.output_block`)."""
         t = ids.shape[1]
         block = min(self.block, t)
         if t % block:
             raise ValueError(f"chunk length {t} must be a multiple of the query block {block}")
         x = self._embed(self.state, ids)
-        layers = []
+        layers, last = [], len(self.layer_defs) - 1
+        row0, out = output_block(rows, t, block)
         for i, (gd, st) in enumerate(self.layer_defs):
-            x, c = block_jit(st, x, ids, pos0, n_new, cache["layers"][i], graphdef=gd, freqs=self.model.freqs(i),
-                             block=block, kernels=self.kernels)
+            x, c = block_jit(st, x, ids, pos0, n_new, cache["layers"][i], row0 if i == last else 0, graphdef=gd,
+                             freqs=self.model.freqs(i), block=block, kernels=self.kernels, rows=out if i == last else 0)
             layers.append(c)
-        return self._head(self.state, x, rows), {"length": pos0 + n_new, "layers": layers}
+        return self._head(self.state, x, jnp.asarray(rows - row0, jnp.int32)), {"length": pos0 + n_new, "layers": layers}
 
     def new_cache(self, batch: int):
         return self.model.init_cache(batch, self.capacity)
@@ -156,8 +158,10 @@ class Engine:
         the kernels (`_chunk`), a decode step (one row) as one jitted program over every layer
         (small, so it compiles fast, and one dispatch per token), XLA throughout."""
         ids = jnp.asarray(ids, jnp.int32)
-        args = (ids, jnp.asarray(pos0, jnp.int32), jnp.asarray(n_new, jnp.int32), jnp.asarray(rows, jnp.int32), cache)
-        return self._chunk(*args) if ids.shape[1] > 1 else self._fwd(self.state, *args)
+        args = (ids, jnp.asarray(pos0, jnp.int32), jnp.asarray(n_new, jnp.int32))
+        if ids.shape[1] > 1:
+            return self._chunk(*args, np.asarray(rows, np.int32), cache)
+        return self._fwd(self.state, *args, jnp.asarray(rows, jnp.int32), cache)
 
     def _check_prompts(self, prompts: Sequence[Sequence[int]], extra: int = 0) -> np.ndarray:
         if not prompts:

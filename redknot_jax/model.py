@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 
+import numpy as np
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -36,6 +37,17 @@ def block_jit(state, x, ids, pos0, n_new, cache, row0=0, *, graphdef, freqs, blo
     rows > 0: only rows [row0, row0 + rows) come out (`Block.__call__`'s `out`)."""
     return nnx.merge(graphdef, state)(x, ids, pos0, n_new, cache, freqs, block, kernels=kernels,
                                       topk_stages=topk_stages, out=(row0, rows) if rows else None)
+
+
+def output_block(rows, t: int, block: int) -> tuple[int, int]:
+    """(row0, rows) for a last layer (`block_jit`'s row0 / rows) of a call of t rows whose
+    only read outputs are at `rows` (any shape; a first token: the prompt's last row): the one
+    query block holding them all, or (0, 0), every row, when they span more or t is one block.
+    Exact: no later layer reads the other rows' output, and their keys and cache are still
+    computed. One block, not a bucket of their span, so a last layer has two programs at most."""
+    rows = np.asarray(rows, np.int64).reshape(-1)
+    lo = int(rows.min()) // block * block
+    return (0, 0) if t <= block or int(rows.max()) >= lo + block else (lo, block)
 
 
 class Block(nnx.Module):

@@ -14,7 +14,7 @@ import pytest
 import jax.numpy as jnp
 from safetensors.numpy import load_file, save_file
 
-from redknot_jax import config
+from redknot_jax import config, generate
 from redknot_jax.config import ModelConfig
 from redknot_jax.generate import Engine, SamplingParams
 from redknot_jax.model import Model
@@ -91,7 +91,7 @@ def test_decode_steps(kind, root):
 
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("chunk", [16, 32])
-def test_chunked_prefill_equals_one_shot(kind, chunk, root):
+def test_chunked_prefill_equals_one_shot(kind, chunk, root, monkeypatch):
     cfg, hf, model, _ = fixture(kind, root)
     ps = prompts(cfg, seed=2)
     eng = Engine(model, capacity=256, block=16)
@@ -105,6 +105,17 @@ def test_chunked_prefill_equals_one_shot(kind, chunk, root):
     assert rel_err(d2, d1) <= TOL["chunked_vs_oneshot"][0]
     ref = np.stack([hf_logits(hf, np.array([p]))[0, -1] for p in ps])
     assert rel_err(chk, ref) <= TOL["parity_fp32"][0]
+    # one prompt alone: its last layer computes the outputs of its last row's query block only
+    # (model.output_block); the same logits, and a cache that decodes the same
+    outs = []
+    block_jit = generate.block_jit
+    monkeypatch.setattr(generate, "block_jit", lambda *a, **k: outs.append(k["rows"]) or block_jit(*a, **k))
+    solo, c3 = eng.prefill(ps[:1], chunk=None if chunk == 16 else 64)
+    assert outs[cfg.num_layers - 1::cfg.num_layers] == [16] * (len(outs) // cfg.num_layers) and not any(
+        outs[k] for k in range(len(outs)) if k % cfg.num_layers != cfg.num_layers - 1)
+    assert rel_err(solo[0], ref[0]) <= TOL["parity_fp32"][0]
+    d3, _ = eng.decode(nxt[:1], c3)
+    assert rel_err(d3[0], d1[0]) <= TOL["chunked_vs_oneshot"][0]
 
 
 def test_negative_control_perturbed_weight(root, tmp_path):

@@ -37,7 +37,7 @@ from flax import nnx
 
 from redknot_jax.config import CSA, HCA
 from redknot_jax.indexer import TOPK_STAGES
-from redknot_jax.model import block_jit
+from redknot_jax.model import block_jit, output_block
 from redknot_jax.pallas import DECODE_ONLY, resolve_kernels
 from redknot_jax.reuse.arena import DocArena
 from redknot_jax.reuse.artifact import local_head_mask
@@ -195,15 +195,8 @@ class Consumer:
     def _out(self, i: int, rows, t: int) -> tuple[int, int]:
         """The rows of layer i's output that are read when `rows` (of t computed rows) are the
         only ones whose logits are, as (row0, count) for `_native` / `_native_cached`: in the
-        last layer, when they lie in one query block (a prompt's last row: every request's
-        first token), that block; otherwise (0, 0), every row. Exact: no later layer reads the
-        other rows' output, and their keys and cache are still computed. One block, not a
-        bucket of the rows' span, so the last layer has two programs at most."""
-        rows = np.asarray(rows, np.int64).reshape(-1)
-        lo = int(rows.min()) // self.block * self.block
-        if i != self.cfg.num_layers - 1 or t <= self.block or int(rows.max()) >= lo + self.block:
-            return 0, 0
-        return lo, self.block
+        last layer `model.output_block`'s, in any other (0, 0), every row."""
+        return output_block(rows, t, self.block) if i == self.cfg.num_layers - 1 else (0, 0)
 
     def _embed(self, ids):
         return embed_jit(self.top_state, ids, graphdef=self.top_def)
