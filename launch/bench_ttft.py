@@ -422,7 +422,7 @@ def main(argv=None):
         if args.resident == "host":
             row["host_kind"] = pool.host_kind
         if not args.no_prefix_arm:  # the prefix arm's cache: the first document's state, hot on the device
-            hot0 = hot_prefix(arts[0], cfg.num_layers)
+            hot0 = hot_prefix(arts[0], cfg.num_layers, cfg.sliding_window)
             row["prefix_cache_gb"] = sum(v.nbytes for v in jax.tree.leaves(hot0.prefix_layers)) / 1e9
         save()
 

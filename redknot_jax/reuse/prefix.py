@@ -30,10 +30,11 @@ def native_cache(attn, state: dict, cap: int, dtype) -> dict:
     and indexer keys padded to cap // m, the open compressor windows as stored."""
     c = attn.init_cache(1, cap, dtype)
     kv = jnp.asarray(state["kv"])
-    n, w = kv.shape[0], attn.window
+    n, w = int(state.get("length", kv.shape[0])), attn.window  # `hot_prefix` keeps the window's rows only
     if n > cap:
         raise ValueError(f"native_cache: {n} document rows exceed the capacity {cap}")
-    tail = jnp.pad(kv[max(0, n - w):], ((max(0, w - n), 0), (0, 0)))  # positions n - w .. n - 1
+    kept = kv[kv.shape[0] - min(n, w):]  # positions n - min(n, w) .. n - 1
+    tail = jnp.pad(kept, ((w - kept.shape[0], 0), (0, 0)))  # positions n - w .. n - 1
     c["win"] = tail[np.mod(np.arange(w) - n, w)][None].astype(dtype)
     for name, st in (("entries", "cmp"), ("idx_entries", "idx")):
         if name not in c:
@@ -44,14 +45,19 @@ def native_cache(attn, state: dict, cap: int, dtype) -> dict:
     return c
 
 
-def hot_prefix(artifact, num_layers: int):
+def hot_prefix(artifact, num_layers: int, window: int):
     """What a prefix cache (vLLM's, SGLang's) holds of `artifact`'s document: every layer's
     native state (`Artifact.native_state`, a compact codec's latents decoded once) dense on the
     device, as an artifact of those alone (`prefix_layers`; no reusable layer, the same
-    certificate). `Consumer.prefix` over it reads no host array and decodes nothing per request;
-    it gives the logits of `artifact` itself."""
-    states = {i: jax.device_put(artifact.native_state(i)) for i in range(num_layers)}
-    return dataclasses.replace(artifact, layers={}, prefix_layers=states)
+    certificate), of the K=V rows only the last `window` (the sliding window: all that
+    `native_cache` reads of them; "length" keeps the document's). `Consumer.prefix` over it
+    reads no host array and decodes nothing per request; it gives the logits of `artifact`."""
+    def hot(state):
+        kv = state["kv"]
+        return jax.device_put({**state, "kv": kv[max(0, kv.shape[0] - window):], "length": np.int32(kv.shape[0])})
+
+    return dataclasses.replace(artifact, layers={},
+                               prefix_layers={i: hot(artifact.native_state(i)) for i in range(num_layers)})
 
 
 class PrefixCache:
@@ -60,10 +66,10 @@ class PrefixCache:
     the device the same way). Keyed by the artifact's payload digest, so a rebuilt or
     regenerated artifact is a new entry; `stats`: hits, misses, evictions. Thread-safe."""
 
-    def __init__(self, capacity: int, num_layers: int):
+    def __init__(self, capacity: int, num_layers: int, window: int):
         if not isinstance(capacity, int) or capacity < 1:
             raise ValueError(f"PrefixCache: capacity must be an int >= 1, got {capacity!r}")
-        self.capacity, self.num_layers = capacity, num_layers
+        self.capacity, self.num_layers, self.window = capacity, num_layers, window
         self._hot: collections.OrderedDict = collections.OrderedDict()
         self._lock = threading.Lock()
         self.stats = {"hits": 0, "misses": 0, "evictions": 0}
@@ -80,7 +86,7 @@ class PrefixCache:
                 self._hot.move_to_end(key)
                 self.stats["hits"] += 1
                 return self._hot[key]
-        hot = hot_prefix(artifact, self.num_layers)  # outside the lock: device work
+        hot = hot_prefix(artifact, self.num_layers, self.window)  # outside the lock: device work
         with self._lock:
             self.stats["misses"] += 1
             self._hot[key] = hot

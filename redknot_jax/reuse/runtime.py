@@ -87,7 +87,8 @@ class ReuseRuntime:
         self.consumer = Consumer(model, profile, kernels=kernels, buckets=buckets, topk_stages=topk_stages)
         # the prefix arm's device cache of first documents' states (prefix.PrefixCache; 0: none,
         # each prefix request reads its artifact)
-        self.prefix_cache = PrefixCache(prefix_cache, self.cfg.num_layers) if prefix_cache else None
+        self.prefix_cache = PrefixCache(prefix_cache, self.cfg.num_layers, self.cfg.sliding_window) \
+            if prefix_cache else None
 
     # ------------------------------------------------------------------ certification
     def certify(self, req: Request) -> tuple[FallbackReason, str] | None:

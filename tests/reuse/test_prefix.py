@@ -126,9 +126,10 @@ def test_both_arms_with_a_prefix_are_the_recomputed_arm_and_compute_no_prefix_ro
             assert rel_err(a, b) < TOL_FP32, (arm, s)
     # the prefix arm over the document's state held dense on the device (what a prefix cache
     # holds), through a runtime with a prefix cache: the same logits; a hit the second time
-    hot = hot_prefix(arts[L], CFG.num_layers)
+    hot = hot_prefix(arts[L], CFG.num_layers, CFG.sliding_window)
     assert not hot.layers and sorted(hot.prefix_layers) == list(range(CFG.num_layers))
     assert all(isinstance(v, jax.Array) for v in jax.tree.leaves(hot.prefix_layers))
+    assert {d["kv"].shape[0] for d in hot.prefix_layers.values()} == {CFG.sliding_window} and CFG.sliding_window < L
     want = rt.prefill(req, "prefix").logits
     cached = ReuseRuntime(model, PROF, FP, prefix_cache=1)
     for _ in range(2):
@@ -137,14 +138,15 @@ def test_both_arms_with_a_prefix_are_the_recomputed_arm_and_compute_no_prefix_ro
 
 
 def test_prefix_cache_keeps_the_least_recently_used_out(arts):
-    cache = PrefixCache(1, CFG.num_layers)
+    cache = PrefixCache(1, CFG.num_layers, CFG.sliding_window)
     a, b = cache.get(arts[45]), cache.get(arts[32])  # b evicts a
     assert cache.get(arts[32]) is b and cache.get(arts[45]) is not a and len(cache) == 1
     assert cache.stats == {"hits": 1, "misses": 3, "evictions": 2}
-    assert cache.nbytes() == sum(v.nbytes for v in jax.tree.leaves(hot_prefix(arts[45], CFG.num_layers).prefix_layers))
+    hot = hot_prefix(arts[45], CFG.num_layers, CFG.sliding_window)
+    assert cache.nbytes() == sum(v.nbytes for v in jax.tree.leaves(hot.prefix_layers))
     assert cache.drop(arts[45]) and not cache.drop(arts[45]) and len(cache) == 0
     with pytest.raises(ValueError, match="capacity"):
-        PrefixCache(0, CFG.num_layers)
+        PrefixCache(0, CFG.num_layers, CFG.sliding_window)
 
 
 def test_old_artifacts_relocate_and_fall_back_from_the_prefix_counted(model, docs, arts):
