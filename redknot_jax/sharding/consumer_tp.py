@@ -137,33 +137,36 @@ class TPConsumer:
         return {k: (P(None, AXIS, None) if k == "zl" else jax.tree.map(lambda _: P(), v)) for k, v in d.items()}
 
     # -------------------------------------------------------------- programs
-    def _program(self, i: int, kind: str, t: int, pool_layer=None, tab=None, cache=None):
+    def _program(self, i: int, kind: str, t: int, pool_layer=None, tab=None, cache=None, rows: int = 0):
+        """Layer i's program; native and chunk ones take a row0 after their other arguments and
+        with rows > 0 give rows [row0, row0 + rows) only (`Consumer._out`)."""
         gd, _, spec_tree = self.layers[i]
-        key = (gd, kind, t)
+        key = (gd, kind, t, rows)
         if key in self._programs:
             return self._programs[key]
         tp, freqs, block, cfg = self.tp, self.base.model.freqs(i), min(self.block, t), self.cfg
         cap = -(-t // cfg.hca_rate) * cfg.hca_rate
         if kind == "native":
-            def body(params, x, ids, n_real):
+            def body(params, x, ids, n_real, row0):
                 blk = nnx.merge(gd, params)
                 tpmod.localize_block(blk, cfg, tp)
                 cache = blk.attn.init_cache(1, cap, x.dtype)
                 x, _ = tpmod._block(blk, x, ids, jnp.zeros((1,), jnp.int32), n_real[None], cache, freqs, block, tp,
-                                    kernels=self.kernels)
+                                    kernels=self.kernels, out=(row0, rows) if rows else None)
                 return x
 
-            f = jax.shard_map(body, mesh=self.mesh, check_vma=False, in_specs=(spec_tree, P(), P(), P()),
+            f = jax.shard_map(body, mesh=self.mesh, check_vma=False, in_specs=(spec_tree, P(), P(), P(), P()),
                               out_specs=P())
         elif kind == "chunk":  # rows after an exact prefix, whose cache (replicated) holds the prefix
-            def body(params, x, ids, pos0, n_real, cache):
+            def body(params, x, ids, pos0, n_real, cache, row0):
                 blk = nnx.merge(gd, params)
                 tpmod.localize_block(blk, cfg, tp)
-                x, _ = tpmod._block(blk, x, ids, pos0, n_real[None], cache, freqs, block, tp, kernels=self.kernels)
+                x, _ = tpmod._block(blk, x, ids, pos0, n_real[None], cache, freqs, block, tp, kernels=self.kernels,
+                                    out=(row0, rows) if rows else None)
                 return x
 
             f = jax.shard_map(body, mesh=self.mesh, check_vma=False,
-                              in_specs=(spec_tree, P(), P(), P(), P(), jax.tree.map(lambda _: P(), cache)),
+                              in_specs=(spec_tree, P(), P(), P(), P(), jax.tree.map(lambda _: P(), cache), P()),
                               out_specs=P())
         else:
             glob, fan = np.asarray(self.glob), self.base.fan
@@ -192,31 +195,38 @@ class TPConsumer:
         rows = jax.device_put(jnp.asarray(rows, jnp.int32)[None], self.rep)
         return self._head_prog(self.hc_state, self.norm_state, self.head_table, x, rows)[0]
 
+    def _row0(self, out) -> jax.Array:
+        return jax.device_put(jnp.int32(out[0]), self.rep)
+
     def recompute(self, tokens, query_rows):
         x, ids, t, t_real = self._embed(tokens)
         n = jax.device_put(jnp.int32(t_real), self.rep)
         for i in range(self.cfg.num_layers):
-            x = self._program(i, "native", t)(self.layers[i][1], x, ids, n)
-        return self._logits(x, query_rows)
+            out = self.base._out(i, query_rows, t)
+            x = self._program(i, "native", t, rows=out[1])(self.layers[i][1], x, ids, n, self._row0(out))
+        return self._logits(x, np.asarray(query_rows) - out[0])
 
     def redknot(self, plan: Plan, tokens, pool: DocPool, frozen: bool = False, streams: list | None = None):
-        """`streams`: a diagnostic; each layer's output hidden streams are appended (device arrays).
+        """`streams`: a diagnostic; each layer's output hidden streams are appended (device arrays;
+        every row, the last layer's too).
         An exact prefix (`plan.prefix` rows) is computed in no layer, as in `Consumer.redknot`:
         a fence runs the rows after it over the prefix's cache rebuilt from its artifact."""
         cfg, prof, model = self.cfg, self.profile, self.base.model
         L = plan.prefix
         x, ids, t, t_real = self._embed(np.asarray(tokens)[L:])
         n = jax.device_put(jnp.int32(t_real), self.rep)
-        hist, tab = None, None
+        hist, tab, out = None, None, (0, 0)
         cap, pos0 = self.base._prefix_cap(L, t, plan.n_rows), jax.device_put(jnp.full((1,), L, jnp.int32), self.rep)
         for i in range(cfg.num_layers):
             if prof.is_fence(i, cfg.num_layers):
+                out = self.base._out(i, plan.query_rows - L, t) if streams is None else (0, 0)  # streams: every row
                 if L:
                     cache = jax.device_put(native_cache(model.layers[i].attn, plan.frames[0].artifact.native_state(i),
                                                         cap, model.dtype), self.rep)
-                    x = self._program(i, "chunk", t, cache=cache)(self.layers[i][1], x, ids, pos0, n, cache)
+                    x = self._program(i, "chunk", t, cache=cache, rows=out[1])(self.layers[i][1], x, ids, pos0, n,
+                                                                                 cache, self._row0(out))
                 else:
-                    x = self._program(i, "native", t)(self.layers[i][1], x, ids, n)
+                    x = self._program(i, "native", t, rows=out[1])(self.layers[i][1], x, ids, n, self._row0(out))
                 if streams is not None:
                     streams.append(x)
                 continue
@@ -229,4 +239,4 @@ class TPConsumer:
             hist = h if hist is None else hist + h
             if streams is not None:
                 streams.append(x)
-        return self._logits(x, plan.query_rows - L), hist
+        return self._logits(x, plan.query_rows - L - out[0]), hist

@@ -129,13 +129,16 @@ def _moe(moe, x, ids, tp: int, keep_fn=None, chunk: int | None = None, kernels: 
     return y.reshape(b, t, d)
 
 
-def _block(blk, x, ids, pos0, n_new, cache, freqs, block: int, tp: int, keep_fn=None, kernels: str = ""):
+def _block(blk, x, ids, pos0, n_new, cache, freqs, block: int, tp: int, keep_fn=None, kernels: str = "", out=None):
     """`Block.__call__` with the two reductions of a tensor-parallel layer. `kernels`: a resolved
     kernel set, as `Block`'s: the indexer's scores (every rank holds all indexer heads after the
-    all-gather, so the kernel runs per rank unchanged) and the rank's expert matmuls."""
+    all-gather, so the kernel runs per rank unchanged) and the rank's expert matmuls. `out`: as
+    `Block`'s (rows [row0, row0 + rows) only come out)."""
     u, post, comb = blk.hc_attn.pre(x)
     y, cache = blk.attn(blk.attn_norm(u), pos0, n_new, cache, freqs, block,
-                        kernels=kernel_mode(kernels, "indexer"))  # rank's heads only
+                        kernels=kernel_mode(kernels, "indexer"), out=out)  # rank's heads only
+    if out is not None:
+        x, ids, post, comb = (jax.lax.dynamic_slice_in_dim(v, out[0], out[1], axis=1) for v in (x, ids, post, comb))
     if tp > 1:
         # COLLECTIVE: psum over tp of the row-parallel wo_b outputs (each rank projected its g/tp
         # groups' o_lora_rank channels): b*t*d elements in the activation dtype.
