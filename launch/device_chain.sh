@@ -34,7 +34,7 @@ run_steps() {
   local steps=${1:-}
   if [ -z "$steps" ]; then  # what docs/benchmarks.md still lists as not measured, by device
     if [ $d = h200 ]; then steps=ttft64,ttft128,break_even,qps,ttft256build,ttft256,decode_batch
-    else steps=decode_batch16,qps; fi
+    else steps=ttft32,decode_batch16,qps; fi
   fi
   for s in ${steps//,/ }; do case $s in
     ttft64) step $s launch/bench_ttft.py --lengths 65536 --repeats 2 --layer-times \
