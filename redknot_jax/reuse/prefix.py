@@ -25,7 +25,8 @@ from redknot_jax.reuse.certificate import can_prefix
 
 def native_cache(attn, state: dict, cap: int, dtype) -> dict:
     """The cache `attn.init_cache(1, cap, dtype)` holds after a native run of a document of
-    L = len(state["kv"]) rows from position 0, from its native state (`Artifact.native_state`):
+    L = state["length"] (default len(state["kv"])) rows from position 0, from its native state
+    (`Artifact.native_state`, or `hot_prefix`'s, which keeps the last window's K=V rows only):
     the window ring (position p in slot p % window, zero before position 0), compressed entries
     and indexer keys padded to cap // m, the open compressor windows as stored."""
     c = attn.init_cache(1, cap, dtype)
@@ -52,9 +53,9 @@ def hot_prefix(artifact, num_layers: int, window: int):
     certificate), of the K=V rows only the last `window` (the sliding window: all that
     `native_cache` reads of them; "length" keeps the document's). `Consumer.prefix` over it
     reads no host array and decodes nothing per request; it gives the logits of `artifact`."""
-    def hot(state):
+    def hot(state):  # "length" stays a host int: native_cache reads it per request without a device read
         kv = state["kv"]
-        return jax.device_put({**state, "kv": kv[max(0, kv.shape[0] - window):], "length": np.int32(kv.shape[0])})
+        return {**jax.device_put({**state, "kv": kv[max(0, kv.shape[0] - window):]}), "length": np.int32(kv.shape[0])}
 
     return dataclasses.replace(artifact, layers={},
                                prefix_layers={i: hot(artifact.native_state(i)) for i in range(num_layers)})

@@ -128,7 +128,10 @@ def test_both_arms_with_a_prefix_are_the_recomputed_arm_and_compute_no_prefix_ro
     # holds), through a runtime with a prefix cache: the same logits; a hit the second time
     hot = hot_prefix(arts[L], CFG.num_layers, CFG.sliding_window)
     assert not hot.layers and sorted(hot.prefix_layers) == list(range(CFG.num_layers))
-    assert all(isinstance(v, jax.Array) for v in jax.tree.leaves(hot.prefix_layers))
+    assert all(isinstance(v, jax.Array) for d in hot.prefix_layers.values()
+               for v in jax.tree.leaves({k: a for k, a in d.items() if k != "length"}))
+    assert {d["length"] for d in hot.prefix_layers.values()} == {L}  # host ints: no device read per layer
+    assert all(isinstance(d["length"], np.integer) for d in hot.prefix_layers.values())
     assert {d["kv"].shape[0] for d in hot.prefix_layers.values()} == {CFG.sliding_window} and CFG.sliding_window < L
     want = rt.prefill(req, "prefix").logits
     cached = ReuseRuntime(model, PROF, FP, prefix_cache=1)
