@@ -37,7 +37,7 @@ run_steps() {
     else steps=ttft32,decode_batch16,qps; fi
   fi
   for s in ${steps//,/ }; do case $s in
-    ttft64) step $s launch/bench_ttft.py --lengths 65536 --repeats 2 --layer-times \
+    ttft64) step $s launch/bench_ttft.py --lengths 65536 --repeats 2 --layer-times --op-profile 2,20,40 \
       --profiles tail0-b10-omit,tail0-b10-restore,default --out $R/ttft_64k_modes_${d}_$today.json ;;
     ttft128) step $s launch/bench_ttft.py --lengths 131072 --repeats 2 --profiles tail0-b10-omit-fp4,fp4 \
       --out $R/ttft_128k_fp4_${d}_$today.json ;;
