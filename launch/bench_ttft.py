@@ -499,16 +499,18 @@ def main(argv=None):
                     by[k]["over_prefix"] = row["prefix_median_s"] / red_med
             row["by_profile" if rec_once else "by_kernels"] = by
         if args.layer_times:  # where the time goes: one more run per arm, each layer waited for
-            rec_lt, red_lt = [], []
+            rec_lt, red_lt, plan_t = [], [], {}
             rt.consumer.recompute(req.tokens, plan_request(req, prof).query_rows, layer_times=rec_lt)
-            rt.consumer.redknot(plan_request(req, rt.profile), req.tokens, pool, layer_times=red_lt)
+            rt.consumer.redknot(plan_request(req, rt.profile), req.tokens, pool, timings=plan_t, layer_times=red_lt)
             n = cfg.num_layers
             row["layer_times"] = {
                 "kind": [str(k) for k in cfg.layer_types],
                 "role": ["fence" if prof.is_fence(i, n) else "reusable" for i in range(n)],
                 "recompute_s": rec_lt, "redknot_s": red_lt,
+                "redknot_controller_s": plan_t.get("controller_s"), "redknot_plan_s": plan_t.get("plan_s"),
                 "note": "one run per arm with a wait after every layer (serialised, so sums exceed the TTFT); "
-                        "the first reusable layer of RedKnot includes the controller and the layout"}
+                        "the first reusable layer of RedKnot includes the controller and the layout (host "
+                        "seconds: redknot_plan_s, of which redknot_controller_s, its device read included)"}
         if traced:  # op-level: each chosen layer traced on its own, both arms
             base = pathlib.Path(args.out + ".traces") / str(length)
             rt.consumer.recompute(req.tokens, plan_request(req, prof).query_rows, layer_times=[],

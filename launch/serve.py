@@ -68,7 +68,7 @@ def main(argv=None):
     ap.add_argument("--max-batched-tokens", type=int, default=2048,
                     help="a worker step's tokens: the running sequences' decode rows, then prefill chunks of joining "
                          "ones while this lasts (at least one chunk a step; vLLM's max_num_batched_tokens)")
-    ap.add_argument("--prefill-chunk", type=int, default=256,
+    ap.add_argument("--prefill-chunk", type=int, default=2048,
                     help="rows per chunk of the plain path's batch-1 prefill (rounded down to a power of two, "
                          "at most the cache): one compiled program, long prompts in few calls")
     ap.add_argument("--max-body-bytes", type=int, default=1 << 20)

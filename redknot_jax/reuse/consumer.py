@@ -392,14 +392,15 @@ class Consumer:
                 t0 = time.perf_counter()
                 if not frozen:
                     self.controller(plan, x, pool, pool_layer)
+                t1 = time.perf_counter()
                 layout = self._layout(plan, pool)
                 if layout.c != t:
                     raise AssertionError(f"layout of {layout.c} computed rows for {t} embedded rows")
                 if state is not None:
                     self._decode_layout(state, plan, layout, decode_rows)
                     keep_rows = jnp.arange(state.own_cap, dtype=jnp.int32)  # compact rows: the own rows, in order
-                if timings is not None:
-                    timings["plan_s"] = time.perf_counter() - t0
+                if timings is not None:  # host seconds (the controller's include its device read)
+                    timings.update(plan_s=time.perf_counter() - t0, controller_s=t1 - t0)
             gd, st = self.defs[i]
             kw = dict(graphdef=gd, freqs=self.model.freqs(i), glob=self.glob, block=self.block, fan=self.fan,
                       kernels=self.prefill_kernels, topk_stages=self.topk_stages, ffn_rows=self.ffn_rows)

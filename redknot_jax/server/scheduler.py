@@ -192,7 +192,7 @@ class _Reuse:
 
 class Scheduler:
     def __init__(self, engine: Engine, runtime: ReuseRuntime, metrics, *, slots: int = 8, max_queue: int = 64,
-                 checkpoint_fingerprint: str = "", store_root: str | None = None, prefill_chunk: int = 256,
+                 checkpoint_fingerprint: str = "", store_root: str | None = None, prefill_chunk: int = 2048,
                  warmup=None, arena_rows: int = 16384, arena_docs: int = 64, break_even=None, reuse_batch: int = 4,
                  max_batched_tokens: int = 2048, warmup_documents=(), max_new_tokens: int | None = None):
         """warmup: prompt lengths the worker warms before its first job (a sequence of ints),

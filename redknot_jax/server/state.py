@@ -49,7 +49,7 @@ class ServeConfig:
     slots: int = 8  # decode batch size (continuous batching)
     max_queue: int = 64
     max_model_len: int = 2048  # prompt (documents included) + max_tokens
-    prefill_chunk: int = 256  # plain-path prefill chunk (rounded down to a power of two within the cache)
+    prefill_chunk: int = 2048  # plain-path prefill chunk (rounded down to a power of two within the cache)
     max_batched_tokens: int = 2048  # a worker step's tokens: decode rows + prefill chunk rows (vLLM's name)
     max_tokens_limit: int = 256
     max_body_bytes: int = 1 << 20

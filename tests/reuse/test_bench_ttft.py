@@ -50,6 +50,7 @@ def test_bench_ttft_store_host_resident_cold_layers(monkeypatch, tmp_path):
     lt = row["layer_times"]  # the per-layer profile: every layer of both arms, fences named
     assert len(lt["recompute_s"]) == len(lt["redknot_s"]) == len(lt["role"]) == len(lt["kind"])
     assert min(lt["recompute_s"] + lt["redknot_s"]) > 0 and {"fence", "reusable"} == set(lt["role"])
+    assert 0 < lt["redknot_controller_s"] <= lt["redknot_plan_s"]  # the host's share of the first reusable layer
     ops = row["op_profile"]  # a fence and a reusable layer traced on their own, both arms
     assert ops["layers"] == {"0": {"kind": "sliding_attention", "role": "fence"},
                              "2": {"kind": "heavily_compressed_attention", "role": "reusable"}}
