@@ -124,19 +124,15 @@ class Engine:
         self.kernels = resolve_kernels(kernels, model)
         self.graphdef, self.state = nnx.split(model)
         self.layer_defs = [nnx.split(blk) for blk in model.layers]
-        self._fwd = jax.jit(self._forward, donate_argnums=(5,))
         self._embed = jax.jit(lambda state, ids: nnx.merge(self.graphdef, state).embed_streams(ids))
         self._head = jax.jit(lambda state, x, rows: nnx.merge(self.graphdef, state).logits(x, rows))
 
-    def _forward(self, state, ids, pos0, n_new, rows, cache):
-        model = nnx.merge(self.graphdef, state)
-        return model.forward(ids, pos0, n_new, cache, rows, block=self.block)
-
-    def _chunk(self, ids, pos0, n_new, rows, cache):
-        """`Model.forward` of a prefill chunk, one jitted program per distinct layer structure
-        (`model.block_jit`) instead of one unrolled over every layer: XLA compiles a few layer
-        programs, so a long chunk compiles in about the time of one layer. rows: host ints; the
-        last layer computes the outputs of their query block only (`model.output_block`)."""
+    def _chunk(self, ids, pos0, n_new, rows, cache, kernels: str):
+        """`Model.forward` of a chunk, one jitted program per distinct layer structure
+        (`model.block_jit`, the cache donated) instead of one unrolled over every layer: XLA
+        compiles a few layer programs, so any chunk length, a decode step's one row included,
+        compiles in about the time of one layer. rows: host ints; the last layer computes the
+        outputs of their query block only (`model.output_block`)."""
         t = ids.shape[1]
         block = min(self.block, t)
         if t % block:
@@ -146,7 +142,7 @@ class Engine:
         row0, out = output_block(rows, t, block)
         for i, (gd, st) in enumerate(self.layer_defs):
             x, c = block_jit(st, x, ids, pos0, n_new, cache["layers"][i], row0 if i == last else 0, graphdef=gd,
-                             freqs=self.model.freqs(i), block=block, kernels=self.kernels, rows=out if i == last else 0)
+                             freqs=self.model.freqs(i), block=block, kernels=kernels, rows=out if i == last else 0)
             layers.append(c)
         return self._head(self.state, x, jnp.asarray(rows - row0, jnp.int32)), {"length": pos0 + n_new, "layers": layers}
 
@@ -154,14 +150,11 @@ class Engine:
         return self.model.init_cache(batch, self.capacity)
 
     def forward(self, ids, pos0, n_new, rows, cache):
-        """One chunk (see `Model.forward`): a prefill chunk (several rows) layer by layer with
-        the kernels (`_chunk`), a decode step (one row) as one jitted program over every layer
-        (small, so it compiles fast, and one dispatch per token), XLA throughout."""
+        """One chunk (see `Model.forward`) layer by layer (`_chunk`): a prefill chunk (several
+        rows) with the kernels, a decode step (one row) in XLA."""
         ids = jnp.asarray(ids, jnp.int32)
-        args = (ids, jnp.asarray(pos0, jnp.int32), jnp.asarray(n_new, jnp.int32))
-        if ids.shape[1] > 1:
-            return self._chunk(*args, np.asarray(rows, np.int32), cache)
-        return self._fwd(self.state, *args, jnp.asarray(rows, jnp.int32), cache)
+        return self._chunk(ids, jnp.asarray(pos0, jnp.int32), jnp.asarray(n_new, jnp.int32), np.asarray(rows, np.int32),
+                           cache, self.kernels if ids.shape[1] > 1 else "")
 
     def _check_prompts(self, prompts: Sequence[Sequence[int]], extra: int = 0) -> np.ndarray:
         if not prompts:
