@@ -34,7 +34,7 @@ run_steps() {
   local steps=${1:-}
   if [ -z "$steps" ]; then  # what docs/benchmarks.md still lists as not measured, by device
     if [ $d = h200 ]; then steps=ttft64,ttft128,break_even,qps,ttft256build,ttft256,decode_batch
-    else steps=ttft64fp4,qps,decode_batch16; fi
+    else steps=ttft32,decode_batch16; fi  # 64K and command F (qps) exceed an H100's 80 GB
   fi
   for s in ${steps//,/ }; do case $s in
     ttft64) step $s launch/bench_ttft.py --lengths 65536 --repeats 2 --layer-times --op-profile 2,20,40 \
@@ -51,8 +51,6 @@ run_steps() {
       --decode-batch 8 --no-prefix-arm --out $R/decode_batch_32k_${d}_$today.json ;;
     decode_batch16) step $s launch/bench_ttft.py --lengths 16384 --repeats 1 --tail-rows 0 --budget 0.1 \
       --decode-steps 8 --decode-batch 4 --no-prefix-arm --out $R/decode_batch_16k_${d}_$today.json ;;
-    ttft64fp4) step $s launch/bench_ttft.py --lengths 65536 --repeats 2 --layer-times --op-profile 2,20,40 \
-      --profiles tail0-b10-omit-fp4,tail0-b10-restore-fp4,fp4 --out $R/ttft_64k_fp4_${d}_$today.json ;;
     ttft32) step $s launch/bench_ttft.py --lengths 32768 --repeats 2 --layer-times \
       --profiles tail0-b10-omit-fp4,tail0-b10-restore-fp4,fp4 --out $R/ttft_32k_fp4_${d}_$today.json ;;
     qps)  # issue #46's command F at 1 / 4 / 16 clients; the server's wheels carried in .whl/ (docs/benchmarks.md)
