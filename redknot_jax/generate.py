@@ -18,9 +18,8 @@ from typing import Sequence
 import numpy as np
 import jax
 import jax.numpy as jnp
-from flax import nnx
 
-from redknot_jax.model import Model, block_jit, output_block
+from redknot_jax.model import Model, block_jit, embed_jit, logits_jit, output_block, split, top_split
 from redknot_jax.pallas import resolve_kernels
 
 
@@ -122,10 +121,8 @@ class Engine:
         self.capacity = -(-capacity // step) * step
         self.block, self.model, self.cfg = block, model, cfg
         self.kernels = resolve_kernels(kernels, model)
-        self.graphdef, self.state = nnx.split(model)
-        self.layer_defs = [nnx.split(blk) for blk in model.layers]
-        self._embed = jax.jit(lambda state, ids: nnx.merge(self.graphdef, state).embed_streams(ids))
-        self._head = jax.jit(lambda state, x, rows: nnx.merge(self.graphdef, state).logits(x, rows))
+        self.top_def, self.top_state = top_split(model)
+        self.layer_defs = [split(blk) for blk in model.layers]
 
     def _chunk(self, ids, pos0, n_new, rows, cache, kernels: str):
         """`Model.forward` of a chunk, one jitted program per distinct layer structure
@@ -137,14 +134,14 @@ class Engine:
         block = min(self.block, t)
         if t % block:
             raise ValueError(f"chunk length {t} must be a multiple of the query block {block}")
-        x = self._embed(self.state, ids)
+        x = embed_jit(self.top_state, ids, graphdef=self.top_def)
         layers, last = [], len(self.layer_defs) - 1
         row0, out = output_block(rows, t, block)
         for i, (gd, st) in enumerate(self.layer_defs):
             x, c = block_jit(st, x, ids, pos0, n_new, cache["layers"][i], row0 if i == last else 0, graphdef=gd,
                              freqs=self.model.freqs(i), block=block, kernels=kernels, rows=out if i == last else 0)
             layers.append(c)
-        return self._head(self.state, x, jnp.asarray(rows - row0, jnp.int32)), {"length": pos0 + n_new, "layers": layers}
+        return logits_jit(self.top_state, x, jnp.asarray(rows - row0, jnp.int32), graphdef=self.top_def), {"length": pos0 + n_new, "layers": layers}
 
     def new_cache(self, batch: int):
         return self.model.init_cache(batch, self.capacity)

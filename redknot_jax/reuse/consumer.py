@@ -37,7 +37,7 @@ from flax import nnx
 
 from redknot_jax.config import CSA, HCA
 from redknot_jax.indexer import TOPK_STAGES
-from redknot_jax.model import block_jit, output_block
+from redknot_jax.model import block_jit, embed_jit, logits_jit, output_block, split, top_split
 from redknot_jax.pallas import DECODE_ONLY, resolve_kernels
 from redknot_jax.reuse.arena import DocArena
 from redknot_jax.reuse.artifact import local_head_mask
@@ -47,7 +47,7 @@ from redknot_jax.reuse.layout import NEVER, build_layout, common_sizes, frame_ro
 from redknot_jax.reuse.planner import Plan, concentration, fill_itop, row_risk
 from redknot_jax.reuse.pool import ENTRY_PAD, Buckets, DocPool, HostPool, ceil_to
 from redknot_jax.reuse.prefix import native_cache, prefix_check
-from redknot_jax.reuse.programs import (controller_jit, decode_entries_jit, deviation_jit, embed_jit, logits_jit,
+from redknot_jax.reuse.programs import (controller_jit, decode_entries_jit, deviation_jit,
                                         native_jit, reusable_batch_jit, reusable_jit, reusable_keys_jit,
                                         reusable_step_jit)
 
@@ -109,8 +109,8 @@ class Consumer:
         block = block or (256 if model.cfg.hidden_size >= 1024 else 32)
         self.model, self.profile, self.cfg, self.block = model, profile, model.cfg, block
         self.buckets = Buckets(buckets)
-        self.defs = [nnx.split(b) for b in model.layers]
-        self.top_def, self.top_state = nnx.split(model)  # embedding / head jits read only their leaves
+        self.defs = [split(b) for b in model.layers]
+        self.top_def, self.top_state = top_split(model)
         local = local_head_mask(model, profile)
         self.glob = tuple(int(i) for i in np.flatnonzero(~local))
         self.reusable = list(profile.reusable_layers(self.cfg.num_layers))

@@ -114,16 +114,6 @@ def decode_entries_jit(state, keys, tab, pool_layer, *, graphdef, freqs):
     return decode_entries(nnx.merge(graphdef, state).attn, keys, tab, pool_layer, freqs=freqs)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef",))
-def embed_jit(state, ids, *, graphdef):
-    return nnx.merge(graphdef, state).embed_streams(ids)
-
-
-@functools.partial(jax.jit, static_argnames=("graphdef",))
-def logits_jit(state, x, rows, *, graphdef):
-    return nnx.merge(graphdef, state).logits(x, rows)
-
-
 @functools.partial(jax.jit, static_argnames=("pre_def", "csa_def", "freqs", "m"))
 def controller_jit(pre_state, csa_state, xq, qr, ikeys, d_e, end_e, *, pre_def, csa_def, freqs, m):
     """Indexer scores of the documents' windows for the query rows (max over query rows)."""
