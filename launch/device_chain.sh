@@ -33,7 +33,7 @@ run_steps() {
   today=$(date +%Y%m%d)
   local steps=${1:-}
   if [ -z "$steps" ]; then  # what docs/benchmarks.md still lists as not measured, by device
-    if [ $d = h200 ]; then steps=ttft64,ttft128,break_even,qps,ttft256build,ttft256,decode_batch
+    if [ $d = h200 ]; then steps=ttft64,ttft128,qps,break_even,ttft256build,ttft256,decode_batch
     else steps=ttft32,decode_batch16; fi  # 64K and command F (qps) exceed an H100's 80 GB
   fi
   for s in ${steps//,/ }; do case $s in
