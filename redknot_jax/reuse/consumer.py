@@ -198,6 +198,16 @@ class Consumer:
         last layer `model.output_block`'s, in any other (0, 0), every row."""
         return output_block(rows, t, self.block) if i == self.cfg.num_layers - 1 else (0, 0)
 
+    def last_layer_rows(self, plan: Plan) -> int | None:
+        """How many rows the RedKnot arm's last layer computes outputs for (`_out`: a fence
+        trims to the logits rows' query block), None for every row (the operator ledger's
+        `out_rows`)."""
+        n = plan.n_rows - plan.prefix
+        if not self.profile.is_fence(self.cfg.num_layers - 1, self.cfg.num_layers):
+            return None
+        q = self._out(self.cfg.num_layers - 1, plan.query_rows - plan.prefix, self._rows(n))[1]
+        return min(q, n) if q else None
+
     def _embed(self, ids):
         return embed_jit(self.top_state, ids, graphdef=self.top_def)
 

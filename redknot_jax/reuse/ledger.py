@@ -138,13 +138,15 @@ def _key_sum(cfg: ModelConfig, layer: int, x: int) -> int:
 
 
 def _layer_flops(cfg: ModelConfig, layer: int, n: int, heads_all: int, heads_prot: int, prot: int,
-                 index_rows: int, latent_rows: int, experts: float, ffn_rows: int | None = None) -> dict[str, float]:
+                 index_rows: int, latent_rows: int, experts: float, ffn_rows: int | None = None,
+                 out_rows: int | None = None) -> dict[str, float]:
     """FLOPs of one layer (2*m*n*k per matmul; elementwise work ignored).
 
     heads_all heads run for all n rows; heads_prot more heads run for the `prot` protected
     rows only; the indexer query side runs for `index_rows` rows; latents (wkv, compressors)
     are computed for `latent_rows` rows; `experts` routed experts per row; the router and
-    experts run for `ffn_rows` rows (default all n). Rows that run a
+    experts run for `ffn_rows` rows (default all n); wq_a and wo_b for `out_rows` (default
+    all n). Rows that run a
     subset are charged as the LATEST rows (the ones that see the most keys and entries): a
     row's cost never decreases with its position, so this bounds the RedKnot arm from above
     and its saving from below.
@@ -168,14 +170,15 @@ def _layer_flops(cfg: ModelConfig, layer: int, n: int, heads_all: int, heads_pro
     else:
         index_proj = index_score = 0
     ffn = n if ffn_rows is None else ffn_rows
+    out = n if out_rows is None else out_rows
     keys_all = _key_sum(cfg, layer, n)
     keys_prot = keys_all - _key_sum(cfg, layer, n - prot)
     return {
-        "wq_a": 2.0 * D * Rq * n,
+        "wq_a": 2.0 * D * Rq * out,
         "wq_b": 2.0 * Rq * k * head_rows,                        # k columns of wq_b per head
         "wkv": 2.0 * D * k * latent_rows,
         "wo_a": 2.0 * k * Ro * head_rows,                        # a head's k-slice of its group's wo_a
-        "wo_b": 2.0 * g * Ro * D * n,                            # once, on the projected state z
+        "wo_b": 2.0 * g * Ro * D * out,                          # once, on the projected state z
         "compressor": 2.0 * comp_out * D * latent_rows,
         "indexer_proj": float(index_proj),
         # per (head, key): q.k (2k) and p.v (2k); V = K so both use the 512-d latent
@@ -189,7 +192,8 @@ def _layer_flops(cfg: ModelConfig, layer: int, n: int, heads_all: int, heads_pro
 
 def operator_flops(cfg: ModelConfig, profile: RedKnotProfile, n_rows: int,
                    protected_rows: int | Sequence[int], kept_experts_per_row: float, arm: str,
-                   latent_rows: int | Sequence[int] | None = None, prefix_rows: int = 0) -> dict[str, float]:
+                   latent_rows: int | Sequence[int] | None = None, prefix_rows: int = 0,
+                   out_rows: int | None = None) -> dict[str, float]:
     """Analytic FLOPs per operator (`OPS`), summed over all layers, for one prefill of
     `n_rows` rows (positions 0..n_rows-1).
 
@@ -213,7 +217,9 @@ def operator_flops(cfg: ModelConfig, profile: RedKnotProfile, n_rows: int,
     and document-local top-k are never larger). An exact prefix of `prefix_rows` rows (RedKnot
     arm) is computed in no layer: each layer is charged for rows prefix_rows .. n_rows-1 only
     (its count with all rows less the prefix's own, which depends only on the positions), the
-    protected rows being among those.
+    protected rows being among those. `out_rows`: a native last layer computes queries,
+    attention, wo and the MoE for that many rows only, the latest (`model.output_block`'s query
+    block holding every logits row), its latents and cache for every row; None: every row.
     """
     if arm not in ARMS:
         raise ValueError(f"arm: expected one of {ARMS}, got {arm!r}")
@@ -226,6 +232,10 @@ def operator_flops(cfg: ModelConfig, profile: RedKnotProfile, n_rows: int,
     L = prefix_rows if arm == "redknot" else 0
     if L > n_rows:
         raise ValueError(f"prefix_rows {prefix_rows} exceed n_rows {n_rows}")
+    if out_rows is not None:
+        _check_count("out_rows", out_rows)
+        if not 0 < out_rows <= n_rows - L:
+            raise ValueError(f"out_rows: expected in [1, {n_rows - L}] (the computed rows), got {out_rows}")
     layers = profile.reusable_layers(cfg.num_layers)
     prot = _rows_per_layer("protected_rows", protected_rows, layers, n_rows - L)
     latent = _rows_per_layer("latent_rows", n_rows if latent_rows is None else latent_rows, layers, n_rows)
@@ -237,6 +247,10 @@ def operator_flops(cfg: ModelConfig, profile: RedKnotProfile, n_rows: int,
             per = [_layer_flops(cfg, layer, n, heads_all=cfg.num_heads - n_local, heads_prot=n_local,
                                 prot=p, index_rows=p, latent_rows=lat, experts=kept, ffn_rows=ffn(n))
                    for n, p, lat in ((n_rows, prot[layer], latent[layer]), (L, 0, L if latent_rows is None else 0))]
+        elif out_rows is not None and layer == cfg.num_layers - 1:  # trimmed: the latest out_rows rows
+            per = [_layer_flops(cfg, layer, n, heads_all=0, heads_prot=cfg.num_heads, prot=q, index_rows=q,
+                                latent_rows=n, experts=cfg.experts_per_tok, ffn_rows=q, out_rows=q)
+                   for n, q in ((n_rows, out_rows), (L, 0))]
         else:
             per = [_layer_flops(cfg, layer, n, heads_all=cfg.num_heads, heads_prot=0, prot=0, index_rows=n,
                                 latent_rows=n, experts=cfg.experts_per_tok) for n in (n_rows, L)]
@@ -247,12 +261,13 @@ def operator_flops(cfg: ModelConfig, profile: RedKnotProfile, n_rows: int,
 
 def operator_ledger(cfg: ModelConfig, profile: RedKnotProfile, n_rows: int,
                     protected_rows: int | Sequence[int], kept_experts_per_row: float,
-                    latent_rows: int | Sequence[int] | None = None, prefix_rows: int = 0) -> dict:
+                    latent_rows: int | Sequence[int] | None = None, prefix_rows: int = 0,
+                    out_rows: int | None = None) -> dict:
     """Both arms of `operator_flops`, and the saving 1 - redknot / recompute per operator,
     per DESIGN.md §6 group (`OP_GROUPS`) and over all operators (FLOPs add within this one
     ledger; the saving is 0 for an operator the model does not have)."""
     arms = {arm: operator_flops(cfg, profile, n_rows, protected_rows, kept_experts_per_row, arm,
-                                latent_rows=latent_rows, prefix_rows=prefix_rows) for arm in ARMS}
+                                latent_rows=latent_rows, prefix_rows=prefix_rows, out_rows=out_rows) for arm in ARMS}
 
     def entry(ops):
         rec = sum(arms["recompute"][op] for op in ops)

@@ -175,7 +175,8 @@ class ReuseRuntime:
                     logits, hist = np.asarray(out[0]), np.asarray(out[1])
                     hist = np.pad(hist, (0, max(0, 7 - hist.size)))
                     state = out[2] if decode_rows else None
-                return PrefillResult(logits, "redknot", None, "", self._ledgers(plan, hist), plan,
+                out_rows = self.consumer.last_layer_rows(plan) if path == "jit" else None
+                return PrefillResult(logits, "redknot", None, "", self._ledgers(plan, hist, out_rows), plan,
                                      time.perf_counter() - t0, hist, state if path == "jit" else None)
             self.counters.record_fallback(bad[0])  # before any reuse-specific work
             if require_reuse:
@@ -358,7 +359,9 @@ class ReuseRuntime:
                                        self.model.init_cache(1, cap), jnp.asarray(rows)[None], block=t)
         return np.asarray(logits[0])
 
-    def _ledgers(self, plan: Plan, hist) -> ledgers.Ledgers:
+    def _ledgers(self, plan: Plan, hist, out_rows: int | None = None) -> ledgers.Ledgers:
+        """The ledgers of a RedKnot prefill; `out_rows`: its last layer's output rows
+        (`Consumer.last_layer_rows`; None: every row, as a batch computes)."""
         cfg, prof = self.cfg, self.profile
         prot = int(plan.protected.sum())
         kept = mean_kept(hist) if hist is not None else float(cfg.experts_per_tok)
@@ -371,7 +374,7 @@ class ReuseRuntime:
             token_row=ledgers.token_row_ledger(cfg, prof, plan.n_rows, plan.candidates,
                                                int((plan.protected & plan.doc_row).sum()), prefix_rows=plan.prefix),
             operator=ledgers.operator_ledger(cfg, prof, plan.n_rows, prot, kept, latent_rows=latent,
-                                             prefix_rows=plan.prefix),
+                                             prefix_rows=plan.prefix, out_rows=out_rows),
             wallclock=None, cert=self.counters)
 
     # ------------------------------------------------------------------ RedKnot arm

@@ -594,6 +594,22 @@ def test_operator_ledger_monotone_and_per_layer():
         {k: v for k, v in one.items() if k not in ("wkv", "compressor")}
 
 
+def test_operator_ledger_trimmed_last_layer():
+    """out_rows: the native last layer's queries, attention, wo and MoE for the latest rows only,
+    its latents for every row; both arms alike, so full protection still equals Recomputed."""
+    cfg, prof, n = config.flash(), flash_profile(), 65536
+    full = ledger.operator_flops(cfg, prof, n, 4096, 4.0, "recompute")
+    cut = ledger.operator_flops(cfg, prof, n, 4096, 4.0, "recompute", out_rows=256)
+    assert cut["wkv"] == full["wkv"] and cut["compressor"] == full["compressor"]
+    f = 3 * 2.0 * cfg.hidden_size * cfg.moe_inter_dim
+    assert full["moe_shared"] - cut["moe_shared"] == f * (n - 256)
+    assert all(cut[op] < full[op] for op in ("wq_a", "wq_b", "wo_a", "wo_b", "attention", "router"))
+    ops = ledger.operator_ledger(cfg, prof, 5000, 5000, 6.0, out_rows=256)
+    assert ops["redknot"] == pytest.approx(ops["recompute"], rel=1e-12)
+    with pytest.raises(ValueError, match=r"out_rows: expected in \[1, 100\]"):
+        ledger.operator_flops(cfg, prof, n, 0, 4.0, "redknot", prefix_rows=n - 100, out_rows=256)
+
+
 @pytest.mark.parametrize("call,match", [
     (lambda c, p: ledger.head_row_ledger(c, p, 16, 17), r"protected_rows.*\[0, 16\].*17"),
     (lambda c, p: ledger.head_row_ledger(c, p, 16, [1, 2]), "protected_rows.*4 entries.*got 2"),
