@@ -7,6 +7,7 @@ import jax.numpy as jnp
 from redknot_jax import config
 from redknot_jax.generate import Engine, SamplingParams, bucket, sample
 from redknot_jax.init import random_model
+from redknot_jax.server.metrics import compiled_programs, count_compiled_programs
 
 
 def test_greedy_and_nucleus():
@@ -43,6 +44,17 @@ def test_stop_tokens_end_a_sequence(engine):
     stop = free.tokens[0][2]
     cut = engine.generate(prompts, SamplingParams(max_new_tokens=6, stop_tokens=(stop,)))
     assert cut.tokens[0] == free.tokens[0][: free.tokens[0].index(stop) + 1]
+
+
+def test_engines_share_their_layer_programs(engine):
+    """Prefill and decode run per-layer programs keyed by a hashed graphdef (`model.HashedDef`):
+    a second Engine over an equal model lowers nothing new."""
+    count_compiled_programs()
+    prompts = [[5, 6, 7], [8, 9]]
+    first = engine.generate(prompts, SamplingParams(max_new_tokens=3))
+    n = compiled_programs()
+    again = Engine(engine.model, capacity=128, block=16).generate(prompts, SamplingParams(max_new_tokens=3))
+    assert again.tokens == first.tokens and compiled_programs() == n
 
 
 def test_bad_prompts_are_named(engine):
