@@ -141,7 +141,8 @@ class Engine:
             x, c = block_jit(st, x, ids, pos0, n_new, cache["layers"][i], row0 if i == last else 0, graphdef=gd,
                              freqs=self.model.freqs(i), block=block, kernels=kernels, rows=out if i == last else 0)
             layers.append(c)
-        return logits_jit(self.top_state, x, jnp.asarray(rows - row0, jnp.int32), graphdef=self.top_def), {"length": pos0 + n_new, "layers": layers}
+        logits = logits_jit(self.top_state, x, jnp.asarray(rows - row0, jnp.int32), graphdef=self.top_def)
+        return logits, {"length": pos0 + n_new, "layers": layers}
 
     def new_cache(self, batch: int):
         return self.model.init_cache(batch, self.capacity)

@@ -33,7 +33,6 @@ from collections.abc import Sequence
 import numpy as np
 import jax
 import jax.numpy as jnp
-from flax import nnx
 
 from redknot_jax.config import CSA, HCA
 from redknot_jax.indexer import TOPK_STAGES

@@ -24,10 +24,9 @@ import numpy as np
 import jax
 import jax.numpy as jnp
 
-from redknot_jax.model import block_jit
+from redknot_jax.model import block_jit, logits_jit
 from redknot_jax.reuse.decode import DecodeState
 from redknot_jax.reuse.layout import max_sizes
-from redknot_jax.model import logits_jit
 from redknot_jax.reuse.programs import decode_entries_jit, reusable_step_batch_jit
 
 
