@@ -29,9 +29,9 @@ HIGHEST = jax.lax.Precision.HIGHEST
 
 
 class HashedDef(GraphDef):
-    """A `GraphDef` whose hash is computed once: flax's recomputes it over every node on each
-    use, and a jitted program's static graphdef is hashed on every call (0.15 ms for a Flash
-    block, so 43 times a decode step). Equal to an equal `HashedDef`, so programs are shared."""
+    """A `GraphDef` whose hash is computed once: flax's walks every node on each use, and a
+    jitted program's static graphdef is hashed on every call (43 times a decode step at Flash's
+    depth). Equal to an equal `HashedDef`, so programs are shared."""
 
     __slots__ = ("_hash",)
 
@@ -51,8 +51,8 @@ def split(module) -> tuple[HashedDef, nnx.State]:
 
 def top_split(model: "Model") -> tuple[HashedDef, nnx.State]:
     """`split` of the model's embedding and head parts alone (embedding table, mHC head, final
-    norm, LM head): what `embed_jit` and `logits_jit` take, a few leaves where the whole model's
-    state would be flattened on every call (1,328 leaves at Flash shapes, 2.4 ms)."""
+    norm, LM head): what `embed_jit` and `logits_jit` take, six leaves where the whole model's
+    state (1,328 leaves at Flash shapes) would be flattened on every call."""
     return split((model.embed, model.hc_head, model.norm, model.head))
 
 

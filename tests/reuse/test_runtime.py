@@ -18,6 +18,7 @@ from redknot_jax.attention import sink_softmax_attend
 from redknot_jax.init import random_model
 from redknot_jax.reuse.artifact import build_artifact, local_head_mask, project_heads
 from redknot_jax.reuse.certificate import FallbackReason, TPGeometry
+from redknot_jax.reuse.ledger import operator_flops
 from redknot_jax.reuse.planner import Request, RequestError, Segment
 from redknot_jax.reuse.profile import tiny_profile
 from redknot_jax.relocation import merge_partials, partial_attention, rotate
@@ -206,6 +207,10 @@ def test_i_ledgers_with_every_prefill(model):
     assert led["head_row"]["restored_pairs"] == reusable * local * (plan.n_rows - n_prot)
     assert 0 < led["head_row"]["saving"] < led["head_row"]["ceiling"]
     assert plan.prefix == 40 and res.fanout_hist.sum() == reusable * (plan.n_rows - 40)  # the prefix: no row run
+    # the last layer (a fence) computes its query block only, and the operator ledger charges that
+    out = rt.consumer.last_layer_rows(plan)
+    native = lambda rows: operator_flops(CFG, prof, plan.n_rows, 0, 0.0, "recompute", out_rows=rows)
+    assert out is not None and led["operator"]["recompute"] == native(out) != native(None)
 
 
 def test_bad_requests_are_named():
