@@ -275,7 +275,7 @@ def main(argv=None):
                          "1 scores every entry); several as '1,4' are timed side by side like kernel sets, "
                          "keyed 'SET/stagesN'")
     ap.add_argument("--layer-times", action="store_true",
-                    help="after the timed runs, one profile run per arm that waits for every layer: per-layer seconds")
+                    help="after the timed runs, one profile run per arm (the prefix arm too, unless --no-prefix-arm) that waits for every layer: per-layer seconds")
     ap.add_argument("--op-profile", metavar="LAYERS",
                     help="comma-separated layer indices: after the timed runs, one more run per arm in which each "
                          "of these layers runs inside a jax.profiler trace of its own (OUT.traces/); the JSON gets "
@@ -499,22 +499,28 @@ def main(argv=None):
                     by[k]["over_prefix"] = row["prefix_median_s"] / red_med
             row["by_profile" if rec_once else "by_kernels"] = by
         if args.layer_times:  # where the time goes: one more run per arm, each layer waited for
-            rec_lt, red_lt, plan_t = [], [], {}
+            rec_lt, pre_lt, red_lt, plan_t = [], [], [], {}
             rt.consumer.recompute(req.tokens, plan_request(req, prof).query_rows, layer_times=rec_lt)
+            if not args.no_prefix_arm:
+                rt.consumer.prefix(hot0, req.tokens, plan_request(req, prof).query_rows, layer_times=pre_lt)
             rt.consumer.redknot(plan_request(req, rt.profile), req.tokens, pool, timings=plan_t, layer_times=red_lt)
             n = cfg.num_layers
             row["layer_times"] = {
                 "kind": [str(k) for k in cfg.layer_types],
                 "role": ["fence" if prof.is_fence(i, n) else "reusable" for i in range(n)],
-                "recompute_s": rec_lt, "redknot_s": red_lt,
+                "recompute_s": rec_lt, "prefix_s": pre_lt or None, "redknot_s": red_lt,
                 "redknot_controller_s": plan_t.get("controller_s"), "redknot_plan_s": plan_t.get("plan_s"),
                 "note": "one run per arm with a wait after every layer (serialised, so sums exceed the TTFT); "
                         "the first reusable layer of RedKnot includes the controller and the layout (host "
                         "seconds: redknot_plan_s, of which redknot_controller_s, its device read included)"}
-        if traced:  # op-level: each chosen layer traced on its own, both arms
+        if traced:  # op-level: each chosen layer traced on its own, every arm
             base = pathlib.Path(args.out + ".traces") / str(length)
             rt.consumer.recompute(req.tokens, plan_request(req, prof).query_rows, layer_times=[],
                                   layer_traces=(str(base / "recompute"), traced))
+            arms = ("recompute", "redknot") if args.no_prefix_arm else ("recompute", "prefix", "redknot")
+            if not args.no_prefix_arm:
+                rt.consumer.prefix(hot0, req.tokens, plan_request(req, prof).query_rows, layer_times=[],
+                                   layer_traces=(str(base / "prefix"), traced))
             rt.consumer.redknot(plan_request(req, rt.profile), req.tokens, pool, layer_times=[],
                                 layer_traces=(str(base / "redknot"), traced))
             n = cfg.num_layers
@@ -523,7 +529,7 @@ def main(argv=None):
                 "layers": {str(i): {"kind": str(cfg.layer_types[i]),
                                     "role": "fence" if prof.is_fence(i, n) else "reusable"} for i in traced},
                 **{arm: {str(i): op_profile.summarize(base / arm / f"layer_{i:02d}") for i in traced}
-                   for arm in ("recompute", "redknot")}}
+                   for arm in arms}}
             save()
         if args.decode_steps:
             decode_row(rts, req, pool, args.decode_steps, row.setdefault("decode", {}), save, args.decode_batch)

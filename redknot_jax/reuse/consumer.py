@@ -281,16 +281,17 @@ class Consumer:
         logits = self._logits(x, np.asarray(query_rows) - out[0])
         return (logits, state) if decode_rows else logits
 
-    def prefix(self, artifact, tokens, query_rows, decode_rows: int = 0, layer_times: list | None = None):
+    def prefix(self, artifact, tokens, query_rows, decode_rows: int = 0, layer_times: list | None = None,
+               layer_traces: tuple[str, Sequence[int]] | None = None):
         """The prefix arm (what a prefix cache gives): `artifact`'s document (tokens[:L]) computed
         in no layer, every layer's cache rebuilt from it (`prefix.native_cache`), the rows
         tokens[L:] run natively as one chunk at pos0 = L. query_rows: request rows (>= L).
         Returns logits [q, vocab] fp32, and with `decode_rows` > 0 also a native `DecodeState`
         (rows = the request length) that `decode_step` continues. `layer_times`: as
-        `recompute`'s."""
-        return run_steps(self.prefix_steps(artifact, tokens, query_rows, decode_rows, layer_times))
+        `recompute`'s, `layer_traces` too."""
+        return run_steps(self.prefix_steps(artifact, tokens, query_rows, decode_rows, layer_times, layer_traces))
 
-    def prefix_steps(self, artifact, tokens, query_rows, decode_rows: int = 0, layer_times=None):
+    def prefix_steps(self, artifact, tokens, query_rows, decode_rows: int = 0, layer_times=None, layer_traces=None):
         """`prefix` a layer at a time (module doc, "steps")."""
         tokens = np.asarray(tokens, np.int32)
         prefix_check(artifact, tokens, self.cfg.num_layers)
@@ -301,7 +302,7 @@ class Consumer:
         ids, t, t_real = self._pad(tokens[L:])
         cap = self._prefix_cap(L, t, n + decode_rows)
         x = self._embed(ids)
-        clock = _LayerClock(layer_times, x)
+        clock = _LayerClock(layer_times, x, layer_traces)
         state = DecodeState(n, cap, None, native=True)
         for i in range(self.cfg.num_layers):
             out = self._out(i, q - L, t)
