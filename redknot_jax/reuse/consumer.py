@@ -96,8 +96,8 @@ class Consumer:
 
     def __init__(self, model, profile, block: int | None = None, kernels: str = "auto", buckets: int = 8,
                  topk_stages: int = TOPK_STAGES):
-        """kernels: which Mosaic GPU kernels single requests run (batches run only the MoE's,
-        `batch_kernels`): see `resolve_kernels`; `self.kernels` is the resolved set. A kernel
+        """kernels: which Mosaic GPU kernels prefills (single or batched) run: see
+        `resolve_kernels`; `self.kernels` is the resolved set. A kernel
         named explicitly that the model cannot run is refused here, not silently replaced by its
         reference. buckets: `Buckets.per_octave` of every padded size (rows, protected rows,
         entries, decode capacities, pools), so requests of similar sizes share compiled
@@ -119,14 +119,6 @@ class Consumer:
         if not isinstance(topk_stages, int) or topk_stages < 1:
             raise ValueError(f"Consumer: topk_stages must be an int >= 1, got {topk_stages!r}")
         self.topk_stages = topk_stages
-
-    @property
-    def batch_kernels(self) -> str:
-        """The kernels of `self.kernels` that batches run: the MoE's grouped matmul (the MoE
-        flattens a batch's rows, so it is the single-request program); the indexer and
-        restoration kernels are validated on single requests only, and the RedKnot arm's
-        attention half is vmapped over the batch."""
-        return "ragged_dot" if "ragged_dot" in self.kernels.split(",") else ""
 
     @property
     def decode_kernels(self) -> str:
@@ -188,7 +180,7 @@ class Consumer:
         cap = self._cap(t)
         return native_jit(st, x, ids, jnp.asarray(np.reshape(t_real, -1), jnp.int32), out[0], graphdef=gd,
                           freqs=self.model.freqs(i), block=min(self.block, t), cap=cap,
-                          kernels=self.prefill_kernels if x.shape[0] == 1 else self.batch_kernels,
+                          kernels=self.prefill_kernels,
                           topk_stages=self.topk_stages, rows=out[1])
 
     def _out(self, i: int, rows, t: int) -> tuple[int, int]:
@@ -247,7 +239,7 @@ class Consumer:
         x, cache = block_jit(st, x, ids, jnp.asarray(pos0, jnp.int32).reshape(-1),
                              jnp.asarray(n_real, jnp.int32).reshape(-1), cache, out[0], graphdef=gd,
                              freqs=self.model.freqs(i), block=min(self.block, x.shape[1]),
-                             kernels=self.prefill_kernels if x.shape[0] == 1 else self.batch_kernels,
+                             kernels=self.prefill_kernels,
                              topk_stages=self.topk_stages, rows=out[1])
         if isinstance(state, DecodeState):
             state.layers[i] = cache
@@ -494,9 +486,10 @@ class Consumer:
     def redknot_batch(self, plans: list[Plan], token_lists, pool: DocPool, decode_rows: int = 0):
         """The RedKnot arm for several planned requests whose artifacts are all in `pool`, in
         one jitted call per layer: fences natively over the batch, the controller per request
-        (its query rows only), layouts padded to the batch's common sizes, reusable layers
-        vmapped; each request's exact prefix computed in no layer (`redknot`). Returns [(logits
-        [q, vocab], fan-out histogram)] per request, equal to `redknot` request by request, and
+        (its query rows only), layouts padded to the batch's common sizes, a reusable layer's
+        attention request by request inside its call (`reusable_batch_jit`: the kernels and the
+        staged top-k of a request alone); each request's exact prefix computed in no layer
+        (`redknot`). Returns [(logits [q, vocab], fan-out histogram)] per request, equal to `redknot` request by request, and
         with `decode_rows` > 0 each request's `DecodeState` too (caches of the batch's common
         capacity; `decode_step` then runs each request on its own)."""
         return run_steps(self.redknot_batch_steps(plans, token_lists, pool, decode_rows))
@@ -531,8 +524,8 @@ class Consumer:
                     keep_rows = jnp.tile(jnp.arange(max(s.own_cap for s in states), dtype=jnp.int32), (len(plans), 1))
             gd, st = self.defs[i]
             out = reusable_batch_jit(st, x, ids, tabs, pool_layer, keep_rows, graphdef=gd, freqs=self.model.freqs(i),
-                                     glob=self.glob, block=self.block, fan=self.fan, kernels=self.batch_kernels,
-                                     ffn_rows=self.ffn_rows)
+                                     glob=self.glob, block=self.block, fan=self.fan, kernels=self.prefill_kernels,
+                                     topk_stages=self.topk_stages, ffn_rows=self.ffn_rows)
             x, hb = out[:2]
             if states is not None:  # each request's compact rows, cut to its own capacity
                 for b, st_b in enumerate(states):

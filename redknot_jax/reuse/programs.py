@@ -61,22 +61,26 @@ def reusable_keys_jit(state, x, ids, tab, pool_layer, keep_rows, *, graphdef, fr
     return x, hist, keys
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "freqs", "glob", "block", "fan", "kernels", "ffn_rows"))
+@functools.partial(jax.jit, static_argnames=("graphdef", "freqs", "glob", "block", "fan", "kernels", "topk_stages",
+                                             "ffn_rows"))
 def reusable_batch_jit(state, x, ids, tab, pool_layer, keep_rows=None, *, graphdef, freqs, glob, block, fan,
-                       kernels="", ffn_rows="run"):
-    """A reusable layer over a batch x [b, t, n, d]: the attention half vmapped over the
-    requests (tables stacked on a leading axis, one shared pool), the MoE half once over the
-    batch's rows that run it (tokens are independent there). Returns (x, histogram per request),
-    and with `keep_rows` [b, R] what decoding reads of those compact rows, per request
-    (`reusable_keys_jit`)."""
+                       kernels="", topk_stages=TOPK_STAGES, ffn_rows="run"):
+    """A reusable layer over a batch x [b, t, n, d]: the attention half request by request in
+    one loop (`lax.map`; tables stacked on a leading axis, one shared pool), each request the
+    single-request program's (`reusable_attention` with the kernels and the staged causal
+    top-k, which `vmap` would forbid: a request of thousands of rows fills the device alone),
+    then the MoE half once over the batch's rows that run it (tokens are independent there).
+    Returns (x, histogram per request), and with `keep_rows` [b, R] what decoding reads of
+    those compact rows, per request (`reusable_keys_jit`)."""
     blk = nnx.merge(graphdef, state)
 
-    def one(xx, tt, kr):
+    def one(args):
+        xx, tt, kr = args
         out = reusable_attention(blk, xx[None], tt, pool_layer, freqs=freqs, glob=np.asarray(glob), block=block,
-                                 keep_rows=kr, topk_stages=1)  # vmapped: no switch
+                                 keep_rows=kr, kernels=kernels, topk_stages=topk_stages)
         return (out[0][0], out[1]) if kr is not None else (out[0], None)
 
-    x, keys = jax.vmap(one)(x, tab, keep_rows)
+    x, keys = jax.lax.map(one, (x, tab, keep_rows))
     x, hist = reusable_ffn(blk, x, ids, tab["pos"] < tab["n_real"][:, None], fan, kernels=kernels, per_request=True,
                            **ffn_args(ffn_rows, tab, pool_layer))
     return (x, hist) if keep_rows is None else (x, hist, keys)

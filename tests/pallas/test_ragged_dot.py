@@ -182,7 +182,6 @@ def test_every_prefill_path_hands_the_moe_to_the_kernel(monkeypatch, real):
         ker = ReuseRuntime(model, prof, "fp", kernels="ragged_dot")
     xla.consumer.kernels = ref_set
     ker.consumer.kernels = "ragged_dot"
-    assert ker.consumer.batch_kernels == "ragged_dot"
 
     def same(f, what):
         n = len(calls)

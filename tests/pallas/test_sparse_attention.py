@@ -348,6 +348,7 @@ def test_pass_a_hands_the_global_heads_to_the_kernel(monkeypatch):
     * pass A itself, every row of three frames, equals the XLA form, and a window that ignores
       the frame start (keys reaching into the previous document) does not;
     * in the consumer, the RedKnot arm's logits are the XLA path's, every call with 64 heads;
+      in a batch (`prefill_batch`) too, beside the native fences' and pass B's calls;
     * `resolve_kernels` takes the name in the consumer and leaves it out where pass A does not
       exist (Engine, builds)."""
     import dataclasses
@@ -389,6 +390,12 @@ def test_pass_a_hands_the_global_heads_to_the_kernel(monkeypatch):
     got = ker.prefill(req, "redknot", require_reuse=True).logits
     assert calls and all(c[1] == sp.HEADS for c in calls)  # every pass-A call: 64 (padded) heads
     assert rel_err(got, want) < 1e-5
+    # a batch (`prefill_batch`): each request's attention as alone, both kernels (native fences, passes A and B)
+    ker.consumer.kernels = "sparse_global,sparse_attention"
+    del calls[:]
+    for r in ker.prefill_batch([req, req], "redknot", require_reuse=True):
+        assert rel_err(r.logits, want) < 1e-5
+    assert {c[1] for c in calls} == {sp.HEADS, kmodel.cfg.num_heads}
     big = dataclasses.replace(kmodel.cfg, num_heads=16, head_dim=512, rope_dim=64, o_groups=8, o_lora_rank=32)
     bmodel = random_model(big, seed=0, dtype=jnp.bfloat16)
     assert resolve_kernels("sparse_global", bmodel, 1) == "sparse_global"  # 16 heads: padded, accepted
