@@ -118,7 +118,7 @@ def main(argv=None):
         del cache, eng
     meta = dict(date=datetime.date.today().isoformat(), device=dev.device_kind, jax=jax.__version__,
                 python=platform.python_version(), peak_tflops=peak, experts=args.experts,
-                command="python launch/bench_model.py " + " ".join(argv or []))
+                command="python launch/bench_model.py " + " ".join(sys.argv[1:] if argv is None else argv))
     if args.json:
         json.dump(dict(meta=meta, rows=rows), open(args.json, "w"), indent=1)
     table = [f"| length | prefill s | prefill tok/s | TFLOP/s | MFU | decode ms/token (b=1) | decode tok/s | first call s |",

@@ -33,8 +33,8 @@ run_steps() {
   today=$(date +%Y%m%d)
   local steps=${1:-}
   if [ -z "$steps" ]; then  # what docs/benchmarks.md still lists as not measured, by device
-    if [ $d = h200 ]; then steps=ttft64,ttft128,qps,break_even,ttft256build,ttft256,decode_batch
-    else steps=ttft32,decode_batch16; fi  # 64K and command F (qps) exceed an H100's 80 GB
+    if [ $d = h200 ]; then steps=ttft64,model64,ttft128,qps,break_even,ttft256build,ttft256,decode_batch
+    else steps=ttft32,model32,decode_batch16; fi  # 64K and command F (qps) exceed an H100's 80 GB
   fi
   for s in ${steps//,/ }; do case $s in
     ttft64) step $s launch/bench_ttft.py --lengths 65536 --repeats 2 --layer-times --op-profile 2,20,40 \
@@ -47,6 +47,8 @@ run_steps() {
       --store /tmp/art --out $R/ttft_256k_fp4_${d}_$today.json ;;
     break_even) step $s launch/bench_break_even.py --preset flash-shaped --dtype bfloat16 --profile flash \
       --artifact-codec fp4 --lengths 16384,65536 --repeats 2 --out $R/break_even_${d}_$today.json ;;
+    model64|model32) step $s launch/bench_model.py --lengths $([ $s = model64 ] && echo 65536 || echo 32768) \
+      --decode-steps 16 --repeats 1 --json $R/bench_model_${s#model}k_${d}_$today.json ;;  # first call: the per-layer compile
     decode_batch) step $s launch/bench_ttft.py --lengths 32768 --repeats 1 --decode-steps 16 \
       --decode-batch 8 --no-prefix-arm --out $R/decode_batch_32k_${d}_$today.json ;;
     decode_batch16) step $s launch/bench_ttft.py --lengths 16384 --repeats 1 --tail-rows 0 --budget 0.1 \
