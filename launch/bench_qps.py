@@ -158,8 +158,10 @@ def cycles(records: list[dict], t_end: float) -> np.ndarray:
     return out
 
 
-def summarize(records: list[dict], level: int, n_boot: int, seed: int) -> dict:
-    t_end = max((r["end_s"] for r in records), default=0.0)
+def summarize(records: list[dict], level: int, n_boot: int, seed: int, duration_s: float = 0.0) -> dict:
+    """A cell's figures. The window runs from 0 to the last request's end, or to `duration_s`
+    (the clients' deadline: none starts a request after it) if that is later."""
+    t_end = max([r["end_s"] for r in records] + [duration_s])
     ok = np.array([r["status"] == 200 for r in records], np.float64)
     toks = np.array([(r.get("completion_tokens") or 0) if r["status"] == 200 else 0 for r in records], np.float64)
     cyc = cycles(records, t_end)
@@ -372,10 +374,13 @@ def equal_length_ids(admin, texts: list[str], what: str) -> list[list[int]]:
 
 
 def one_request(client: Client, model: str, doc_ids: list[str], order: list[int], prompt: str, arm: str,
-                output_len: int, t0: float, cid: int, seq: int) -> dict:
+                output_len: int, t0: float, cid: int, seq: int, deadline: float | None = None) -> dict | None:
+    """One completion, timed; None (nothing sent) when it would start at or after `deadline`."""
     body = {"model": model, "prompt": prompt, "max_tokens": output_len, "temperature": 0, "ignore_eos": True,
             "documents": [doc_ids[i] for i in order], "arm": arm}
     start = time.perf_counter()
+    if deadline is not None and start >= deadline:
+        return None
     status, resp = client.request("POST", "/v1/completions", body)
     end = time.perf_counter()
     rec = {"client": cid, "seq": seq, "start_s": start - t0, "end_s": end - t0, "status": status, "docs": order}
@@ -437,12 +442,13 @@ def run_cell(url, api_key, model, doc_ids, prompts, arm, level, args) -> dict:
         seq = 0
         while True:  # at least one request per client, so every client's cycles tile the window
             order, prompt = next(streams[c])
-            r = one_request(clients[c], model, doc_ids, order, prompt, arm, args.output_len, t0, c, seq)
+            r = one_request(clients[c], model, doc_ids, order, prompt, arm, args.output_len, t0, c, seq,
+                            deadline if seq else None)
+            if r is None:  # the window closed before it started
+                return
             with lock:
                 records.append(r)
             seq += 1
-            if time.perf_counter() >= deadline:
-                return
 
     ts = [threading.Thread(target=worker, args=(c,)) for c in range(level)]
     for t in ts:
@@ -672,7 +678,7 @@ def main(argv=None) -> dict:
                 c0, c1 = parse_counters(m0 if isinstance(m0, str) else ""), parse_counters(
                     m1 if isinstance(m1, str) else "")
                 cell["server_counter_deltas"] = {k: v - c0.get(k, 0.0) for k, v in c1.items() if v != c0.get(k, 0.0)}
-                cell["summary"] = summarize(cell["records"], level, args.bootstrap, args.seed)
+                cell["summary"] = summarize(cell["records"], level, args.bootstrap, args.seed, args.duration_s)
                 cell["warmup_errors"] = sum(r["status"] != 200 for r in cell["warmup_records"])
                 out["cells"].append(cell)
                 s = cell["summary"]
