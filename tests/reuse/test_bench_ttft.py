@@ -1,6 +1,7 @@
 """launch/bench_ttft.py end to end on CPU (tiny preset): a build-only call publishes the
 documents' artifacts to a store (--store), the timed call reads them back and runs both arms with
-host-resident artifacts streamed per layer, the per-layer profile and the cold (construction
+host-resident artifacts streamed per layer, the per-layer and op-level profiles of the three arms
+and the cold (construction
 included) RedKnot run, two kernel sets x two entry-prefix stagings timed side by side; every
 RedKnot run certified, none fell back."""
 
@@ -47,14 +48,14 @@ def test_bench_ttft_store_host_resident_cold_layers(monkeypatch, tmp_path):
     assert by["auto/stages1"]["cert"]["validated"] == 2 and not any(by["auto/stages1"]["cert"]["fallback"].values())
     # every variant answers with the same first tokens
     assert len({tuple(v["tokens"][-1]) for v in by.values()}) == 1
-    lt = row["layer_times"]  # the per-layer profile: every layer of both arms, fences named
-    assert len(lt["recompute_s"]) == len(lt["redknot_s"]) == len(lt["role"]) == len(lt["kind"])
-    assert min(lt["recompute_s"] + lt["redknot_s"]) > 0 and {"fence", "reusable"} == set(lt["role"])
+    lt = row["layer_times"]  # the per-layer profile: every layer of every arm, fences named
+    assert len(lt["recompute_s"]) == len(lt["prefix_s"]) == len(lt["redknot_s"]) == len(lt["role"]) == len(lt["kind"])
+    assert min(lt["recompute_s"] + lt["prefix_s"] + lt["redknot_s"]) > 0 and {"fence", "reusable"} == set(lt["role"])
     assert 0 < lt["redknot_controller_s"] <= lt["redknot_plan_s"]  # the host's share of the first reusable layer
-    ops = row["op_profile"]  # a fence and a reusable layer traced on their own, both arms
+    ops = row["op_profile"]  # a fence and a reusable layer traced on their own, every arm
     assert ops["layers"] == {"0": {"kind": "sliding_attention", "role": "fence"},
                              "2": {"kind": "heavily_compressed_attention", "role": "reusable"}}
-    for arm in ("recompute", "redknot"):
+    for arm in ("recompute", "prefix", "redknot"):
         for layer in ("0", "2"):
             s = ops[arm][layer]
             assert s["ops"] > 0 and s["ops_ms"] > 0 and s["top"], (arm, layer)
