@@ -34,7 +34,7 @@ run_steps() {
   local steps=${1:-}
   if [ -z "$steps" ]; then  # what docs/benchmarks.md still lists as not measured, by device
     if [ $d = h200 ]; then steps=ttft64,model64,ttft128,qps,break_even,ttft256build,ttft256,decode_batch
-    else steps=ttft32,model32,decode_batch16; fi  # 64K and command F (qps) exceed an H100's 80 GB
+    else steps=decode_batch16,ttft32,model32; fi  # 64K and command F (qps) exceed an H100's 80 GB
   fi
   for s in ${steps//,/ }; do case $s in
     ttft64) step $s launch/bench_ttft.py --lengths 65536 --repeats 2 --layer-times --op-profile 2,20,40 \
