@@ -275,7 +275,8 @@ def main(argv=None):
                          "1 scores every entry); several as '1,4' are timed side by side like kernel sets, "
                          "keyed 'SET/stagesN'")
     ap.add_argument("--layer-times", action="store_true",
-                    help="after the timed runs, one profile run per arm (the prefix arm too, unless --no-prefix-arm) that waits for every layer: per-layer seconds")
+                    help="after the timed runs, one profile run per arm (the prefix arm too, unless "
+                         "--no-prefix-arm) that waits for every layer: per-layer seconds")
     ap.add_argument("--op-profile", metavar="LAYERS",
                     help="comma-separated layer indices: after the timed runs, one more run per arm in which each "
                          "of these layers runs inside a jax.profiler trace of its own (OUT.traces/); the JSON gets "

@@ -489,9 +489,9 @@ class Consumer:
         (its query rows only), layouts padded to the batch's common sizes, a reusable layer's
         attention request by request inside its call (`reusable_batch_jit`: the kernels and the
         staged top-k of a request alone); each request's exact prefix computed in no layer
-        (`redknot`). Returns [(logits [q, vocab], fan-out histogram)] per request, equal to `redknot` request by request, and
-        with `decode_rows` > 0 each request's `DecodeState` too (caches of the batch's common
-        capacity; `decode_step` then runs each request on its own)."""
+        (`redknot`). Returns [(logits [q, vocab], fan-out histogram)] per request, equal to
+        `redknot` request by request, and with `decode_rows` > 0 each request's `DecodeState` too
+        (caches of the batch's common capacity; `decode_step` then runs each request on its own)."""
         return run_steps(self.redknot_batch_steps(plans, token_lists, pool, decode_rows))
 
     def redknot_batch_steps(self, plans: list[Plan], token_lists, pool: DocPool, decode_rows: int = 0):
