@@ -33,12 +33,14 @@ run_steps() {
   today=$(date +%Y%m%d)
   local steps=${1:-}
   if [ -z "$steps" ]; then  # what docs/benchmarks.md still lists as not measured, by device
-    if [ $d = h200 ]; then steps=ttft64,model64,ttft128,qps,break_even,ttft256build,ttft256,decode_batch
-    else steps=decode_batch16,ttft32,model32; fi  # 64K and command F (qps) exceed an H100's 80 GB
+    if [ $d = h200 ]; then steps=pass_a,ttft64,model64,ttft128,qps,break_even,ttft256build,ttft256,decode_batch
+    else steps=pass_a,ttft32,decode_batch16,model32; fi  # 64K and command F (qps) exceed an H100's 80 GB
   fi
   for s in ${steps//,/ }; do case $s in
-    ttft64) step $s launch/bench_ttft.py --lengths 65536 --repeats 2 --layer-times --op-profile 2,20,40 \
+    ttft64) step $s launch/bench_ttft.py --lengths 65536 --repeats 2 --layer-times --op-profile 2,20,21,40 \
       --profiles tail0-b10-omit,tail0-b10-restore,default --out $R/ttft_64k_modes_${d}_$today.json ;;
+    pass_a) step $s launch/bench_pass_a.py --length 65536 --call-rows 256,4096,8192,16384 \
+      --json $R/pass_a_64k_${d}_$today.json ;;
     ttft128) step $s launch/bench_ttft.py --lengths 131072 --repeats 2 --profiles tail0-b10-omit-fp4,fp4 \
       --out $R/ttft_128k_fp4_${d}_$today.json ;;
     ttft256build) step $s launch/bench_ttft.py --lengths 262144 --profiles tail0-b10-omit-fp4 \
@@ -53,7 +55,7 @@ run_steps() {
       --decode-batch 8 --no-prefix-arm --out $R/decode_batch_32k_${d}_$today.json ;;
     decode_batch16) step $s launch/bench_ttft.py --lengths 16384 --repeats 1 --tail-rows 0 --budget 0.1 \
       --decode-steps 8 --decode-batch 4 --no-prefix-arm --out $R/decode_batch_16k_${d}_$today.json ;;
-    ttft32) step $s launch/bench_ttft.py --lengths 32768 --repeats 2 --layer-times --op-profile 2,20,40 \
+    ttft32) step $s launch/bench_ttft.py --lengths 32768 --repeats 2 --layer-times --op-profile 2,20,21,40 \
       --profiles tail0-b10-omit-fp4,tail0-b10-restore-fp4,fp4 --out $R/ttft_32k_fp4_${d}_$today.json ;;
     qps)  # issue #46's command F at 1 / 4 / 16 clients; the server's wheels carried in .whl/ (docs/benchmarks.md)
       pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl >> $R/chain.log 2>&1

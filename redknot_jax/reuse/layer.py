@@ -100,15 +100,17 @@ def online_entries(comp, proj_kv, proj_gate, ring, tab, freqs, own_slot=None):
 
 
 # ---------------------------------------------------------------------------------- passes A and B
-def pass_a(q, tab, kv_abs, ents, sink, scale, kind, block, window, csa_ids, sparse: bool = False):
+def pass_a(q, tab, kv_abs, ents, sink, scale, kind, block, window, csa_ids, sparse: bool = False,
+           call_rows: int | None = None):
     """Global heads of every row: own frame's window, document-local top-k, visible HCA.
     `sparse` (CSA): by `pallas.sparse_attention` over one table of the request's latents and
     entries, the heads padded to the kernel's 64 (zero queries, outputs dropped): the kernel
     reads each key in place where XLA gathers a [block, top-k, k] tensor, and its time is the
-    gather's, not the padded heads' products."""
+    gather's, not the padded heads' products; `call_rows`: its rows per kernel call at most
+    (default `PASS_A_ROWS`)."""
     t = q.shape[0]
     if sparse and kind == CSA:
-        return _pass_a_sparse(q, tab, kv_abs, ents, sink, scale, block, window, csa_ids)
+        return _pass_a_sparse(q, tab, kv_abs, ents, sink, scale, window, csa_ids, call_rows)
     pad = jnp.zeros((window, kv_abs.shape[1]), kv_abs.dtype)
     ext = jnp.concatenate([pad, kv_abs])
     ext_frame = jnp.concatenate([jnp.full((window,), -1, jnp.int32), tab["key_frame"]])
@@ -146,31 +148,39 @@ def _frame_first(key_frame, frame):
     return jnp.searchsorted(key_frame, frame, side="left").astype(jnp.int32)
 
 
-def _pass_a_sparse(q, tab, kv_abs, ents, sink, scale, block, window, csa_ids):
+PASS_A_ROWS = 8192  # rows per gathered-key kernel call in a CSA layer's pass A (at most)
+
+
+def _pass_a_sparse(q, tab, kv_abs, ents, sink, scale, window, csa_ids, call_rows=None):
     """`pass_a` of a CSA layer by the gathered-key kernel. Per row its key list: the window rows
     of its own frame (positions p - j, j < min(window, p - frame start + 1), nearest first),
-    then its document-local top-k entries (valid first, as the artifact's picks are stored)."""
+    then its document-local top-k entries (valid first, as the artifact's picks are stored).
+    The kernel's rows are independent (one CTA each), so it runs over all rows in as few calls
+    of at most `call_rows` (default `PASS_A_ROWS`) rows as there can be, static slices of
+    equal size (the last padded, its padding rows given no keys), not in a loop over query
+    blocks: a loop step per 256-row block cost more than the kernel at 32K on the H100 (the op
+    profile in docs/benchmarks.md); the cap bounds the padded queries and outputs a call holds."""
     t, nh, _ = q.shape
+    n = -(-t // (call_rows or PASS_A_ROWS))
+    rows = -(-t // n)
     T = kv_abs.shape[0]
     table = jnp.concatenate([kv_abs, ents[0].astype(kv_abs.dtype)])
     end = ents[1]
-    first = _frame_first(tab["key_frame"], tab["frame"])
-    qp = jnp.pad(q, ((0, 0), (0, SPARSE_HEADS - nh), (0, 0)))
     sp = jnp.pad(sink, (0, SPARSE_HEADS - nh))
+    first = _frame_first(tab["key_frame"], tab["frame"])
+    pad = lambda a, fill=0: jnp.pad(a, ((0, n * rows - t),) + ((0, 0),) * (a.ndim - 1), constant_values=fill)
+    qp = pad(jnp.pad(q, ((0, 0), (0, SPARSE_HEADS - nh), (0, 0))))
+    pos, first, csa_ids = pad(tab["pos"]), pad(first, np.iinfo(np.int32).max), pad(csa_ids, -1)  # padding: no keys
 
-    def run(start):
-        qb = jax.lax.dynamic_slice_in_dim(qp, start, block)
-        pb = jax.lax.dynamic_slice_in_dim(tab["pos"], start, block)
-        fb = jax.lax.dynamic_slice_in_dim(first, start, block)
-        ids = jax.lax.dynamic_slice_in_dim(csa_ids, start, block)
+    def run(r):
+        pb, fb, ids = pos[r: r + rows], first[r: r + rows], csa_ids[r: r + rows]
         safe = jnp.maximum(ids, 0)
         ok = (ids >= 0) & (end[safe] <= pb[:, None])
         win = pb[:, None] - jnp.arange(window)[None, :]
         idx, count = row_lists(win, jnp.clip(pb - fb + 1, 0, window), T + safe, jnp.sum(ok, -1))
-        return sparse_attention(qb, table, idx, count, sp, scale=scale)[0][:, :nh]
+        return sparse_attention(qp[r: r + rows], table, idx, count, sp, scale=scale)[0][:, :nh]
 
-    n = t // block
-    return run(0) if n == 1 else jax.lax.map(run, jnp.arange(n) * block).reshape(t, *q.shape[1:])
+    return jnp.concatenate([run(r) for r in range(0, n * rows, rows)])[:t]
 
 
 def pass_b(q, pos, window_keys, ents, idx, sink, scale, kind, block, window, topk, scores=index_scores,

@@ -366,7 +366,10 @@ def test_pass_a_hands_the_global_heads_to_the_kernel(monkeypatch):
     args = _pass_a_problem(t=64, nh=2, k=k, n_ent=16, topk=4, window=8, block=block, frames=(20, 24, 20))
     want = layer.pass_a(*args)
     assert rel_err(layer.pass_a(*args, sparse=True), want) < 1e-5
-    assert calls and all(c == (block, sp.HEADS, k) for c in calls)
+    assert calls == [(64, sp.HEADS, k)]  # every row in one call
+    del calls[:]  # in calls of at most 24 rows: 3 of 22, the last padded
+    assert rel_err(layer.pass_a(*args, sparse=True, call_rows=24), want) < 1e-5
+    assert calls == [(22, sp.HEADS, k)] * 3
     # the rows after a 16-row exact prefix: the same outputs as those rows of the full pass, both forms
     after = _pass_a_problem(t=64, nh=2, k=k, n_ent=16, topk=4, window=8, block=block, frames=(20, 24, 20),
                             first=16)
