@@ -156,10 +156,11 @@ def _pass_a_sparse(q, tab, kv_abs, ents, sink, scale, window, csa_ids, call_rows
     of its own frame (positions p - j, j < min(window, p - frame start + 1), nearest first),
     then its document-local top-k entries (valid first, as the artifact's picks are stored).
     The kernel's rows are independent (one CTA each), so it runs over all rows in as few calls
-    of at most `call_rows` (default `PASS_A_ROWS`) rows as there can be, static slices of
-    equal size (the last padded, its padding rows given no keys), not in a loop over query
-    blocks: a loop step per 256-row block cost more than the kernel at 32K on the H100 (the op
-    profile in docs/benchmarks.md); the cap bounds the padded queries and outputs a call holds."""
+    of at most `call_rows` (default `PASS_A_ROWS`) rows as there can be, of equal size (the
+    last padded, its padding rows given no keys), one loop step each, not a step per query
+    block: a step per 256-row block cost more than the kernel at 32K on the H100 (the op profile
+    in docs/benchmarks.md). A loop, not unrolled calls: each call site compiles its own kernel.
+    The cap bounds the padded queries and outputs a call holds."""
     t, nh, _ = q.shape
     n = -(-t // (call_rows or PASS_A_ROWS))
     rows = -(-t // n)
@@ -167,20 +168,22 @@ def _pass_a_sparse(q, tab, kv_abs, ents, sink, scale, window, csa_ids, call_rows
     table = jnp.concatenate([kv_abs, ents[0].astype(kv_abs.dtype)])
     end = ents[1]
     sp = jnp.pad(sink, (0, SPARSE_HEADS - nh))
+    split = lambda a, fill=0: jnp.pad(a, ((0, n * rows - t),) + ((0, 0),) * (a.ndim - 1),
+                                      constant_values=fill).reshape(n, rows, *a.shape[1:])
     first = _frame_first(tab["key_frame"], tab["frame"])
-    pad = lambda a, fill=0: jnp.pad(a, ((0, n * rows - t),) + ((0, 0),) * (a.ndim - 1), constant_values=fill)
-    qp = pad(jnp.pad(q, ((0, 0), (0, SPARSE_HEADS - nh), (0, 0))))
-    pos, first, csa_ids = pad(tab["pos"]), pad(first, np.iinfo(np.int32).max), pad(csa_ids, -1)  # padding: no keys
+    xs = (split(jnp.pad(q, ((0, 0), (0, SPARSE_HEADS - nh), (0, 0)))), split(tab["pos"]),
+          split(first, np.iinfo(np.int32).max), split(csa_ids, -1))  # a padding row: no keys
 
-    def run(r):
-        pb, fb, ids = pos[r: r + rows], first[r: r + rows], csa_ids[r: r + rows]
+    def run(x):
+        qb, pb, fb, ids = x
         safe = jnp.maximum(ids, 0)
         ok = (ids >= 0) & (end[safe] <= pb[:, None])
         win = pb[:, None] - jnp.arange(window)[None, :]
         idx, count = row_lists(win, jnp.clip(pb - fb + 1, 0, window), T + safe, jnp.sum(ok, -1))
-        return sparse_attention(qp[r: r + rows], table, idx, count, sp, scale=scale)[0][:, :nh]
+        return sparse_attention(qb, table, idx, count, sp, scale=scale)[0][:, :nh]
 
-    return jnp.concatenate([run(r) for r in range(0, n * rows, rows)])[:t]
+    o = run(jax.tree.map(lambda a: a[0], xs)) if n == 1 else jax.lax.map(run, xs).reshape(n * rows, *q.shape[1:])
+    return o[:t]
 
 
 def pass_b(q, pos, window_keys, ents, idx, sink, scale, kind, block, window, topk, scores=index_scores,

@@ -369,7 +369,7 @@ def test_pass_a_hands_the_global_heads_to_the_kernel(monkeypatch):
     assert calls == [(64, sp.HEADS, k)]  # every row in one call
     del calls[:]  # in calls of at most 24 rows: 3 of 22, the last padded
     assert rel_err(layer.pass_a(*args, sparse=True, call_rows=24), want) < 1e-5
-    assert calls == [(22, sp.HEADS, k)] * 3
+    assert calls == [(22, sp.HEADS, k)]  # traced once: a loop of 3 steps
     # the rows after a 16-row exact prefix: the same outputs as those rows of the full pass, both forms
     after = _pass_a_problem(t=64, nh=2, k=k, n_ent=16, topk=4, window=8, block=block, frames=(20, 24, 20),
                             first=16)
