@@ -4,13 +4,13 @@ timed side by side:
 * CSA (the document's top-512 entries per row) through the gathered-key kernel, heads padded to
   its 64, for several rows-per-call caps (`call_rows`; the consumer's default is
   `layer.PASS_A_ROWS`, 256 = the query block it used to loop over), beside the XLA form;
-* HCA (every visible entry, rate 128) in XLA for several query blocks (`--hca-blocks`; the
-  consumer's is 256): a larger block takes fewer loop steps but more masked window keys.
+* HCA (every visible entry, rate 128) in XLA for several rows-per-step caps (`--hca-rows`, the
+  same `call_rows`; 256 = the query block it used to loop over).
 Documents of --doc rows each, the first an exact prefix (its rows are keys, not queries); a CSA
 row's picks are among the entries its document had closed before it. Every variant's output is
 checked against the first of its kind (CSA: the XLA form).
 
-    python launch/bench_pass_a.py --length 65536 --call-rows 256,8192 --hca-blocks 256,1024 --json pass_a.json
+    python launch/bench_pass_a.py --length 65536 --call-rows 256,8192 --hca-rows 256,8192 --json pass_a.json
 """
 
 from __future__ import annotations
@@ -62,34 +62,31 @@ def timed(fn, xs, want):
 
 def main(argv=None):
     ap = _cli.parser(__doc__, __file__,
-                     "python launch/bench_pass_a.py --length 65536 --call-rows 256,8192 --hca-blocks 256,1024 --json pass_a.json")
+                     "python launch/bench_pass_a.py --length 65536 --call-rows 256,8192 --hca-rows 256,8192 --json pass_a.json")
     ap.add_argument("--length", type=int, default=32768, help="key rows (the request)")
     ap.add_argument("--doc", type=int, default=8192, help="rows per document")
     ap.add_argument("--call-rows", default="256,8192", help="CSA: the kernel's rows-per-call caps, comma list")
-    ap.add_argument("--hca-blocks", default="256,1024", help="HCA: XLA query blocks, comma list (each dividing the "
-                                                             "computed rows)")
+    ap.add_argument("--hca-rows", default="256,8192", help="HCA: XLA rows-per-step caps, comma list")
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
     if a.length % a.doc or a.length <= a.doc:
         ap.error(f"--length {a.length}: expected a multiple of --doc {a.doc} above it")
     caps = [int(v) for v in a.call_rows.split(",") if v]
-    blocks = [int(v) for v in a.hca_blocks.split(",") if v]
-    if bad := [b for b in blocks if (a.length - a.doc) % b]:
-        ap.error(f"--hca-blocks {bad}: each must divide the {a.length - a.doc} computed rows")
+    blocks = [int(v) for v in a.hca_rows.split(",") if v]
     rows = []
     for kind, variants in ((CSA, [None] + caps if caps else []), (HCA, blocks)):
         if not variants:
             continue
         args = problem(a.length, a.doc, kind)
         xs, want = (*args[:5], args[9]), None
-        for v in variants:  # CSA: None = the XLA form, else a kernel cap; HCA: a block
-            sparse, block = kind == CSA and v is not None, v if kind == HCA else 256
-            fn = jax.jit(lambda q, tab, kv, ents, sink, ids, sparse=sparse, block=block, v=v: layer.pass_a(
-                q, tab, kv, ents, sink, args[5], kind, block, args[8], ids, sparse=sparse, call_rows=v))
+        for v in variants:  # CSA: None = the XLA form, else a kernel cap; HCA: an XLA cap
+            sparse = kind == CSA and v is not None
+            fn = jax.jit(lambda q, tab, kv, ents, sink, ids, sparse=sparse, v=v: layer.pass_a(
+                q, tab, kv, ents, sink, *args[5:9], ids, sparse=sparse, call_rows=v))
             ms, first_s, o, err = timed(fn, xs, want)
             want = o if want is None else want
-            rows.append(dict(kind=kind, form="kernel" if sparse else "xla", rows_per_step=v if sparse else block,
-                             steps=-(-o.shape[0] // (v if sparse else block)), ms=ms, first_call_s=first_s,
+            rows.append(dict(kind=kind, form="kernel" if sparse else "xla", rows_per_step=v or 256,
+                             steps=-(-o.shape[0] // (v or 256)), ms=ms, first_call_s=first_s,
                              rel_err_vs_first=err))
             print(f"{kind} {rows[-1]['form']} {rows[-1]['rows_per_step']} rows per step: {ms:.2f} ms "
                   f"({rows[-1]['steps']} steps), vs the first {err:.1e}", flush=True)

@@ -39,7 +39,7 @@ run_steps() {
   for s in ${steps//,/ }; do case $s in
     ttft64) step $s launch/bench_ttft.py --lengths 65536 --repeats 2 --layer-times --op-profile 2,20,21,40 \
       --profiles tail0-b10-omit,tail0-b10-restore,default --out $R/ttft_64k_modes_${d}_$today.json ;;
-    pass_a) step $s launch/bench_pass_a.py --length 65536 --call-rows 256,4096,8192,16384 --hca-blocks 256,512,1024,2048 \
+    pass_a) step $s launch/bench_pass_a.py --length 65536 --call-rows 256,4096,8192,16384 --hca-rows 256,2048,8192 \
       --json $R/pass_a_64k_${d}_$today.json ;;
     ttft128) step $s launch/bench_ttft.py --lengths 131072 --repeats 2 --profiles tail0-b10-omit-fp4,fp4 \
       --out $R/ttft_128k_fp4_${d}_$today.json ;;

@@ -106,40 +106,54 @@ def pass_a(q, tab, kv_abs, ents, sink, scale, kind, block, window, csa_ids, spar
     `sparse` (CSA): by `pallas.sparse_attention` over one table of the request's latents and
     entries, the heads padded to the kernel's 64 (zero queries, outputs dropped): the kernel
     reads each key in place where XLA gathers a [block, top-k, k] tensor, and its time is the
-    gather's, not the padded heads' products; `call_rows`: its rows per kernel call at most
-    (default `PASS_A_ROWS`)."""
-    t = q.shape[0]
+    gather's, not the padded heads' products.
+
+    In XLA the rows run in loop steps of equal size (the last padded): a CSA layer's of `block`
+    rows (it gathers [rows, top-k, k] keys), any other's of up to `call_rows` (default
+    `PASS_A_ROWS`; its entries are shared by every row, and a step per 256-row block cost more
+    than the attention at 32K on the H100, docs/benchmarks.md). Within a step the window is
+    banded: rows in bands of `window`, each band's keys the latents of its own and the previous
+    band's positions (2 x window keys, masked to the row's window and frame), so no [rows, rows]
+    tensor exists. The sparse form's `call_rows` is its rows per kernel call at most."""
+    t, h, k = q.shape
     if sparse and kind == CSA:
         return _pass_a_sparse(q, tab, kv_abs, ents, sink, scale, window, csa_ids, call_rows)
-    pad = jnp.zeros((window, kv_abs.shape[1]), kv_abs.dtype)
-    ext = jnp.concatenate([pad, kv_abs])
-    ext_frame = jnp.concatenate([jnp.full((window,), -1, jnp.int32), tab["key_frame"]])
+    w = window
+    n = -(-t // (block if kind == CSA else max(call_rows or PASS_A_ROWS, w)))
+    rows = -(-t // (n * w)) * w  # a step's rows: whole bands
+    n = -(-t // rows)
+    nb, pad = rows // w, n * rows - t
     p0 = tab["pos"][0]  # the computed rows are key rows p0 .. p0 + t - 1
+    ext = jnp.pad(kv_abs, ((w, pad + w), (0, 0)))  # key row p at w + p
+    ext_frame = jnp.pad(tab["key_frame"], (w, pad + w), constant_values=-1)
+    split = lambda a, fill: jnp.pad(a, ((0, pad),) + ((0, 0),) * (a.ndim - 1), constant_values=fill).reshape(
+        n, nb, w, *a.shape[1:])
+    bands = lambda a: jnp.concatenate([a[:-w].reshape(nb, w, *a.shape[1:]), a[w:].reshape(nb, w, *a.shape[1:])], 1)
+    xs = (jnp.arange(n) * rows, split(q, 0), split(tab["frame"], -2))  # a padding row: no window key
+    if kind == CSA:
+        xs += (split(csa_ids, -1),)
 
-    def run(start):
-        qb = jax.lax.dynamic_slice_in_dim(q, start, block)
-        pb = p0 + start + jnp.arange(block)
-        fb = jax.lax.dynamic_slice_in_dim(tab["frame"], start, block)
-        wk = jax.lax.dynamic_slice_in_dim(ext, p0 + start, block + window)
-        wf = jax.lax.dynamic_slice_in_dim(ext_frame, p0 + start, block + window)
-        wp = p0 + start - window + jnp.arange(block + window)
-        wm = (wp[None] <= pb[:, None]) & (wp[None] > pb[:, None] - window) & (wf[None] == fb[:, None])
-        sets = [(wk[None], wm[None, :, None, :], "bthk,bsk->bths")]
+    def run(x):
+        start, qb, fb = x[:3]
+        pb = p0 + start + jnp.arange(rows).reshape(nb, w)
+        kk = bands(jax.lax.dynamic_slice_in_dim(ext, p0 + start, rows + w))  # [nb, 2w, k]: positions below
+        kf = bands(jax.lax.dynamic_slice_in_dim(ext_frame, p0 + start, rows + w))
+        kp = bands(p0 + start - w + jnp.arange(rows + w))
+        wm = (kp[:, None] <= pb[..., None]) & (kp[:, None] > pb[..., None] - w) & (kf[:, None] == fb[..., None])
+        sets = [(kk, wm[:, :, None, :], "bthk,bsk->bths")]
         if kind == HCA:
             e, end = ents
-            sets.append((e[None].astype(q.dtype), (end[None] <= pb[:, None])[None, :, None, :], "bthk,bwk->bthw"))
+            sets.append((e.astype(q.dtype), (end <= pb[..., None])[:, :, None, :], "bthk,wk->bthw"))
         elif kind == CSA:
             e, end = ents
-            ids = jax.lax.dynamic_slice_in_dim(csa_ids, start, block)
-            safe = jnp.maximum(ids, 0)
-            ok = (ids >= 0) & (end[safe] <= pb[:, None])
-            sets.append((e[safe][None].astype(q.dtype), ok[None, :, None, :], "bthk,btwk->bthw"))
-        o, _ = sink_softmax_attend(qb[None], sets, sink, scale)
-        return o[0].astype(q.dtype)
+            safe = jnp.maximum(x[3], 0)
+            ok = (x[3] >= 0) & (end[safe] <= pb[..., None])
+            sets.append((e[safe].astype(q.dtype), ok[:, :, None, :], "bthk,btwk->bthw"))
+        o, _ = sink_softmax_attend(qb, sets, sink, scale)
+        return o.astype(q.dtype).reshape(rows, h, k)
 
-    n = t // block
-    o = run(0) if n == 1 else jax.lax.map(run, jnp.arange(n) * block).reshape(t, *q.shape[1:])
-    return o
+    o = run(jax.tree.map(lambda a: a[0], xs)) if n == 1 else jax.lax.map(run, xs).reshape(n * rows, h, k)
+    return o[:t]
 
 
 def _frame_first(key_frame, frame):

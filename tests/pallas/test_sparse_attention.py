@@ -324,6 +324,29 @@ def _pass_a_problem(*, t, nh, k, n_ent, topk, window, block, frames, dtype=jnp.f
             f(nh).astype(jnp.float32), k ** -0.5, CSA, block, window, jnp.asarray(ids[first:]))
 
 
+def test_pass_a_xla_equals_dense_attention():
+    """Pass A's XLA form (banded windows, loop steps of whole bands, the last padded) equals
+    one dense masked attention over every key row and entry, for an HCA layer (entries shared
+    by every row) in one step and in three, and for a CSA layer (its steps of `block` rows)."""
+    from redknot_jax.attention import sink_softmax_attend
+    from redknot_jax.config import HCA
+    from redknot_jax.reuse import layer
+
+    args = _pass_a_problem(t=64, nh=2, k=32, n_ent=16, topk=4, window=8, block=16, frames=(20, 24, 20), first=13)
+    q, tab, kv, (e, end), sink, scale, _, _, w, ids = args
+    p, f, kp = tab["pos"][:, None], tab["frame"][:, None], jnp.arange(kv.shape[0])[None]
+    win = ((kp <= p) & (kp > p - w) & (tab["key_frame"][None] == f))[None, :, None, :]
+    dense = lambda ent_keys, ent_mask, eq: sink_softmax_attend(
+        q[None], [(kv[None], win, "bthk,bsk->bths"), (ent_keys, ent_mask, eq)], sink, scale)[0][0]
+    want = dense(e[None], (end[None] <= p)[None, :, None, :], "bthk,bwk->bthw")
+    hca = args[:6] + (HCA,) + args[7:]
+    assert rel_err(layer.pass_a(*hca), want) < 1e-6
+    assert rel_err(layer.pass_a(*hca, call_rows=20), want) < 1e-6  # 51 rows: 3 steps of 24 (bands of 8), padded
+    safe = jnp.maximum(ids, 0)
+    want = dense(e[safe][None], ((ids >= 0) & (end[safe] <= p))[None, :, None, :], "bthk,btwk->bthw")
+    assert rel_err(layer.pass_a(*args), want) < 1e-6
+
+
 @pytest.mark.gpu
 def test_pass_a_kernel_matches_xla_gpu():
     """Pass A with the kernel itself (8 Global heads padded to 64, head dim 512, bf16, 640 keys
