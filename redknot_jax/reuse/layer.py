@@ -100,6 +100,9 @@ def online_entries(comp, proj_kv, proj_gate, ring, tab, freqs, own_slot=None):
 
 
 # ---------------------------------------------------------------------------------- passes A and B
+PASS_A_ROWS = 8192  # pass A's rows per loop step at most (the kernel's calls; XLA's, but a CSA layer's)
+
+
 def pass_a(q, tab, kv_abs, ents, sink, scale, kind, block, window, csa_ids, sparse: bool = False,
            call_rows: int | None = None):
     """Global heads of every row: own frame's window, document-local top-k, visible HCA.
@@ -119,26 +122,21 @@ def pass_a(q, tab, kv_abs, ents, sink, scale, kind, block, window, csa_ids, spar
     if sparse and kind == CSA:
         return _pass_a_sparse(q, tab, kv_abs, ents, sink, scale, window, csa_ids, call_rows)
     w = window
-    n = -(-t // (block if kind == CSA else max(call_rows or PASS_A_ROWS, w)))
-    rows = -(-t // (n * w)) * w  # a step's rows: whole bands
-    n = -(-t // rows)
-    nb, pad = rows // w, n * rows - t
     p0 = tab["pos"][0]  # the computed rows are key rows p0 .. p0 + t - 1
-    ext = jnp.pad(kv_abs, ((w, pad + w), (0, 0)))  # key row p at w + p
-    ext_frame = jnp.pad(tab["key_frame"], (w, pad + w), constant_values=-1)
-    split = lambda a, fill: jnp.pad(a, ((0, pad),) + ((0, 0),) * (a.ndim - 1), constant_values=fill).reshape(
-        n, nb, w, *a.shape[1:])
-    bands = lambda a: jnp.concatenate([a[:-w].reshape(nb, w, *a.shape[1:]), a[w:].reshape(nb, w, *a.shape[1:])], 1)
-    xs = (jnp.arange(n) * rows, split(q, 0), split(tab["frame"], -2))  # a padding row: no window key
-    if kind == CSA:
-        xs += (split(csa_ids, -1),)
+    ext = jnp.pad(kv_abs, ((w, t + 2 * w), (0, 0)))  # key row p at w + p (a step's padding rows read past T)
+    ext_frame = jnp.pad(tab["key_frame"], (w, t + 2 * w), constant_values=-1)
+    arrays = [(q, 0), (tab["frame"], -2)] + ([(csa_ids, -1)] if kind == CSA else [])  # a padding row: no key
 
     def run(x):
         start, qb, fb = x[:3]
+        rows = qb.shape[0]
+        nb = rows // w
+        bands = lambda a: jnp.concatenate([a[:-w].reshape(nb, w, *a.shape[1:]), a[w:].reshape(nb, w, *a.shape[1:])], 1)
         pb = p0 + start + jnp.arange(rows).reshape(nb, w)
         kk = bands(jax.lax.dynamic_slice_in_dim(ext, p0 + start, rows + w))  # [nb, 2w, k]: positions below
         kf = bands(jax.lax.dynamic_slice_in_dim(ext_frame, p0 + start, rows + w))
         kp = bands(p0 + start - w + jnp.arange(rows + w))
+        fb = fb.reshape(nb, w)
         wm = (kp[:, None] <= pb[..., None]) & (kp[:, None] > pb[..., None] - w) & (kf[:, None] == fb[..., None])
         sets = [(kk, wm[:, :, None, :], "bthk,bsk->bths")]
         if kind == HCA:
@@ -146,23 +144,38 @@ def pass_a(q, tab, kv_abs, ents, sink, scale, kind, block, window, csa_ids, spar
             sets.append((e.astype(q.dtype), (end <= pb[..., None])[:, :, None, :], "bthk,wk->bthw"))
         elif kind == CSA:
             e, end = ents
-            safe = jnp.maximum(x[3], 0)
-            ok = (x[3] >= 0) & (end[safe] <= pb[..., None])
+            ids = x[3].reshape(nb, w, -1)
+            safe = jnp.maximum(ids, 0)
+            ok = (ids >= 0) & (end[safe] <= pb[..., None])
             sets.append((e[safe].astype(q.dtype), ok[:, :, None, :], "bthk,btwk->bthw"))
-        o, _ = sink_softmax_attend(qb, sets, sink, scale)
+        o, _ = sink_softmax_attend(qb.reshape(nb, w, h, k), sets, sink, scale)
         return o.astype(q.dtype).reshape(rows, h, k)
 
-    o = run(jax.tree.map(lambda a: a[0], xs)) if n == 1 else jax.lax.map(run, xs).reshape(n * rows, h, k)
-    return o[:t]
+    return in_steps(run, arrays, t, block if kind == CSA else call_rows or PASS_A_ROWS, unit=w)
+
+
+def in_steps(run, arrays, t: int, cap: int, unit: int = 1):
+    """`run` over t rows in as few loop steps of equal size, whole `unit`s of at most `cap` rows
+    (or one unit), as there can be: `arrays` ([t, ...] each, given with its padding value) padded
+    to n x rows and cut into steps; run((row offset, *their step slices)) -> [rows, ...]; the steps'
+    outputs joined and cut to t rows. One step: no loop; else a `lax.map`, one compiled body
+    (unrolled calls would compile a Mosaic kernel each)."""
+    n = -(-t // max(cap, unit))
+    rows = -(-t // (n * unit)) * unit
+    n = -(-t // rows)
+    xs = (jnp.arange(n) * rows,) + tuple(
+        jnp.pad(a, ((0, n * rows - t),) + ((0, 0),) * (a.ndim - 1), constant_values=fill).reshape(n, rows, *a.shape[1:])
+        for a, fill in arrays)
+    if n == 1:
+        return run(jax.tree.map(lambda a: a[0], xs))[:t]
+    o = jax.lax.map(run, xs)
+    return o.reshape(n * rows, *o.shape[2:])[:t]
 
 
 def _frame_first(key_frame, frame):
     """Each computed row's frame's first key row, from the frame index per key row
     (nondecreasing) and per computed row."""
     return jnp.searchsorted(key_frame, frame, side="left").astype(jnp.int32)
-
-
-PASS_A_ROWS = 8192  # rows per gathered-key kernel call in a CSA layer's pass A (at most)
 
 
 def _pass_a_sparse(q, tab, kv_abs, ents, sink, scale, window, csa_ids, call_rows=None):
@@ -173,31 +186,25 @@ def _pass_a_sparse(q, tab, kv_abs, ents, sink, scale, window, csa_ids, call_rows
     of at most `call_rows` (default `PASS_A_ROWS`) rows as there can be, of equal size (the
     last padded, its padding rows given no keys), one loop step each, not a step per query
     block: a step per 256-row block cost more than the kernel at 32K on the H100 (the op profile
-    in docs/benchmarks.md). A loop, not unrolled calls: each call site compiles its own kernel.
-    The cap bounds the padded queries and outputs a call holds."""
+    in docs/benchmarks.md). The cap bounds the padded queries and outputs a call holds."""
     t, nh, _ = q.shape
-    n = -(-t // (call_rows or PASS_A_ROWS))
-    rows = -(-t // n)
     T = kv_abs.shape[0]
     table = jnp.concatenate([kv_abs, ents[0].astype(kv_abs.dtype)])
     end = ents[1]
     sp = jnp.pad(sink, (0, SPARSE_HEADS - nh))
-    split = lambda a, fill=0: jnp.pad(a, ((0, n * rows - t),) + ((0, 0),) * (a.ndim - 1),
-                                      constant_values=fill).reshape(n, rows, *a.shape[1:])
     first = _frame_first(tab["key_frame"], tab["frame"])
-    xs = (split(jnp.pad(q, ((0, 0), (0, SPARSE_HEADS - nh), (0, 0)))), split(tab["pos"]),
-          split(first, np.iinfo(np.int32).max), split(csa_ids, -1))  # a padding row: no keys
+    arrays = [(jnp.pad(q, ((0, 0), (0, SPARSE_HEADS - nh), (0, 0))), 0), (tab["pos"], 0),
+              (first, np.iinfo(np.int32).max), (csa_ids, -1)]  # a padding row: no keys
 
     def run(x):
-        qb, pb, fb, ids = x
+        _, qb, pb, fb, ids = x
         safe = jnp.maximum(ids, 0)
         ok = (ids >= 0) & (end[safe] <= pb[:, None])
         win = pb[:, None] - jnp.arange(window)[None, :]
         idx, count = row_lists(win, jnp.clip(pb - fb + 1, 0, window), T + safe, jnp.sum(ok, -1))
         return sparse_attention(qb, table, idx, count, sp, scale=scale)[0][:, :nh]
 
-    o = run(jax.tree.map(lambda a: a[0], xs)) if n == 1 else jax.lax.map(run, xs).reshape(n * rows, *q.shape[1:])
-    return o[:t]
+    return in_steps(run, arrays, t, call_rows or PASS_A_ROWS)
 
 
 def pass_b(q, pos, window_keys, ents, idx, sink, scale, kind, block, window, topk, scores=index_scores,

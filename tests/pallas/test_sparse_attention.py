@@ -342,6 +342,7 @@ def test_pass_a_xla_equals_dense_attention():
     hca = args[:6] + (HCA,) + args[7:]
     assert rel_err(layer.pass_a(*hca), want) < 1e-6
     assert rel_err(layer.pass_a(*hca, call_rows=20), want) < 1e-6  # 51 rows: 3 steps of 24 (bands of 8), padded
+    assert rel_err(layer.pass_a(*hca, call_rows=3), want) < 1e-6  # a cap under one band: 7 steps of 8
     safe = jnp.maximum(ids, 0)
     want = dense(e[safe][None], ((ids >= 0) & (end[safe] <= p))[None, :, None, :], "bthk,btwk->bthw")
     assert rel_err(layer.pass_a(*args), want) < 1e-6
