@@ -122,9 +122,11 @@ def pass_a(q, tab, kv_abs, ents, sink, scale, kind, block, window, csa_ids, spar
     if sparse and kind == CSA:
         return _pass_a_sparse(q, tab, kv_abs, ents, sink, scale, window, csa_ids, call_rows)
     w = window
+    cap = block if kind == CSA else call_rows or PASS_A_ROWS
     p0 = tab["pos"][0]  # the computed rows are key rows p0 .. p0 + t - 1
-    ext = jnp.pad(kv_abs, ((w, t + 2 * w), (0, 0)))  # key row p at w + p (a step's padding rows read past T)
-    ext_frame = jnp.pad(tab["key_frame"], (w, t + 2 * w), constant_values=-1)
+    tail = min(t, max(cap, w)) + w  # > the last step's padding rows, which read past T
+    ext = jnp.pad(kv_abs, ((w, tail), (0, 0)))  # key row p at w + p
+    ext_frame = jnp.pad(tab["key_frame"], (w, tail), constant_values=-1)
     arrays = [(q, 0), (tab["frame"], -2)] + ([(csa_ids, -1)] if kind == CSA else [])  # a padding row: no key
 
     def run(x):
@@ -151,7 +153,7 @@ def pass_a(q, tab, kv_abs, ents, sink, scale, kind, block, window, csa_ids, spar
         o, _ = sink_softmax_attend(qb.reshape(nb, w, h, k), sets, sink, scale)
         return o.astype(q.dtype).reshape(rows, h, k)
 
-    return in_steps(run, arrays, t, block if kind == CSA else call_rows or PASS_A_ROWS, unit=w)
+    return in_steps(run, arrays, t, cap, unit=w)
 
 
 def in_steps(run, arrays, t: int, cap: int, unit: int = 1):
