@@ -280,7 +280,8 @@ def main(argv=None):
     ap.add_argument("--op-profile", metavar="LAYERS",
                     help="comma-separated layer indices: after the timed runs, one more run per arm in which each "
                          "of these layers runs inside a jax.profiler trace of its own (OUT.traces/); the JSON gets "
-                         "each traced layer's device time by op category and its top ops (redknot_jax.op_profile)")
+                         "each traced layer's device time by op category, its idle time and its top ops, each op's source line "
+                         "read from the programs' optimized HLO, dumped to OUT.hlo/ (redknot_jax.op_profile)")
     ap.add_argument("--build-only", action="store_true", help="with --store: build and publish, time nothing")
     ap.add_argument("--shape-buckets", type=int, default=8,
                     help="padded sizes per octave (Consumer(buckets=)): 8 by default, 0 for exact sizes")
@@ -313,6 +314,10 @@ def main(argv=None):
     lengths = check_record_args(ap, args)
     cfg = config.PRESETS[args.preset]()
     traced = op_profile_layers(ap, args.op_profile, cfg.num_layers) if args.op_profile else []
+    hlo_dump = pathlib.Path(args.out + ".hlo")
+    if traced:  # the optimized HLO of every program, so the op profile names each op's source line
+        # (takes effect only where JAX has not started its backend yet: a fresh process)
+        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {op_profile.dump_flags(hlo_dump)}".strip()
     kernel_sets = args.kernels.split(",")
     modes = ("auto", "xla", "mosaic")
     if (any(k not in modes and not set(k.split("+")) <= set(KERNELS) for k in kernel_sets)
@@ -525,11 +530,13 @@ def main(argv=None):
             rt.consumer.redknot(plan_request(req, rt.profile), req.tokens, pool, layer_times=[],
                                 layer_traces=(str(base / "redknot"), traced))
             n = cfg.num_layers
+            dumped = hlo_dump if any(hlo_dump.glob("module_*")) else None  # none: JAX had started already
             row["op_profile"] = {
                 "traces": str(base),
                 "layers": {str(i): {"kind": str(cfg.layer_types[i]),
                                     "role": "fence" if prof.is_fence(i, n) else "reusable"} for i in traced},
-                **{arm: {str(i): op_profile.summarize(base / arm / f"layer_{i:02d}") for i in traced}
+                "hlo_dump": str(dumped) if dumped else None,
+                **{arm: {str(i): op_profile.summarize(base / arm / f"layer_{i:02d}", hlo_dump=dumped) for i in traced}
                    for arm in arms}}
             save()
         if args.decode_steps:

@@ -56,8 +56,9 @@ run_steps() {
     decode_batch16) step $s launch/bench_ttft.py --lengths 16384 --repeats 1 --tail-rows 0 --budget 0.1 \
       --decode-steps 8 --decode-batch 4 --no-prefix-arm --out $R/decode_batch_16k_${d}_$today.json ;;
     ops32) XLA_FLAGS=--xla_gpu_enable_command_buffer= step $s launch/bench_ttft.py --lengths 32768 --repeats 1 \
-      --op-profile 20,21 --profiles tail0-b10-omit-fp4 --out $R/ops_32k_nocmdbuf_${d}_$today.json ;;  # ops named, not
-      # hidden in command buffers (times not comparable with the other steps'; not in the default lists)
+      --op-profile 2,20,21,42 --profiles tail0-b10-omit-fp4 --out $R/ops_32k_nocmdbuf_${d}_$today.json ;;  # ops named
+      # (not hidden in command buffers) with their source lines; times not comparable with the other steps'; the
+      # first fence's and the last layer's idle time named; not in the default lists
     ttft32) step $s launch/bench_ttft.py --lengths 32768 --repeats 2 --layer-times --op-profile 2,20,21,40 \
       --profiles tail0-b10-omit-fp4,tail0-b10-restore-fp4,fp4 --out $R/ttft_32k_fp4_${d}_$today.json ;;
     qps)  # issue #46's command F at 1 / 4 / 16 clients; the server's wheels carried in .whl/ (docs/benchmarks.md)
