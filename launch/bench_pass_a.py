@@ -3,14 +3,17 @@ its own frame's 128 window rows and its compressed entries) at the consumer's sh
 timed side by side:
 * CSA (the document's top-512 entries per row) through the gathered-key kernel, heads padded to
   its 64, for several rows-per-call caps (`call_rows`; the consumer's default is
-  `layer.PASS_A_ROWS`, 256 = the query block it used to loop over), beside the XLA form;
+  `layer.PASS_A_ROWS`, 256 = the query block it used to loop over), beside the XLA form and
+  its span form (`--span-rows`: steps of that many rows, each scoring one slice of entries,
+  `layer.csa_span_bound` of the document, masked to the picks);
 * HCA (every visible entry, rate 128) in XLA for several rows-per-step caps (`--hca-rows`, the
   same `call_rows`; 256 = the query block it used to loop over).
 Documents of --doc rows each, the first an exact prefix (its rows are keys, not queries); a CSA
 row's picks are among the entries its document had closed before it. Every variant's output is
 checked against the first of its kind (CSA: the XLA form).
 
-    python launch/bench_pass_a.py --length 65536 --call-rows 256,8192 --hca-rows 256,8192 --json pass_a.json
+    python launch/bench_pass_a.py --length 65536 --call-rows 256,8192 --span-rows 1024,4096 --hca-rows 256,8192 \
+        --json pass_a.json
 """
 
 from __future__ import annotations
@@ -36,15 +39,17 @@ def problem(length: int, doc: int, kind: str = CSA, heads: int = 8, k: int = 512
     """pass_a's arguments for a `kind` layer (CSA or HCA) over `length` key rows in documents of
     `doc` rows, the queries every row after the first document."""
     rate = 4 if kind == CSA else 128
-    rng = np.random.default_rng(seed)
     pos = np.arange(doc, length, dtype=np.int32)
     frame = (np.arange(length) // doc).astype(np.int32)
     seen = (pos % doc + 1) // rate  # entries of the row's document closed at or before it
     base = (pos // doc) * (doc // rate)
-    pick = (rng.random((pos.size, topk)) * np.maximum(seen, 1)[:, None]).astype(np.int32)
+    key = jax.random.split(jax.random.key(seed), 5)
+    # distinct picks, as a top-k's: the first of a random order of the entries seen
+    order = jax.random.uniform(key[4], (pos.size, max(doc // rate, topk))) + (np.arange(max(doc // rate, topk))[None]
+                                                                             >= seen[:, None])
+    pick = np.asarray(jax.lax.top_k(-order, topk)[1], np.int32)
     ids = np.where(np.arange(topk)[None] < np.minimum(seen, topk)[:, None], base[:, None] + pick, -1)
     end = np.arange(length // rate, dtype=np.int32) * rate + rate - 1
-    key = jax.random.split(jax.random.key(seed), 4)
     f = lambda kk, *shape: jax.random.normal(kk, shape, jnp.float32).astype(jnp.bfloat16)
     tab = {"frame": jnp.asarray(frame[doc:]), "key_frame": jnp.asarray(frame), "pos": jnp.asarray(pos)}
     return (f(key[0], pos.size, heads, k), tab, f(key[1], length, k), (f(key[2], end.size, k), jnp.asarray(end)),
@@ -66,26 +71,28 @@ def main(argv=None):
     ap.add_argument("--length", type=int, default=32768, help="key rows (the request)")
     ap.add_argument("--doc", type=int, default=8192, help="rows per document")
     ap.add_argument("--call-rows", default="256,8192", help="CSA: the kernel's rows-per-call caps, comma list")
+    ap.add_argument("--span-rows", default="1024,4096", help="CSA: the span form's rows-per-step caps, comma list")
     ap.add_argument("--hca-rows", default="256,8192", help="HCA: XLA rows-per-step caps, comma list")
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
     if a.length % a.doc or a.length <= a.doc:
         ap.error(f"--length {a.length}: expected a multiple of --doc {a.doc} above it")
-    caps = [int(v) for v in a.call_rows.split(",") if v]
-    blocks = [int(v) for v in a.hca_rows.split(",") if v]
+    ints = lambda spec: [int(v) for v in spec.split(",") if v]
+    caps, spans, blocks = ints(a.call_rows), ints(a.span_rows), ints(a.hca_rows)
     rows = []
-    for kind, variants in ((CSA, [None] + caps if caps else []), (HCA, blocks)):
+    csa = [("xla", None)] + [("kernel", v) for v in caps] + [("span", v) for v in spans]
+    for kind, variants in ((CSA, csa if caps or spans else []), (HCA, [("xla", v) for v in blocks])):
         if not variants:
             continue
         args = problem(a.length, a.doc, kind)
         xs, want = (*args[:5], args[9]), None
-        for v in variants:  # CSA: None = the XLA form, else a kernel cap; HCA: an XLA cap
-            sparse = kind == CSA and v is not None
-            fn = jax.jit(lambda q, tab, kv, ents, sink, ids, sparse=sparse, v=v: layer.pass_a(
-                q, tab, kv, ents, sink, *args[5:9], ids, sparse=sparse, call_rows=v))
+        for form, v in variants:  # CSA: None = the XLA form's block steps; else a cap
+            span = layer.csa_span_bound(a.doc, 4, args[8], v) if form == "span" else None
+            fn = jax.jit(lambda q, tab, kv, ents, sink, ids, form=form, v=v, span=span: layer.pass_a(
+                q, tab, kv, ents, sink, *args[5:9], ids, sparse=form == "kernel", call_rows=v, csa_span=span))
             ms, first_s, o, err = timed(fn, xs, want)
             want = o if want is None else want
-            rows.append(dict(kind=kind, form="kernel" if sparse else "xla", rows_per_step=v or 256,
+            rows.append(dict(kind=kind, form=form, rows_per_step=v or 256, span=span,
                              steps=-(-o.shape[0] // (v or 256)), ms=ms, first_call_s=first_s,
                              rel_err_vs_first=err))
             print(f"{kind} {rows[-1]['form']} {rows[-1]['rows_per_step']} rows per step: {ms:.2f} ms "

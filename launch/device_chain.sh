@@ -39,8 +39,9 @@ run_steps() {
   for s in ${steps//,/ }; do case $s in
     ttft64) step $s launch/bench_ttft.py --lengths 65536 --repeats 2 --layer-times --op-profile 2,20,21,40 \
       --profiles tail0-b10-omit,tail0-b10-restore,default --out $R/ttft_64k_modes_${d}_$today.json ;;
-    pass_a) step $s launch/bench_pass_a.py --length 65536 --call-rows 256,4096,8192,16384 --hca-rows 256,2048,8192 \
-      --json $R/pass_a_64k_${d}_$today.json ;;
+    pass_a) for doc in 8192 16384; do  # bench_ttft's documents at 32K and at 64K
+        step ${s}_doc$doc launch/bench_pass_a.py --length 65536 --doc $doc --call-rows 8192 --span-rows 1024,2048,4096 \
+          --hca-rows 8192 --json $R/pass_a_64k_doc${doc}_${d}_$today.json; done ;;
     ttft128) step $s launch/bench_ttft.py --lengths 131072 --repeats 2 --profiles tail0-b10-omit-fp4,fp4 \
       --out $R/ttft_128k_fp4_${d}_$today.json ;;
     ttft256build) step $s launch/bench_ttft.py --lengths 262144 --profiles tail0-b10-omit-fp4 \

@@ -104,7 +104,7 @@ PASS_A_ROWS = 8192  # pass A's rows per loop step at most (the kernel's calls; X
 
 
 def pass_a(q, tab, kv_abs, ents, sink, scale, kind, block, window, csa_ids, sparse: bool = False,
-           call_rows: int | None = None):
+           call_rows: int | None = None, csa_span: int | None = None):
     """Global heads of every row: own frame's window, document-local top-k, visible HCA.
     `sparse` (CSA): by `pallas.sparse_attention` over one table of the request's latents and
     entries, the heads padded to the kernel's 64 (zero queries, outputs dropped): the kernel
@@ -117,12 +117,20 @@ def pass_a(q, tab, kv_abs, ents, sink, scale, kind, block, window, csa_ids, spar
     than the attention at 32K on the H100, docs/benchmarks.md). Within a step the window is
     banded: rows in bands of `window`, each band's keys the latents of its own and the previous
     band's positions (2 x window keys, masked to the row's window and frame), so no [rows, rows]
-    tensor exists. The sparse form's `call_rows` is its rows per kernel call at most."""
+    tensor exists. The sparse form's `call_rows` is its rows per kernel call at most.
+
+    `csa_span` (CSA, XLA): instead of gathering each row's picks, a step scores its 8 heads
+    densely against one slice of `csa_span` entries, from its smallest pick on, masked to each
+    row's picks (a [rows x heads, k] x [k, span] product, where the gather moves [rows, top-k, k]
+    keys); steps of up to `call_rows` rows (default `PASS_A_ROWS`). Exact when every step's picks
+    lie within `csa_span` entries of its smallest: a document-local pick lies in its row's
+    frame, before the row, so `csa_span_bound` of the longest frame and the step's rows holds."""
     t, h, k = q.shape
     if sparse and kind == CSA:
         return _pass_a_sparse(q, tab, kv_abs, ents, sink, scale, window, csa_ids, call_rows)
     w = window
-    cap = block if kind == CSA else call_rows or PASS_A_ROWS
+    span = kind == CSA and csa_span is not None
+    cap = block if kind == CSA and not span else call_rows or PASS_A_ROWS
     p0 = tab["pos"][0]  # the computed rows are key rows p0 .. p0 + t - 1
     tail = min(t, max(cap, w)) + w  # > the last step's padding rows, which read past T
     ext = jnp.pad(kv_abs, ((w, tail), (0, 0)))  # key row p at w + p
@@ -149,11 +157,26 @@ def pass_a(q, tab, kv_abs, ents, sink, scale, kind, block, window, csa_ids, spar
             ids = x[3].reshape(nb, w, -1)
             safe = jnp.maximum(ids, 0)
             ok = (ids >= 0) & (end[safe] <= pb[..., None])
-            sets.append((e[safe].astype(q.dtype), ok[:, :, None, :], "bthk,btwk->bthw"))
+            if span:  # one slice of entries for the step, each row's picks a mask over it
+                n = min(csa_span, e.shape[0])
+                off = jnp.clip(jnp.min(jnp.where(ok, ids, e.shape[0])), 0, e.shape[0] - n)
+                at = jnp.where(ok, ids - off, n).reshape(rows, -1)
+                pick = jnp.zeros((rows, n), bool).at[jnp.arange(rows)[:, None], at].set(True, mode="drop")
+                sets.append((jax.lax.dynamic_slice_in_dim(e, off, n).astype(q.dtype),
+                             pick.reshape(nb, w, 1, n), "bthk,wk->bthw"))
+            else:
+                sets.append((e[safe].astype(q.dtype), ok[:, :, None, :], "bthk,btwk->bthw"))
         o, _ = sink_softmax_attend(qb.reshape(nb, w, h, k), sets, sink, scale)
         return o.astype(q.dtype).reshape(rows, h, k)
 
     return in_steps(run, arrays, t, cap, unit=w)
+
+
+def csa_span_bound(frame_rows: int, rate: int, window: int, step_rows: int = PASS_A_ROWS) -> int:
+    """A `csa_span` that holds any step's picks (`pass_a`): the entries of the longest frame
+    (`frame_rows` rows) plus those the step's rows close (its cap in whole bands of `window`), and
+    one for a step that starts mid-entry."""
+    return frame_rows // rate + -(-step_rows // window) * window // rate + 1
 
 
 def in_steps(run, arrays, t: int, cap: int, unit: int = 1):

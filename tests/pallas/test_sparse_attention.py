@@ -301,11 +301,13 @@ def test_native_csa_layers_run_the_kernel_interpret(monkeypatch):
     assert rel_err(kernel, xla) < 2 * floor
 
 
-def _pass_a_problem(*, t, nh, k, n_ent, topk, window, block, frames, dtype=jnp.float32, seed=7, first=0):
+def _pass_a_problem(*, t, nh, k, n_ent, topk, window, block, frames, dtype=jnp.float32, seed=7, first=0,
+                    local=False):
     """`layer.pass_a`'s arguments for a CSA layer: rows in frames of the given lengths, entry
-    e ending at row m e + m - 1 (m = t / n_ent), each row's document-local picks valid first and
-    only among entries that ended before it (as artifacts store them). `first`: the queries are
-    rows first.. only (the rows after an exact prefix), the keys every row."""
+    e ending at row m e + m - 1 (m = t / n_ent), each row's picks valid first and only among
+    entries that ended before it, with `local` only among its own frame's (as artifacts store
+    them). `first`: the queries are rows first.. only (the rows after an exact prefix), the keys
+    every row."""
     from redknot_jax.config import CSA
 
     rng = np.random.default_rng(seed)
@@ -313,9 +315,10 @@ def _pass_a_problem(*, t, nh, k, n_ent, topk, window, block, frames, dtype=jnp.f
     frame = np.repeat(np.arange(len(frames)), frames).astype(np.int32)
     end = np.arange(n_ent, dtype=np.int32) * m + m - 1
     ids = np.full((t, topk), -1, np.int32)
+    starts, pick_rng = np.r_[0, np.cumsum(frames)], np.random.default_rng(seed + 1)  # the arrays: rng's alone
     for r in range(t):
-        seen = np.flatnonzero(end <= r)
-        pick = rng.permutation(seen)[: rng.integers(0, topk + 1)]
+        seen = np.flatnonzero((end <= r) & (~local | (end - m + 1 >= starts[frame[r]])))
+        pick = pick_rng.permutation(seen)[: pick_rng.integers(0, topk + 1)]
         ids[r, : pick.size] = pick
     f = lambda *shape: jnp.asarray(rng.normal(size=shape), jnp.float32).astype(dtype)
     tab = {"frame": jnp.asarray(frame[first:]), "key_frame": jnp.asarray(frame),
@@ -327,7 +330,8 @@ def _pass_a_problem(*, t, nh, k, n_ent, topk, window, block, frames, dtype=jnp.f
 def test_pass_a_xla_equals_dense_attention():
     """Pass A's XLA form (banded windows, loop steps of whole bands, the last padded) equals
     one dense masked attention over every key row and entry, for an HCA layer (entries shared
-    by every row) in one step and in three, and for a CSA layer (its steps of `block` rows)."""
+    by every row) in one step and in three, and for a CSA layer (its steps of `block` rows, or
+    the span form's steps of one slice of entries each)."""
     from redknot_jax.attention import sink_softmax_attend
     from redknot_jax.config import HCA
     from redknot_jax.reuse import layer
@@ -343,9 +347,16 @@ def test_pass_a_xla_equals_dense_attention():
     assert rel_err(layer.pass_a(*hca), want) < 1e-6
     assert rel_err(layer.pass_a(*hca, call_rows=20), want) < 1e-6  # 51 rows: 3 steps of 24 (bands of 8), padded
     assert rel_err(layer.pass_a(*hca, call_rows=3), want) < 1e-6  # a cap under one band: 7 steps of 8
-    safe = jnp.maximum(ids, 0)
-    want = dense(e[safe][None], ((ids >= 0) & (end[safe] <= p))[None, :, None, :], "bthk,btwk->bthw")
-    assert rel_err(layer.pass_a(*args), want) < 1e-6
+    picked = lambda ids: dense(e[jnp.maximum(ids, 0)][None], ((ids >= 0) & (end[jnp.maximum(ids, 0)] <= p))[
+        None, :, None, :], "bthk,btwk->bthw")
+    assert rel_err(layer.pass_a(*args), picked(ids)) < 1e-6
+    # the span form over document-local picks: per step of 16 rows one slice of entries, 11 of
+    # the 16 (the 24-row frame's 6, the step's 4, one more); a slice too short drops picks
+    loc = _pass_a_problem(t=64, nh=2, k=32, n_ent=16, topk=4, window=8, block=16, frames=(20, 24, 20), first=13,
+                          local=True)
+    want, span = picked(loc[-1]), layer.csa_span_bound(24, 4, 8, 16)
+    assert span == 11 and rel_err(layer.pass_a(*loc, call_rows=16, csa_span=span), want) < 1e-6
+    assert rel_err(layer.pass_a(*loc, call_rows=16, csa_span=4), want) > 1e-2
 
 
 @pytest.mark.gpu
