@@ -67,7 +67,8 @@ def timed(fn, xs, want):
 
 def main(argv=None):
     ap = _cli.parser(__doc__, __file__,
-                     "python launch/bench_pass_a.py --length 65536 --call-rows 256,8192 --hca-rows 256,8192 --json pass_a.json")
+                     "python launch/bench_pass_a.py --length 65536 --call-rows 256,8192 --span-rows 1024,4096 "
+                     "--hca-rows 256,8192 --json pass_a.json")
     ap.add_argument("--length", type=int, default=32768, help="key rows (the request)")
     ap.add_argument("--doc", type=int, default=8192, help="rows per document")
     ap.add_argument("--call-rows", default="256,8192", help="CSA: the kernel's rows-per-call caps, comma list")

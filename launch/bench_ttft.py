@@ -285,7 +285,8 @@ def main(argv=None):
     ap.add_argument("--build-only", action="store_true", help="with --store: build and publish, time nothing")
     ap.add_argument("--shape-buckets", type=int, default=8,
                     help="padded sizes per octave (Consumer(buckets=)): 8 by default, 0 for exact sizes")
-    ap.add_argument("--profiles", help="profile variants timed side by side (one kernel set): comma list, each "
+    ap.add_argument("--profiles", help="profile variants timed side by side (one kernel set; a single variant: the "
+                                       "profile of every kernel set): comma list, each "
                                        + PROFILE_SPEC.replace("%", "%%")  # argparse %-formats help
                                        + "; the Recomputed and prefix arms run once per repeat")
     ap.add_argument("--no-prefix-arm", action="store_true", help="do not time the prefix arm (the first document "
@@ -340,14 +341,18 @@ def main(argv=None):
     prof = flash_profile() if cfg.num_layers == 43 else tiny_profile(cfg.num_layers)
     prof = profile_variant(prof, tail_rows=args.tail_rows, fanout_mode=args.fanout, budget_override=args.budget)
     profs = {v: prof for v in variants}
-    if args.profiles:
-        if len(variants) > 1:
-            ap.error("--profiles: time profile variants under one kernel set and one --topk-stages value")
-        try:
-            profs = {spec: parse_profile(prof, spec) for spec in args.profiles.split(",")}
-        except ValueError as e:
-            ap.error(f"--profiles: {e}")
-        variants = {spec: next(iter(variants.values())) for spec in profs}
+    specs = args.profiles.split(",") if args.profiles else []
+    sweep = len(specs) > 1  # profile variants side by side (else kernel sets / stagings, under one profile)
+    if sweep and len(variants) > 1:
+        ap.error("--profiles: time profile variants under one kernel set and one --topk-stages value")
+    try:
+        parsed = {spec: parse_profile(prof, spec) for spec in specs}
+    except ValueError as e:
+        ap.error(f"--profiles: {e}")
+    if sweep:
+        profs, variants = parsed, {spec: next(iter(variants.values())) for spec in parsed}
+    elif specs:  # one profile for every kernel set
+        profs = dict.fromkeys(variants, parsed[specs[0]])
     producer = {(p.fence_first, p.fence_last, p.global_head, p.artifact_codec) for p in profs.values()}
     if len(producer) > 1:
         ap.error("--profiles: the variants must share fences, Global head and artifact codec (one set of artifacts "
@@ -450,7 +455,7 @@ def main(argv=None):
             return time.perf_counter() - t0, int(np.argmax(np.asarray(logits)[-1]))
 
         # under --profiles the Recomputed and prefix arms do not depend on the variant: timed once per repeat
-        rec_once = bool(args.profiles)
+        rec_once = sweep
         arms_of = lambda krt: (["recompute"] if krt is rt or not rec_once else []) + \
             (["prefix"] if not args.no_prefix_arm and (krt is rt or not rec_once) else []) + ["redknot"]
         run_arm = {"recompute": recompute, "prefix": prefix, "redknot": redknot}

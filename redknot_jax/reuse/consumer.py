@@ -209,6 +209,11 @@ class Consumer:
         padded = np.r_[rows, np.full(self.buckets(rows.size, 8) - rows.size, rows[-1])] if rows.size > 1 else rows
         return logits_jit(self.top_state, x, jnp.asarray(padded)[None], graphdef=self.top_def)[0, :rows.size]
 
+    def _longest_doc(self, layouts) -> int:
+        """The rows of the layouts' longest document, bucketed as rows are (a few compiled
+        programs): pass A's span form (`layer.reusable_attention`)."""
+        return self.buckets(max(lay.longest_doc for lay in layouts), self.block)
+
     def _decode_layout(self, state: DecodeState, plan: Plan, layout, decode_rows: int) -> None:
         """A decode state's compact rows (the prompt layout's own rows, then room for the new
         rows) and its decode layout: the plan extended by `decode_rows` (`state.plan`)."""
@@ -405,7 +410,8 @@ class Consumer:
                     timings.update(plan_s=time.perf_counter() - t0, controller_s=t1 - t0)
             gd, st = self.defs[i]
             kw = dict(graphdef=gd, freqs=self.model.freqs(i), glob=self.glob, block=self.block, fan=self.fan,
-                      kernels=self.prefill_kernels, topk_stages=self.topk_stages, ffn_rows=self.ffn_rows)
+                      kernels=self.prefill_kernels, topk_stages=self.topk_stages, ffn_rows=self.ffn_rows,
+                      longest_doc=self._longest_doc([layout]))
             if state is None:
                 x, h = reusable_jit(st, x, ids, layout.tables, pool_layer, **kw)
             else:
@@ -525,7 +531,8 @@ class Consumer:
             gd, st = self.defs[i]
             out = reusable_batch_jit(st, x, ids, tabs, pool_layer, keep_rows, graphdef=gd, freqs=self.model.freqs(i),
                                      glob=self.glob, block=self.block, fan=self.fan, kernels=self.prefill_kernels,
-                                     topk_stages=self.topk_stages, ffn_rows=self.ffn_rows)
+                                     topk_stages=self.topk_stages, ffn_rows=self.ffn_rows,
+                                     longest_doc=self._longest_doc(layouts))
             x, hb = out[:2]
             if states is not None:  # each request's compact rows, cut to its own capacity
                 for b, st_b in enumerate(states):

@@ -101,6 +101,7 @@ def online_entries(comp, proj_kv, proj_gate, ring, tab, freqs, own_slot=None):
 
 # ---------------------------------------------------------------------------------- passes A and B
 PASS_A_ROWS = 8192  # pass A's rows per loop step at most (the kernel's calls; XLA's, but a CSA layer's)
+SPAN_ROWS = 2048  # a CSA layer's pass A in its span form: rows per loop step at most
 
 
 def pass_a(q, tab, kv_abs, ents, sink, scale, kind, block, window, csa_ids, sparse: bool = False,
@@ -122,15 +123,16 @@ def pass_a(q, tab, kv_abs, ents, sink, scale, kind, block, window, csa_ids, spar
     `csa_span` (CSA, XLA): instead of gathering each row's picks, a step scores its 8 heads
     densely against one slice of `csa_span` entries, from its smallest pick on, masked to each
     row's picks (a [rows x heads, k] x [k, span] product, where the gather moves [rows, top-k, k]
-    keys); steps of up to `call_rows` rows (default `PASS_A_ROWS`). Exact when every step's picks
+    keys); steps of up to `call_rows` rows (default `SPAN_ROWS`). Exact when every step's picks
     lie within `csa_span` entries of its smallest: a document-local pick lies in its row's
-    frame, before the row, so `csa_span_bound` of the longest frame and the step's rows holds."""
+    document, before the row, so `csa_span_bound` of the longest document and the step's rows
+    holds."""
     t, h, k = q.shape
     if sparse and kind == CSA:
         return _pass_a_sparse(q, tab, kv_abs, ents, sink, scale, window, csa_ids, call_rows)
     w = window
     span = kind == CSA and csa_span is not None
-    cap = block if kind == CSA and not span else call_rows or PASS_A_ROWS
+    cap = block if kind == CSA and not span else call_rows or (SPAN_ROWS if span else PASS_A_ROWS)
     p0 = tab["pos"][0]  # the computed rows are key rows p0 .. p0 + t - 1
     tail = min(t, max(cap, w)) + w  # > the last step's padding rows, which read past T
     ext = jnp.pad(kv_abs, ((w, tail), (0, 0)))  # key row p at w + p
@@ -172,11 +174,13 @@ def pass_a(q, tab, kv_abs, ents, sink, scale, kind, block, window, csa_ids, spar
     return in_steps(run, arrays, t, cap, unit=w)
 
 
-def csa_span_bound(frame_rows: int, rate: int, window: int, step_rows: int = PASS_A_ROWS) -> int:
-    """A `csa_span` that holds any step's picks (`pass_a`): the entries of the longest frame
-    (`frame_rows` rows) plus those the step's rows close (its cap in whole bands of `window`), and
-    one for a step that starts mid-entry."""
-    return frame_rows // rate + -(-step_rows // window) * window // rate + 1
+def csa_span_bound(doc_rows: int, rate: int, window: int, step_rows: int = SPAN_ROWS) -> int:
+    """A `csa_span` that holds any step's picks (`pass_a`). A restored row picks among its own
+    document's entries closed before it, so a step's picks lie between the first document's
+    first entry it sees and its last row's: at most the longest document's entries (`doc_rows`
+    rows) plus those its rows close (its cap in whole bands of `window`; rows that continue a
+    document, in its frame, are rows of the step), and two for entries a frame edge splits."""
+    return doc_rows // rate + -(-step_rows // window) * window // rate + 2
 
 
 def in_steps(run, arrays, t: int, cap: int, unit: int = 1):
@@ -278,7 +282,8 @@ def pass_b(q, pos, window_keys, ents, idx, sink, scale, kind, block, window, top
 
 # ---------------------------------------------------------------------------------- the layer
 def reusable_layer(blk, x, ids, tab, pool_layer, *, freqs, glob, block, fan, reduce=None, ffn=None,
-                   kernels: str = "", topk_stages: int = TOPK_STAGES, ffn_rows: str = "run"):
+                   kernels: str = "", topk_stages: int = TOPK_STAGES, ffn_rows: str = "run",
+                   longest_doc: int | None = None):
     """One reusable layer of the RedKnot arm over the request rows (see the module doc).
 
     Under tensor parallelism (`redknot_jax.sharding.consumer_tp`) the block holds a rank's
@@ -287,7 +292,7 @@ def reusable_layer(blk, x, ids, tab, pool_layer, *, freqs, glob, block, fan, red
     `ffn_rows`: the profile's; "omit" / "restore" run the MoE over the protected rows only
     (`ffn_args`)."""
     x = reusable_attention(blk, x, tab, pool_layer, freqs=freqs, glob=glob, block=block, reduce=reduce,
-                           kernels=kernels, topk_stages=topk_stages)
+                           kernels=kernels, topk_stages=topk_stages, longest_doc=longest_doc)
     return reusable_ffn(blk, x, ids, tab["pos"] < tab["n_real"], fan, ffn, kernels,
                         **ffn_args(ffn_rows, tab, pool_layer))
 
@@ -376,7 +381,7 @@ def compressor_projections(attn, xa, cpos) -> dict:
 
 
 def reusable_attention(blk, x, tab, pool_layer, *, freqs, glob, block, reduce=None, keep_rows=None,
-                       kernels: str = "", topk_stages: int = TOPK_STAGES):
+                       kernels: str = "", topk_stages: int = TOPK_STAGES, longest_doc: int | None = None):
     """The attention half of a reusable layer (passes A and B, z_L restore, `wo_b` once, mHC
     post) over one request's computed rows x [1, C, n, d] (the rows after its exact prefix,
     `tab["pos"]`; the prefix's keys, entries and open windows are the pool's). Latents and
@@ -387,7 +392,9 @@ def reusable_attention(blk, x, tab, pool_layer, *, freqs, glob, block, reduce=No
     rows reads the last). `kernels`: which
     Mosaic GPU kernels run instead of their references ("restore", "indexer" for pass B's scores;
     `Consumer`'s resolved set). `topk_stages`: pass B's CSA selection over entry prefixes
-    (`indexer.select_topk_causal`; 1 under `vmap`)."""
+    (`indexer.select_topk_causal`; 1 under `vmap`). `longest_doc` (`Layout.longest_doc`,
+    rounded up): a CSA layer's pass A in XLA takes its span form (`pass_a`'s `csa_span`), else its
+    gather form."""
     attn = blk.attn
     t = x.shape[1]
     h, k, g, w = attn.h, attn.k, attn.g, attn.window
@@ -425,8 +432,10 @@ def reusable_attention(blk, x, tab, pool_layer, *, freqs, glob, block, reduce=No
         rt = tab["rates"]["csa"]
         csa_ids = jnp.where((zr >= 0)[:, None] & (local_ids >= 0), rt["ebase"][pos][:, None] + local_ids, -1)
     q_g = queries(cq, glob, pos)
+    span = csa_span_bound(longest_doc, attn.compressor.m, w) if kind == CSA and longest_doc is not None \
+        else None
     o_g = pass_a(q_g, tab, kv_abs, ents, sink[glob], scale, kind, block, w, csa_ids,
-                 sparse=kernel_mode(kernels, "sparse_global") == "mosaic")
+                 sparse=kernel_mode(kernels, "sparse_global") == "mosaic", csa_span=span)
     o_g = apply_rope(o_g, pos, freqs, inverse=True)
 
     # pass B: every head of the protected rows, native key sets; their z replaces the row's

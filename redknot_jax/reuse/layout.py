@@ -123,6 +123,8 @@ class Layout:
     n_prot: int  # real protected rows
     own_slot: np.ndarray  # tables["own_slot"] on the host
     prefix: int = 0  # rows of the exact prefix (not computed)
+    longest_doc: int = 0  # rows of the request's longest document (artifact): bounds how far apart a
+    # step's document-local picks lie (pass A's span form, `layer.csa_span_bound`)
 
     @property
     def c(self) -> int:
@@ -230,5 +232,6 @@ def build_layout(plan: Plan, pool: DocPool, profile, cfg, block: int, pad_to: di
     own = np.flatnonzero(kept) - L
     K = max(buckets(max(own.size, 1), block), (pad_to or {}).get("K", 0))
     tab["own_idx"] = np.r_[own, np.full(K - own.size, c)].astype(np.int32)
+    longest = max((f.doc_len for f in plan.frames if f.artifact is not None), default=0)
     return Layout(tables=jax.tree.map(jnp.asarray, tab), t=t, n_real=t_real, n_prot=int(prot_idx.size),
-                  own_slot=tab["own_slot"], prefix=L)
+                  own_slot=tab["own_slot"], prefix=L, longest_doc=int(longest))

@@ -38,33 +38,34 @@ def native_jit(state, x, ids, n_real, row0=0, *, graphdef, freqs, block, cap, ke
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "freqs", "glob", "block", "fan", "kernels", "topk_stages",
-                                             "ffn_rows"))
+                                             "ffn_rows", "longest_doc"))
 def reusable_jit(state, x, ids, tab, pool_layer, *, graphdef, freqs, glob, block, fan, kernels,
-                 topk_stages=TOPK_STAGES, ffn_rows="run"):
+                 topk_stages=TOPK_STAGES, ffn_rows="run", longest_doc=None):
     """A reusable layer of one request (`layer.reusable_layer`)."""
     blk = nnx.merge(graphdef, state)
     return reusable_layer(blk, x, ids, tab, pool_layer, freqs=freqs, glob=np.asarray(glob), block=block, fan=fan,
-                          kernels=kernels, topk_stages=topk_stages, ffn_rows=ffn_rows)
+                          kernels=kernels, topk_stages=topk_stages, ffn_rows=ffn_rows, longest_doc=longest_doc)
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "freqs", "glob", "block", "fan", "kernels", "topk_stages",
-                                             "ffn_rows"))
+                                             "ffn_rows", "longest_doc"))
 def reusable_keys_jit(state, x, ids, tab, pool_layer, keep_rows, *, graphdef, freqs, glob, block, fan, kernels,
-                      topk_stages=TOPK_STAGES, ffn_rows="run"):
+                      topk_stages=TOPK_STAGES, ffn_rows="run", longest_doc=None):
     """`reusable_jit` that also returns what decoding reads of rows `keep_rows` (see
     `reusable_attention`)."""
     blk = nnx.merge(graphdef, state)
     x, keys = reusable_attention(blk, x, tab, pool_layer, freqs=freqs, glob=np.asarray(glob), block=block,
-                                 keep_rows=keep_rows, kernels=kernels, topk_stages=topk_stages)
+                                 keep_rows=keep_rows, kernels=kernels, topk_stages=topk_stages,
+                                 longest_doc=longest_doc)
     x, hist = reusable_ffn(blk, x, ids, tab["pos"] < tab["n_real"], fan, kernels=kernels,
                            **ffn_args(ffn_rows, tab, pool_layer))
     return x, hist, keys
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "freqs", "glob", "block", "fan", "kernels", "topk_stages",
-                                             "ffn_rows"))
+                                             "ffn_rows", "longest_doc"))
 def reusable_batch_jit(state, x, ids, tab, pool_layer, keep_rows=None, *, graphdef, freqs, glob, block, fan,
-                       kernels="", topk_stages=TOPK_STAGES, ffn_rows="run"):
+                       kernels="", topk_stages=TOPK_STAGES, ffn_rows="run", longest_doc=None):
     """A reusable layer over a batch x [b, t, n, d]: the attention half request by request in
     one loop (`lax.map`; tables stacked on a leading axis, one shared pool), each request the
     single-request program's (`reusable_attention` with the kernels and the staged causal
@@ -77,7 +78,7 @@ def reusable_batch_jit(state, x, ids, tab, pool_layer, keep_rows=None, *, graphd
     def one(args):
         xx, tt, kr = args
         out = reusable_attention(blk, xx[None], tt, pool_layer, freqs=freqs, glob=np.asarray(glob), block=block,
-                                 keep_rows=kr, kernels=kernels, topk_stages=topk_stages)
+                                 keep_rows=kr, kernels=kernels, topk_stages=topk_stages, longest_doc=longest_doc)
         return (out[0][0], out[1]) if kr is not None else (out[0], None)
 
     x, keys = jax.lax.map(one, (x, tab, keep_rows))

@@ -137,11 +137,13 @@ class TPConsumer:
         return {k: (P(None, AXIS, None) if k == "zl" else jax.tree.map(lambda _: P(), v)) for k, v in d.items()}
 
     # -------------------------------------------------------------- programs
-    def _program(self, i: int, kind: str, t: int, pool_layer=None, tab=None, cache=None, rows: int = 0):
+    def _program(self, i: int, kind: str, t: int, pool_layer=None, tab=None, cache=None, rows: int = 0,
+                 longest_doc: int | None = None):
         """Layer i's program; native and chunk ones take a row0 after their other arguments and
-        with rows > 0 give rows [row0, row0 + rows) only (`Consumer._out`)."""
+        with rows > 0 give rows [row0, row0 + rows) only (`Consumer._out`); a reusable one's pass A
+        takes its span form with `longest_doc` (`Consumer._longest_doc`)."""
         gd, _, spec_tree = self.layers[i]
-        key = (gd, kind, t, rows)
+        key = (gd, kind, t, rows, longest_doc)
         if key in self._programs:
             return self._programs[key]
         tp, freqs, block, cfg = self.tp, self.base.model.freqs(i), min(self.block, t), self.cfg
@@ -177,7 +179,7 @@ class TPConsumer:
                 return reusable_layer(blk, x, ids, tab, pool_layer, freqs=freqs, glob=glob, block=self.block,
                                       fan=fan, reduce=_psum if tp > 1 else None,
                                       ffn=functools.partial(_ffn_tp, blk, tp, kernels=self.kernels),
-                                      kernels=self.kernels, ffn_rows=self.base.ffn_rows)
+                                      kernels=self.kernels, ffn_rows=self.base.ffn_rows, longest_doc=longest_doc)
 
             f = jax.shard_map(body, mesh=self.mesh, check_vma=False,
                               in_specs=(spec_tree, P(), P(), jax.tree.map(lambda _: P(), tab),
@@ -233,8 +235,9 @@ class TPConsumer:
             if tab is None:
                 if not frozen:
                     self.base.controller(plan, jax.device_put(x, jax.devices()[0]), pool, pool.layers[i])
-                tab = jax.device_put(self.base._layout(plan, pool).tables, self.rep)
-            f = self._program(i, "reusable", t, pool.layers[i], tab)
+                layout = self.base._layout(plan, pool)
+                tab = jax.device_put(layout.tables, self.rep)
+            f = self._program(i, "reusable", t, pool.layers[i], tab, longest_doc=self.base._longest_doc([layout]))
             x, h = f(self.layers[i][1], x, ids, tab, pool.layers[i])
             hist = h if hist is None else hist + h
             if streams is not None:

@@ -350,12 +350,12 @@ def test_pass_a_xla_equals_dense_attention():
     picked = lambda ids: dense(e[jnp.maximum(ids, 0)][None], ((ids >= 0) & (end[jnp.maximum(ids, 0)] <= p))[
         None, :, None, :], "bthk,btwk->bthw")
     assert rel_err(layer.pass_a(*args), picked(ids)) < 1e-6
-    # the span form over document-local picks: per step of 16 rows one slice of entries, 11 of
-    # the 16 (the 24-row frame's 6, the step's 4, one more); a slice too short drops picks
+    # the span form over document-local picks: per step of 16 rows one slice of entries, 12 of
+    # the 16 (the 24-row document's 6, the step's 4, two more); a slice too short drops picks
     loc = _pass_a_problem(t=64, nh=2, k=32, n_ent=16, topk=4, window=8, block=16, frames=(20, 24, 20), first=13,
                           local=True)
     want, span = picked(loc[-1]), layer.csa_span_bound(24, 4, 8, 16)
-    assert span == 11 and rel_err(layer.pass_a(*loc, call_rows=16, csa_span=span), want) < 1e-6
+    assert span == 12 and rel_err(layer.pass_a(*loc, call_rows=16, csa_span=span), want) < 1e-6
     assert rel_err(layer.pass_a(*loc, call_rows=16, csa_span=4), want) > 1e-2
 
 

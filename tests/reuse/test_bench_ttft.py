@@ -2,8 +2,8 @@
 documents' artifacts to a store (--store), the timed call reads them back and runs both arms with
 host-resident artifacts streamed per layer, the per-layer and op-level profiles of the three arms
 and the cold (construction
-included) RedKnot run, two kernel sets x two entry-prefix stagings timed side by side; every
-RedKnot run certified, none fell back."""
+included) RedKnot run, two kernel sets x two entry-prefix stagings timed side by side under one
+--profiles variant; every RedKnot run certified, none fell back."""
 
 import dataclasses
 import json
@@ -18,7 +18,7 @@ def test_bench_ttft_store_host_resident_cold_layers(monkeypatch, tmp_path):
     # a small tail so that rows are restored (the tiny profile's default protects most of 96 rows)
     monkeypatch.setattr(bench_ttft, "tiny_profile", lambda n: dataclasses.replace(tiny_profile(n), tail_rows=4))
     common = ["--preset", "tiny", "--lengths", "96", "--docs", "2", "--question", "8", "--repeats", "1",
-              "--budget", "0.25", "--store", str(tmp_path / "store")]
+              "--budget", "0.25", "--profiles", "tail4-k3", "--store", str(tmp_path / "store")]
     built = bench_ttft.main(common + ["--build-only", "--out", str(tmp_path / "b.json")])["lengths"][0]
     assert built["artifacts"] == "built" and built["build_s"] > 0 and "recompute_s" not in built
     out = tmp_path / "ttft.json"
@@ -41,6 +41,8 @@ def test_bench_ttft_store_host_resident_cold_layers(monkeypatch, tmp_path):
     # certified; the first named fills the row's main fields
     names = {"xla/stages4", "xla/stages1", "auto/stages4", "auto/stages1"}
     assert res["kernels_resolved"] == dict.fromkeys(names, "") and res["shape_buckets"] == 8
+    # one --profiles variant: the profile of every kernel set
+    assert set(res["profiles"]) == names and {p["fanout_mode"] for p in res["profiles"].values()} == {"k3"}
     assert res["topk_stages"] == [4, 1]
     by = row["by_kernels"]
     assert set(by) == names and by["xla/stages4"]["recompute_s"] == row["recompute_s"]
@@ -105,7 +107,8 @@ def test_bench_ttft_store_host_resident_cold_layers(monkeypatch, tmp_path):
     (["--topk-stages", "2,2"], "--topk-stages: expected distinct ints >= 1"),
     (["--topk-stages", "a"], "--topk-stages: expected distinct ints >= 1, comma-separated, got 'a'"),
     (["--profiles", "tail0-fp8,tail0-fp4"], "--profiles: the variants must share fences, Global head and artifact codec"),
-    (["--profiles", "tail0-fp16"], "--profiles: profile variant 'tail0-fp16': cannot read 'fp16'")])
+    (["--profiles", "tail0-fp16"], "--profiles: profile variant 'tail0-fp16': cannot read 'fp16'"),
+    (["--profiles", "tail0,tail4", "--kernels", "xla,auto"], "--profiles: time profile variants under one kernel set")])
 def test_bench_ttft_rejects_bad_flags(tmp_path, refused, flags, named):
     """Each bad flag is refused before any work, by the message of its own check (the usage line
     names every flag, so the error line itself is matched)."""
