@@ -7,9 +7,9 @@ length: build the artifacts (timed: the cold construction cost), admit them (--r
 the hot tier, a device-resident `DocPool`; host: a `HostPool`, payloads in host memory, each
 layer copied to the device one layer ahead of the consumer, the copy the compute does not hide
 counted in TTFT; --host-kind: from pageable or pinned host memory, staged at admission;
-payload digests verified once; the prefix arm's cache, `prefix.hot_prefix`: the first
-document's native state of every layer dense on the device, as a prefix cache holds it), warm
-up the arms (compilation), then
+payload digests verified once; the exact prefix's cache, `prefix.PrefixCache` of one
+document: the first document's native state of every layer dense on the device, as a prefix
+cache holds it, read by the prefix and RedKnot arms alike), warm up the arms (compilation), then
 alternate the arms for --repeats. --cold adds, after them, RedKnot runs whose TTFT includes
 building every artifact from the documents' tokens (construction, packing, certification).
 TTFT = model-forward entry to the first token on the host; the RedKnot arm's boundary
@@ -79,7 +79,6 @@ from redknot_jax.reuse import ledger as ledgers
 from redknot_jax.reuse.artifact import build_artifact
 from redknot_jax.reuse.codec import CODECS
 from redknot_jax.reuse.planner import Request, Segment, plan_request
-from redknot_jax.reuse.prefix import hot_prefix
 from redknot_jax.reuse.pool import Buckets
 from redknot_jax.reuse.profile import FANOUT_MODES, FFN_ROWS, flash_profile, tiny_profile
 from redknot_jax.reuse.runtime import ReuseFallback, ReuseRuntime
@@ -358,7 +357,7 @@ def main(argv=None):
         ap.error("--profiles: the variants must share fences, Global head and artifact codec (one set of artifacts "
                  "serves them)")
     rts = {v: ReuseRuntime(model, profs[v], checkpoint_fingerprint=f"random-{args.preset}-seed-0",
-                           kernels=k.replace("+", ","), buckets=args.shape_buckets, topk_stages=n)
+                           kernels=k.replace("+", ","), buckets=args.shape_buckets, topk_stages=n, prefix_cache=1)
            for v, (k, n) in variants.items()}
     # the artifacts are built once, under the first variant that restores FFN outputs (they hold them) or the first
     prof = next((p for p in profs.values() if p.ffn_rows == "restore"), next(iter(profs.values())))
@@ -432,9 +431,8 @@ def main(argv=None):
         row["admit_s"], row["pool_gb"], row["pool"] = time.perf_counter() - t0, pool.nbytes() / 1e9, type(pool).__name__
         if args.resident == "host":
             row["host_kind"] = pool.host_kind
-        if not args.no_prefix_arm:  # the prefix arm's cache: the first document's state, hot on the device
-            hot0 = hot_prefix(arts[0], cfg.num_layers, cfg.sliding_window)
-            row["prefix_cache_gb"] = sum(v.nbytes for v in jax.tree.leaves(hot0.prefix_layers)) / 1e9
+        hot0 = rt.prefix_cache.get(arts[0])  # the exact prefix's states, hot on the device (both arms)
+        row["prefix_cache_gb"] = rt.prefix_cache.nbytes() / 1e9
         save()
 
         def recompute(rt):

@@ -33,20 +33,16 @@ run_steps() {
   today=$(date +%Y%m%d)
   local steps=${1:-}
   if [ -z "$steps" ]; then  # what docs/benchmarks.md still lists as not measured, by device
-    if [ $d = h200 ]; then steps=pass_a,span64,ttft64,model64,ttft128,qps,break_even,ttft256build,ttft256,decode_batch
-    else steps=pass_a,span32,ops32,decode_batch16,model32; fi  # 64K and command F (qps) exceed an H100's 80 GB
+    if [ $d = h200 ]; then steps=ttft64,ttft128,qps,break_even,ttft256build,ttft256,model64,decode_batch,pass_a
+    else steps=ttft32,ops32,decode_batch16,model32; fi  # 64K and command F (qps) exceed an H100's 80 GB
   fi
   for s in ${steps//,/ }; do case $s in
     ttft64) step $s launch/bench_ttft.py --lengths 65536 --repeats 2 --layer-times --op-profile 2,20,21,40 \
       --profiles tail0-b10-omit,tail0-b10-restore,default --out $R/ttft_64k_modes_${d}_$today.json ;;
     pass_a) for doc in 8192 16384 32768; do  # bench_ttft's documents at 32K, 64K, 128K: where the span form
-        # (its slice grows with the document) stops beating the kernel (its padded heads cost the same at any length)
+        # (its slice grows with the document) stops beating the kernel (layer.SPAN_DOC_ROWS)
         step ${s}_doc$doc launch/bench_pass_a.py --length 65536 --doc $doc --call-rows 8192 --span-rows 1024,2048,4096 \
           --hca-rows 8192 --json $R/pass_a_64k_doc${doc}_${d}_$today.json; done ;;
-    span32|span64)  # pass A of CSA layers: the kernel (auto) beside XLA's span form (auto less sparse_global)
-      step $s launch/bench_ttft.py --lengths $([ $s = span64 ] && echo 65536 || echo 32768) --repeats 2 \
-        --profiles $([ $s = span64 ] && echo tail0-b10-omit || echo tail0-b10-omit-fp4) \
-        --kernels auto,indexer+restore+ragged_dot+sparse_attention --out $R/${s}_${d}_$today.json ;;
     ttft128) step $s launch/bench_ttft.py --lengths 131072 --repeats 2 --profiles tail0-b10-omit-fp4,fp4 \
       --out $R/ttft_128k_fp4_${d}_$today.json ;;
     ttft256build) step $s launch/bench_ttft.py --lengths 262144 --profiles tail0-b10-omit-fp4 \

@@ -42,10 +42,11 @@ from redknot_jax.reuse.arena import DocArena
 from redknot_jax.reuse.artifact import local_head_mask
 from redknot_jax.reuse.decode import DecodeState
 from redknot_jax.reuse.decode_batch import DecodeBatch
+from redknot_jax.reuse.layer import SPAN_DOC_ROWS, pass_a_kernels
 from redknot_jax.reuse.layout import NEVER, build_layout, common_sizes, frame_rows
 from redknot_jax.reuse.planner import Plan, concentration, fill_itop, row_risk
 from redknot_jax.reuse.pool import ENTRY_PAD, Buckets, DocPool, HostPool, ceil_to
-from redknot_jax.reuse.prefix import native_cache, prefix_check
+from redknot_jax.reuse.prefix import PrefixCache, native_cache, prefix_check
 from redknot_jax.reuse.programs import (controller_jit, decode_entries_jit, deviation_jit,
                                         native_jit, reusable_batch_jit, reusable_jit, reusable_keys_jit,
                                         reusable_step_jit)
@@ -95,7 +96,7 @@ class Consumer:
     """Both arms of a model at serving scale: `recompute(req)` and `redknot(req, pool)`."""
 
     def __init__(self, model, profile, block: int | None = None, kernels: str = "auto", buckets: int = 8,
-                 topk_stages: int = TOPK_STAGES):
+                 topk_stages: int = TOPK_STAGES, prefix_cache: PrefixCache | None = None):
         """kernels: which Mosaic GPU kernels prefills (single or batched) run: see
         `resolve_kernels`; `self.kernels` is the resolved set. A kernel
         named explicitly that the model cannot run is refused here, not silently replaced by its
@@ -103,7 +104,11 @@ class Consumer:
         entries, decode capacities, pools), so requests of similar sizes share compiled
         programs; 0 pads to the query block and ENTRY_PAD only. topk_stages: a CSA query block
         scores and selects over the shortest of that many entry prefixes holding what it sees
-        (`indexer.select_topk_causal`; the same picks; 1 scores every entry, the form before)."""
+        (`indexer.select_topk_causal`; the same picks; 1 scores every entry, the form before).
+        "sparse_global" (pass A's kernel) runs for requests whose longest document exceeds
+        `span_doc_rows` rows; below that pass A's span form is faster (`layer.pass_a_kernels`).
+        prefix_cache: where both the prefix arm and the RedKnot arm read an exact prefix's
+        native states (`_hot`); None: from the artifact, host arrays copied per request."""
         # query block: 256 rows at model scale; 32 for the small test models (fewer padded rows)
         block = block or (256 if model.cfg.hidden_size >= 1024 else 32)
         self.model, self.profile, self.cfg, self.block = model, profile, model.cfg, block
@@ -116,6 +121,8 @@ class Consumer:
         self.fan = (profile.fanout_mode, float(profile.tau), int(profile.fanout_min))
         self.ffn_rows = profile.ffn_rows
         self.kernels = resolve_kernels(kernels, model, len(self.glob) // self.cfg.o_groups)
+        self.span_doc_rows = SPAN_DOC_ROWS  # pass A: the kernel above documents of this many rows (`_pass_a`)
+        self.prefix_cache = prefix_cache
         if not isinstance(topk_stages, int) or topk_stages < 1:
             raise ValueError(f"Consumer: topk_stages must be an int >= 1, got {topk_stages!r}")
         self.topk_stages = topk_stages
@@ -209,10 +216,13 @@ class Consumer:
         padded = np.r_[rows, np.full(self.buckets(rows.size, 8) - rows.size, rows[-1])] if rows.size > 1 else rows
         return logits_jit(self.top_state, x, jnp.asarray(padded)[None], graphdef=self.top_def)[0, :rows.size]
 
-    def _longest_doc(self, layouts) -> int:
-        """The rows of the layouts' longest document, bucketed as rows are (a few compiled
-        programs): pass A's span form (`layer.reusable_attention`)."""
-        return self.buckets(max(lay.longest_doc for lay in layouts), self.block)
+    def _pass_a(self, layouts) -> dict:
+        """A reusable layer's `kernels` and `longest_doc` for these layouts: the rows of their
+        longest document, bucketed as rows are (a few compiled programs), size pass A's span form
+        (`layer.reusable_attention`); up to `span_doc_rows` rows it runs instead of the kernel
+        (`layer.pass_a_kernels`)."""
+        longest = self.buckets(max(lay.longest_doc for lay in layouts), self.block)
+        return dict(kernels=pass_a_kernels(self.prefill_kernels, longest, self.span_doc_rows), longest_doc=longest)
 
     def _decode_layout(self, state: DecodeState, plan: Plan, layout, decode_rows: int) -> None:
         """A decode state's compact rows (the prompt layout's own rows, then room for the new
@@ -229,6 +239,11 @@ class Consumer:
         """Cache capacity of a request of n rows (decode rows included) whose exact prefix of L
         rows is followed by c padded computed rows: whole windows of both compression rates."""
         return ceil_to(max(self._cap(n), L + c), math.lcm(self.cfg.hca_rate, self.cfg.csa_rate))
+
+    def _hot(self, artifact):
+        """Where an exact prefix's native states are read: `artifact`'s hot copy in the prefix
+        cache (`prefix.hot_prefix`, made on a miss), or without a cache the artifact itself."""
+        return artifact if artifact is None or self.prefix_cache is None else self.prefix_cache.get(artifact)
 
     def _native_cached(self, i, x, ids, pos0, n_real, cap, artifacts, state=None, out=(0, 0)):
         """Native layer i over computed rows x [b, C, ...] with a cache of `cap` rows: after each
@@ -298,6 +313,7 @@ class Consumer:
             raise ValueError(f"prefix arm: query rows must lie in [{L}, {n}) (after the prefix), got {q.tolist()}")
         ids, t, t_real = self._pad(tokens[L:])
         cap = self._prefix_cap(L, t, n + decode_rows)
+        artifact = self._hot(artifact)
         x = self._embed(ids)
         clock = _LayerClock(layer_times, x, layer_traces)
         state = DecodeState(n, cap, None, native=True)
@@ -382,13 +398,13 @@ class Consumer:
         hist, layout = None, None
         cap = self._prefix_cap(L, t, n + decode_rows) if L else self._cap(n + decode_rows)
         state = DecodeState(n, cap, pool) if decode_rows else None
+        first = self._hot(plan.frames[0].artifact) if L else None  # the exact prefix's native states
         out = (0, 0)  # the last layer's output rows (`_out`; a reusable last layer: every row)
         for i in range(cfg.num_layers):
             if prof.is_fence(i, cfg.num_layers):
                 out = self._out(i, plan.query_rows - L, t)
                 if L or state is not None:
-                    x = self._native_cached(i, x, ids, L, t_real, cap, [plan.frames[0].artifact if L else None], state,
-                                            out)
+                    x = self._native_cached(i, x, ids, L, t_real, cap, [first], state, out)
                 else:
                     x = self._native(i, x, ids, t_real, t, out)
                 clock.lap(x)
@@ -410,8 +426,7 @@ class Consumer:
                     timings.update(plan_s=time.perf_counter() - t0, controller_s=t1 - t0)
             gd, st = self.defs[i]
             kw = dict(graphdef=gd, freqs=self.model.freqs(i), glob=self.glob, block=self.block, fan=self.fan,
-                      kernels=self.prefill_kernels, topk_stages=self.topk_stages, ffn_rows=self.ffn_rows,
-                      longest_doc=self._longest_doc([layout]))
+                      topk_stages=self.topk_stages, ffn_rows=self.ffn_rows, **self._pass_a([layout]))
             if state is None:
                 x, h = reusable_jit(st, x, ids, layout.tables, pool_layer, **kw)
             else:
@@ -508,7 +523,8 @@ class Consumer:
         x = self._embed(ids)
         hist, tabs, keep_rows = None, None, None
         cap = max(self._prefix_cap(L, t, p.n_rows + decode_rows) for L, p in zip(Ls, plans))
-        firsts = [p.frames[0].artifact if p.prefix else None for p in plans]
+        hot = {id(p.frames[0].artifact): self._hot(p.frames[0].artifact) for p in plans if p.prefix}  # once a document
+        firsts = [hot[id(p.frames[0].artifact)] if p.prefix else None for p in plans]
         states = [DecodeState(p.n_rows, cap, pool) for p in plans] if decode_rows else None
         for i in range(cfg.num_layers):
             if prof.is_fence(i, cfg.num_layers):
@@ -530,9 +546,8 @@ class Consumer:
                     keep_rows = jnp.tile(jnp.arange(max(s.own_cap for s in states), dtype=jnp.int32), (len(plans), 1))
             gd, st = self.defs[i]
             out = reusable_batch_jit(st, x, ids, tabs, pool_layer, keep_rows, graphdef=gd, freqs=self.model.freqs(i),
-                                     glob=self.glob, block=self.block, fan=self.fan, kernels=self.prefill_kernels,
-                                     topk_stages=self.topk_stages, ffn_rows=self.ffn_rows,
-                                     longest_doc=self._longest_doc(layouts))
+                                     glob=self.glob, block=self.block, fan=self.fan,
+                                     topk_stages=self.topk_stages, ffn_rows=self.ffn_rows, **self._pass_a(layouts))
             x, hb = out[:2]
             if states is not None:  # each request's compact rows, cut to its own capacity
                 for b, st_b in enumerate(states):

@@ -21,7 +21,8 @@ HCA layers run it when the kernel set names it, `decode.py`, reading the pool's 
 place; docs/kernels.md says why prefill turns keys. Both are tested against the reference's
 rotated-query form.) Pass B's CSA blocks run `pallas/sparse_attention.py` when the kernel set
 names it: per row a list of key ids into one table of the request's absolute-frame latents and
-entries; pass A's too, when it names "sparse_global", its Global heads padded to the kernel's 64.
+entries; pass A's too, when it names "sparse_global", its Global heads padded to the kernel's 64
+(the consumer names it for requests of long documents only, `pass_a_kernels`; else the span form).
 Restoration runs `pallas/restore.py` when the set names "restore".
 
 Under tensor parallelism (`sharding/consumer_tp.py`) the same functions run on a rank's heads,
@@ -102,6 +103,10 @@ def online_entries(comp, proj_kv, proj_gate, ring, tab, freqs, own_slot=None):
 # ---------------------------------------------------------------------------------- passes A and B
 PASS_A_ROWS = 8192  # pass A's rows per loop step at most (the kernel's calls; XLA's, but a CSA layer's)
 SPAN_ROWS = 2048  # a CSA layer's pass A in its span form: rows per loop step at most
+# documents of at most this many rows: pass A's span form beats the kernel ("sparse_global"); one
+# H100, 2026-12-06, launch/bench_pass_a.py (docs/kernels.md): at 64K / 128K the span form took
+# 17 / 23 ms at documents of 8K / 16K rows where the kernel took 31 / 27, but 26 ms to its 19 at 32K
+SPAN_DOC_ROWS = 16384
 
 
 def pass_a(q, tab, kv_abs, ents, sink, scale, kind, block, window, csa_ids, sparse: bool = False,
@@ -181,6 +186,15 @@ def csa_span_bound(doc_rows: int, rate: int, window: int, step_rows: int = SPAN_
     rows) plus those its rows close (its cap in whole bands of `window`; rows that continue a
     document, in its frame, are rows of the step), and two for entries a frame edge splits."""
     return doc_rows // rate + -(-step_rows // window) * window // rate + 2
+
+
+def pass_a_kernels(kernels: str, longest_doc: int | None, span_doc_rows: int = SPAN_DOC_ROWS) -> str:
+    """The resolved kernel set `kernels` as a reusable layer runs it for requests whose longest
+    document has `longest_doc` rows: less "sparse_global" (pass A's kernel) where the span form is
+    faster, documents of at most `span_doc_rows` rows (None: unknown, the set unchanged)."""
+    if longest_doc is None or longest_doc > span_doc_rows:
+        return kernels
+    return ",".join(k for k in kernels.split(",") if k and k != "sparse_global")
 
 
 def in_steps(run, arrays, t: int, cap: int, unit: int = 1):

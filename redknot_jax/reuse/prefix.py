@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import threading
 
 import numpy as np
@@ -28,20 +29,30 @@ def native_cache(attn, state: dict, cap: int, dtype) -> dict:
     L = state["length"] (default len(state["kv"])) rows from position 0, from its native state
     (`Artifact.native_state`, or `hot_prefix`'s, which keeps the last window's K=V rows only):
     the window ring (position p in slot p % window, zero before position 0), compressed entries
-    and indexer keys padded to cap // m, the open compressor windows as stored."""
-    c = attn.init_cache(1, cap, dtype)
-    kv = jnp.asarray(state["kv"])
-    n, w = int(state.get("length", kv.shape[0])), attn.window  # `hot_prefix` keeps the window's rows only
+    and indexer keys padded to cap // m, the open compressor windows as stored. One compiled
+    program per shape (op by op, its ~30 small dispatches left the device idle ~25 ms a layer
+    on the H100)."""
+    n = int(state.get("length", np.shape(state["kv"])[0]))  # `hot_prefix` keeps the window's rows only
     if n > cap:
         raise ValueError(f"native_cache: {n} document rows exceed the capacity {cap}")
+    leaves, tree = jax.tree.flatten(jax.eval_shape(lambda: attn.init_cache(1, cap, dtype)))
+    arrays = {k: v for k, v in state.items() if k != "length"}
+    return _native_cache(arrays, like=(tree, tuple(leaves)), n=n, window=attn.window)
+
+
+@functools.partial(jax.jit, static_argnames=("like", "n", "window"))
+def _native_cache(state: dict, like, n: int, window: int) -> dict:
+    tree, leaves = like
+    c = jax.tree.unflatten(tree, [jnp.zeros(s.shape, s.dtype) for s in leaves])
+    kv, w = state["kv"], window
     kept = kv[kv.shape[0] - min(n, w):]  # positions n - min(n, w) .. n - 1
     tail = jnp.pad(kept, ((w - kept.shape[0], 0), (0, 0)))  # positions n - w .. n - 1
-    c["win"] = tail[np.mod(np.arange(w) - n, w)][None].astype(dtype)
+    c["win"] = tail[np.mod(np.arange(w) - n, w)][None].astype(c["win"].dtype)
     for name, st in (("entries", "cmp"), ("idx_entries", "idx")):
         if name not in c:
             continue
-        e = jnp.asarray(state[name])
-        c[name] = jnp.pad(e, ((0, c[name].shape[1] - e.shape[0]), (0, 0)))[None].astype(dtype)
+        e = state[name]
+        c[name] = jnp.pad(e, ((0, c[name].shape[1] - e.shape[0]), (0, 0)))[None].astype(c[name].dtype)
         c[st] = {k: jnp.asarray(v)[None].astype(c[st][k].dtype) for k, v in state[st].items()}
     return c
 
@@ -62,9 +73,10 @@ def hot_prefix(artifact, num_layers: int, window: int):
 
 
 class PrefixCache:
-    """The prefix arm's device cache: the `hot_prefix` of up to `capacity` documents, least
-    recently used evicted first (vLLM's automatic prefix caching holds a prefix's KV blocks on
-    the device the same way). Keyed by the artifact's payload digest, so a rebuilt or
+    """The exact prefix's device cache, read by the prefix and RedKnot arms' fence layers alike
+    (`Consumer._hot`): the `hot_prefix` of up to `capacity` documents, least recently used
+    evicted first (vLLM's automatic prefix caching holds a prefix's KV blocks on the device the
+    same way). Keyed by the artifact's payload digest, so a rebuilt or
     regenerated artifact is a new entry; `stats`: hits, misses, evictions. Thread-safe."""
 
     def __init__(self, capacity: int, num_layers: int, window: int):

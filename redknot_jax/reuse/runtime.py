@@ -84,11 +84,12 @@ class ReuseRuntime:
         self._verified: dict[int, tuple] = {}
         # Mosaic GPU kernels: resolve_kernels; buckets: the padded sizes (pool.Buckets); topk_stages:
         # the CSA selection's entry prefixes (indexer.select_topk_causal)
-        self.consumer = Consumer(model, profile, kernels=kernels, buckets=buckets, topk_stages=topk_stages)
-        # the prefix arm's device cache of first documents' states (prefix.PrefixCache; 0: none,
-        # each prefix request reads its artifact)
+        # the device cache of first documents' states, where both arms read an exact prefix
+        # (prefix.PrefixCache; 0: none, each request reads its artifact's host arrays)
         self.prefix_cache = PrefixCache(prefix_cache, self.cfg.num_layers, self.cfg.sliding_window) \
             if prefix_cache else None
+        self.consumer = Consumer(model, profile, kernels=kernels, buckets=buckets, topk_stages=topk_stages,
+                                 prefix_cache=self.prefix_cache)
 
     # ------------------------------------------------------------------ certification
     def certify(self, req: Request) -> tuple[FallbackReason, str] | None:
@@ -153,7 +154,7 @@ class ReuseRuntime:
             if bad is None:
                 self.counters.record_ok()
                 plan = plan_request(req, self.profile)
-                out = yield from self.consumer.prefix_steps(self._prefix_state(req), req.tokens, plan.query_rows,
+                out = yield from self.consumer.prefix_steps(req.segments[0].artifact, req.tokens, plan.query_rows,
                                                             decode_rows=decode_rows)
                 logits, state = (out[0], out[1]) if decode_rows else (out, None)
                 return PrefillResult(np.asarray(logits), "prefix", None, "", None, plan, time.perf_counter() - t0,
@@ -193,12 +194,6 @@ class ReuseRuntime:
         reason, detail = (bad if arm != "recompute" else (None, ""))
         return PrefillResult(np.asarray(logits), "recompute", reason, detail, None, plan, time.perf_counter() - t0,
                              decode=state)
-
-    def _prefix_state(self, req: Request):
-        """Where the prefix arm reads the (certified) first document's state: its hot copy in the
-        prefix cache, or the artifact itself."""
-        art = req.segments[0].artifact
-        return art if self.prefix_cache is None else self.prefix_cache.get(art)
 
     def _prefix_verdict(self, req: Request) -> tuple[FallbackReason, str] | None:
         """Why the request's first segment cannot be an exact prefix, or None."""
@@ -343,7 +338,7 @@ class ReuseRuntime:
         if first.arm == "recompute":
             return np.asarray(self.consumer.recompute(full, [full.size - 1]))[-1]
         if first.arm == "prefix":
-            return np.asarray(self.consumer.prefix(self._prefix_state(req), full, [full.size - 1]))[-1]
+            return np.asarray(self.consumer.prefix(req.segments[0].artifact, full, [full.size - 1]))[-1]
         if pool is None:  # the prefill's pool when it kept one; packing is per call otherwise
             pool = st.pool if st is not None else self.consumer.pool(
                 [s.artifact for s in req.segments if s.artifact is not None])

@@ -12,7 +12,7 @@ tests can build several apps in one process).
 * queue depth, active decode slots, rows per batched decode step, documents registered;
 * the device arena of hot documents: `redknot_arena_rows_used`, `_rows_capacity`, `_documents`,
   `_pinned_documents`, `_bytes`, `redknot_arena_admissions_total`, `redknot_arena_evictions_total`;
-* the prefix arm's device cache: `redknot_prefix_cache_documents`, `_bytes`,
+* the exact prefix's device cache (both arms): `redknot_prefix_cache_documents`, `_bytes`,
   `redknot_prefix_cache_hits_total`, `_misses_total`, `_evictions_total`;
 * `redknot_compiled_programs_total`: XLA programs this process lowered (jit cache misses, each
   then compiled or read from the persistent compilation cache), counted through
@@ -112,8 +112,8 @@ ARENA = ("arena", (("rows_used", "rows_used", "Document rows held by the device 
          (("admissions", "admitted", "Documents written into the device arena"),
           ("evictions", "evicted", "Documents evicted from the device arena (least recently used, to host memory) "
            "to make room")))
-PREFIX_CACHE = ("prefix_cache", (("documents", "docs", "First documents the prefix arm holds hot on the device"),
-                                 ("bytes", "bytes", "Device bytes of the prefix arm's cache")),
+PREFIX_CACHE = ("prefix_cache", (("documents", "docs", "First documents held hot on the device as exact prefixes"),
+                                 ("bytes", "bytes", "Device bytes of the exact-prefix cache")),
                 (("hits", "hits", "Prefix-arm requests whose first document's state was held hot"),
                  ("misses", "misses", "Prefix-arm requests that decoded their first document's state onto the "
                   "device"),
@@ -173,7 +173,7 @@ class Metrics:
         self._arena.source = arena
 
     def watch_prefix_cache(self, cache) -> None:
-        """Report the prefix arm's device cache (`reuse.prefix.PrefixCache`): size, hits, misses."""
+        """Report the exact prefix's device cache (`reuse.prefix.PrefixCache`): size, hits, misses."""
         self._prefixes.source = cache
 
     def record_ledgers(self, ledgers: dict, cached: int) -> None:

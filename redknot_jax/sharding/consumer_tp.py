@@ -48,7 +48,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from redknot_jax.mhc import HyperConnection
 from redknot_jax.pallas import kernel_mode
 from redknot_jax.reuse.consumer import Consumer
-from redknot_jax.reuse.layer import reusable_layer
+from redknot_jax.reuse.layer import pass_a_kernels, reusable_layer
 from redknot_jax.reuse.pool import DocPool
 from redknot_jax.reuse.planner import Plan
 from redknot_jax.reuse.prefix import native_cache
@@ -141,7 +141,7 @@ class TPConsumer:
                  longest_doc: int | None = None):
         """Layer i's program; native and chunk ones take a row0 after their other arguments and
         with rows > 0 give rows [row0, row0 + rows) only (`Consumer._out`); a reusable one's pass A
-        takes its span form with `longest_doc` (`Consumer._longest_doc`)."""
+        takes its span form with `longest_doc`, instead of the kernel up to `span_doc_rows` (`Consumer._pass_a`)."""
         gd, _, spec_tree = self.layers[i]
         key = (gd, kind, t, rows, longest_doc)
         if key in self._programs:
@@ -179,7 +179,8 @@ class TPConsumer:
                 return reusable_layer(blk, x, ids, tab, pool_layer, freqs=freqs, glob=glob, block=self.block,
                                       fan=fan, reduce=_psum if tp > 1 else None,
                                       ffn=functools.partial(_ffn_tp, blk, tp, kernels=self.kernels),
-                                      kernels=self.kernels, ffn_rows=self.base.ffn_rows, longest_doc=longest_doc)
+                                      kernels=pass_a_kernels(self.kernels, longest_doc, self.base.span_doc_rows),
+                                      ffn_rows=self.base.ffn_rows, longest_doc=longest_doc)
 
             f = jax.shard_map(body, mesh=self.mesh, check_vma=False,
                               in_specs=(spec_tree, P(), P(), jax.tree.map(lambda _: P(), tab),
@@ -223,7 +224,7 @@ class TPConsumer:
             if prof.is_fence(i, cfg.num_layers):
                 out = self.base._out(i, plan.query_rows - L, t) if streams is None else (0, 0)  # streams: every row
                 if L:
-                    cache = jax.device_put(native_cache(model.layers[i].attn, plan.frames[0].artifact.native_state(i),
+                    cache = jax.device_put(native_cache(model.layers[i].attn, self.base._hot(plan.frames[0].artifact).native_state(i),
                                                         cap, model.dtype), self.rep)
                     x = self._program(i, "chunk", t, cache=cache, rows=out[1])(self.layers[i][1], x, ids, pos0, n,
                                                                                  cache, self._row0(out))
@@ -237,7 +238,7 @@ class TPConsumer:
                     self.base.controller(plan, jax.device_put(x, jax.devices()[0]), pool, pool.layers[i])
                 layout = self.base._layout(plan, pool)
                 tab = jax.device_put(layout.tables, self.rep)
-            f = self._program(i, "reusable", t, pool.layers[i], tab, longest_doc=self.base._longest_doc([layout]))
+            f = self._program(i, "reusable", t, pool.layers[i], tab, longest_doc=self.base._pass_a([layout])["longest_doc"])
             x, h = f(self.layers[i][1], x, ids, tab, pool.layers[i])
             hist = h if hist is None else hist + h
             if streams is not None:

@@ -382,7 +382,8 @@ def test_pass_a_hands_the_global_heads_to_the_kernel(monkeypatch):
     heads padded to its 64, with the reference in the kernel's place (fp32, real selection):
     * pass A itself, every row of three frames, equals the XLA form, and a window that ignores
       the frame start (keys reaching into the previous document) does not;
-    * in the consumer, the RedKnot arm's logits are the XLA path's, every call with 64 heads;
+    * in the consumer, the RedKnot arm's logits are the XLA path's, every call with 64 heads
+      where documents are longer than `span_doc_rows` (else pass A's span form: no call);
       in a batch (`prefill_batch`) too, beside the native fences' and pass B's calls;
     * `resolve_kernels` takes the name in the consumer and leaves it out where pass A does not
       exist (Engine, builds)."""
@@ -425,6 +426,9 @@ def test_pass_a_hands_the_global_heads_to_the_kernel(monkeypatch):
     xla, ker = ReuseRuntime(kmodel, prof, "fp", kernels="xla"), ReuseRuntime(kmodel, prof, "fp", kernels="xla")
     ker.consumer.kernels = "sparse_global"  # the tiny model's head dim: the kernel itself would refuse
     want = xla.prefill(req, "redknot", require_reuse=True).logits
+    # documents up to `span_doc_rows` rows: the span form, not the kernel
+    assert rel_err(ker.prefill(req, "redknot", require_reuse=True).logits, want) < 1e-5 and not calls
+    ker.consumer.span_doc_rows = 0
     got = ker.prefill(req, "redknot", require_reuse=True).logits
     assert calls and all(c[1] == sp.HEADS for c in calls)  # every pass-A call: 64 (padded) heads
     assert rel_err(got, want) < 1e-5

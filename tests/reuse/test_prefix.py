@@ -124,8 +124,8 @@ def test_both_arms_with_a_prefix_are_the_recomputed_arm_and_compute_no_prefix_ro
             a, b = rt.next_logits(req, res, gen), rt.next_logits(req, rec, gen)
             assert res.decode.rows == req.tokens.size + s + 1  # the incremental path ran
             assert rel_err(a, b) < TOL_FP32, (arm, s)
-    # the prefix arm over the document's state held dense on the device (what a prefix cache
-    # holds), through a runtime with a prefix cache: the same logits; a hit the second time
+    # both arms over the document's state held dense on the device (what a prefix cache holds),
+    # through a runtime with a prefix cache: the same logits; a miss the first time, then hits
     hot = hot_prefix(arts[L], CFG.num_layers, CFG.sliding_window)
     assert not hot.layers and sorted(hot.prefix_layers) == list(range(CFG.num_layers))
     assert all(isinstance(v, jax.Array) for d in hot.prefix_layers.values()
@@ -133,11 +133,11 @@ def test_both_arms_with_a_prefix_are_the_recomputed_arm_and_compute_no_prefix_ro
     assert {d["length"] for d in hot.prefix_layers.values()} == {L}  # host ints: no device read per layer
     assert all(isinstance(d["length"], np.integer) for d in hot.prefix_layers.values())
     assert {d["kv"].shape[0] for d in hot.prefix_layers.values()} == {CFG.sliding_window} and CFG.sliding_window < L
-    want = rt.prefill(req, "prefix").logits
     cached = ReuseRuntime(model, PROF, FP, prefix_cache=1)
-    for _ in range(2):
-        np.testing.assert_array_equal(cached.prefill(req, "prefix", require_reuse=True).logits, want)
-    assert cached.prefix_cache.stats == {"hits": 1, "misses": 1, "evictions": 0}
+    for arm in ("prefix", "prefix", "redknot"):
+        want = rt.prefill(req, arm).logits
+        np.testing.assert_array_equal(cached.prefill(req, arm, require_reuse=True).logits, want)
+    assert cached.prefix_cache.stats == {"hits": 2, "misses": 1, "evictions": 0}
 
 
 def test_prefix_cache_keeps_the_least_recently_used_out(arts):
