@@ -5,7 +5,8 @@ timed side by side:
   its 64, for several rows-per-call caps (`call_rows`; the consumer's default is
   `layer.PASS_A_ROWS`, 256 = the query block it used to loop over), beside the XLA form and
   its span form (`--span-rows`: steps of that many rows, each scoring one slice of entries,
-  `layer.csa_span_bound` of the document, masked to the picks);
+  `layer.csa_span_bound` of the document, masked to the picks) and that form scored in chunks
+  of entries up to each step's last pick (`--span-chunks`, steps of `layer.SPAN_ROWS` rows);
 * HCA (every visible entry, rate 128) in XLA for several rows-per-step caps (`--hca-rows`, the
   same `call_rows`; 256 = the query block it used to loop over).
 Documents of --doc rows each, the first an exact prefix (its rows are keys, not queries); a CSA
@@ -73,30 +74,34 @@ def main(argv=None):
     ap.add_argument("--doc", type=int, default=8192, help="rows per document")
     ap.add_argument("--call-rows", default="256,8192", help="CSA: the kernel's rows-per-call caps, comma list")
     ap.add_argument("--span-rows", default="1024,4096", help="CSA: the span form's rows-per-step caps, comma list")
+    ap.add_argument("--span-chunks", default="", help="CSA: the span form's entries per chunk, comma list "
+                    "(online softmax up to each step's last pick; steps of layer.SPAN_ROWS rows)")
     ap.add_argument("--hca-rows", default="256,8192", help="HCA: XLA rows-per-step caps, comma list")
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
     if a.length % a.doc or a.length <= a.doc:
         ap.error(f"--length {a.length}: expected a multiple of --doc {a.doc} above it")
     ints = lambda spec: [int(v) for v in spec.split(",") if v]
-    caps, spans, blocks = ints(a.call_rows), ints(a.span_rows), ints(a.hca_rows)
+    caps, spans, blocks, chunks = ints(a.call_rows), ints(a.span_rows), ints(a.hca_rows), ints(a.span_chunks)
     rows = []
-    csa = [("xla", None)] + [("kernel", v) for v in caps] + [("span", v) for v in spans]
-    for kind, variants in ((CSA, csa if caps or spans else []), (HCA, [("xla", v) for v in blocks])):
+    csa = [("xla", None, None)] + [("kernel", v, None) for v in caps] + [("span", v, None) for v in spans] + \
+        [("span", layer.SPAN_ROWS, c) for c in chunks]
+    for kind, variants in ((CSA, csa if caps or spans or chunks else []), (HCA, [("xla", v, None) for v in blocks])):
         if not variants:
             continue
         args = problem(a.length, a.doc, kind)
         xs, want = (*args[:5], args[9]), None
-        for form, v in variants:  # CSA: None = the XLA form's block steps; else a cap
+        for form, v, chunk in variants:  # CSA: None = the XLA form's block steps; else a cap
             span = layer.csa_span_bound(a.doc, 4, args[8], v) if form == "span" else None
-            fn = jax.jit(lambda q, tab, kv, ents, sink, ids, form=form, v=v, span=span: layer.pass_a(
-                q, tab, kv, ents, sink, *args[5:9], ids, sparse=form == "kernel", call_rows=v, csa_span=span))
+            fn = jax.jit(lambda q, tab, kv, ents, sink, ids, form=form, v=v, span=span, chunk=chunk: layer.pass_a(
+                q, tab, kv, ents, sink, *args[5:9], ids, sparse=form == "kernel", call_rows=v, csa_span=span,
+                span_chunk=chunk))
             ms, first_s, o, err = timed(fn, xs, want)
             want = o if want is None else want
-            rows.append(dict(kind=kind, form=form, rows_per_step=v or 256, span=span,
+            rows.append(dict(kind=kind, form=form, rows_per_step=v or 256, span=span, span_chunk=chunk,
                              steps=-(-o.shape[0] // (v or 256)), ms=ms, first_call_s=first_s,
                              rel_err_vs_first=err))
-            print(f"{kind} {rows[-1]['form']} {rows[-1]['rows_per_step']} rows per step: {ms:.2f} ms "
+            print(f"{kind} {form}{f' chunks of {chunk}' if chunk else ''} {rows[-1]['rows_per_step']} rows per step: {ms:.2f} ms "
                   f"({rows[-1]['steps']} steps), vs the first {err:.1e}", flush=True)
     out = dict(device=jax.devices()[0].device_kind, date=time.strftime("%Y-%m-%d"), jax=jax.__version__,
                command="python launch/bench_pass_a.py " + " ".join(sys.argv[1:] if argv is None else argv),

@@ -240,10 +240,15 @@ class Consumer:
         rows is followed by c padded computed rows: whole windows of both compression rates."""
         return ceil_to(max(self._cap(n), L + c), math.lcm(self.cfg.hca_rate, self.cfg.csa_rate))
 
-    def _hot(self, artifact):
-        """Where an exact prefix's native states are read: `artifact`'s hot copy in the prefix
-        cache (`prefix.hot_prefix`, made on a miss), or without a cache the artifact itself."""
-        return artifact if artifact is None or self.prefix_cache is None else self.prefix_cache.get(artifact)
+    def _hot(self, artifact, layers=None):
+        """Where an exact prefix's native states of `layers` (default all) are read: `artifact`'s
+        hot copy in the prefix cache (`prefix.hot_prefix`, made on a miss), or without a cache
+        the artifact itself."""
+        return artifact if artifact is None or self.prefix_cache is None else self.prefix_cache.get(artifact, layers)
+
+    def _fences(self) -> list[int]:
+        """The fence layers: those whose native states the RedKnot arm reads of its prefix."""
+        return [i for i in range(self.cfg.num_layers) if self.profile.is_fence(i, self.cfg.num_layers)]
 
     def _native_cached(self, i, x, ids, pos0, n_real, cap, artifacts, state=None, out=(0, 0)):
         """Native layer i over computed rows x [b, C, ...] with a cache of `cap` rows: after each
@@ -398,7 +403,7 @@ class Consumer:
         hist, layout = None, None
         cap = self._prefix_cap(L, t, n + decode_rows) if L else self._cap(n + decode_rows)
         state = DecodeState(n, cap, pool) if decode_rows else None
-        first = self._hot(plan.frames[0].artifact) if L else None  # the exact prefix's native states
+        first = self._hot(plan.frames[0].artifact, self._fences()) if L else None  # the prefix's fence states
         out = (0, 0)  # the last layer's output rows (`_out`; a reusable last layer: every row)
         for i in range(cfg.num_layers):
             if prof.is_fence(i, cfg.num_layers):
@@ -523,7 +528,8 @@ class Consumer:
         x = self._embed(ids)
         hist, tabs, keep_rows = None, None, None
         cap = max(self._prefix_cap(L, t, p.n_rows + decode_rows) for L, p in zip(Ls, plans))
-        hot = {id(p.frames[0].artifact): self._hot(p.frames[0].artifact) for p in plans if p.prefix}  # once a document
+        hot = {id(p.frames[0].artifact): self._hot(p.frames[0].artifact, self._fences())
+               for p in plans if p.prefix}  # once a document
         firsts = [hot[id(p.frames[0].artifact)] if p.prefix else None for p in plans]
         states = [DecodeState(p.n_rows, cap, pool) for p in plans] if decode_rows else None
         for i in range(cfg.num_layers):

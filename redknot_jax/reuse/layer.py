@@ -110,7 +110,7 @@ SPAN_DOC_ROWS = 16384
 
 
 def pass_a(q, tab, kv_abs, ents, sink, scale, kind, block, window, csa_ids, sparse: bool = False,
-           call_rows: int | None = None, csa_span: int | None = None):
+           call_rows: int | None = None, csa_span: int | None = None, span_chunk: int | None = None):
     """Global heads of every row: own frame's window, document-local top-k, visible HCA.
     `sparse` (CSA): by `pallas.sparse_attention` over one table of the request's latents and
     entries, the heads padded to the kernel's 64 (zero queries, outputs dropped): the kernel
@@ -131,7 +131,9 @@ def pass_a(q, tab, kv_abs, ents, sink, scale, kind, block, window, csa_ids, spar
     keys); steps of up to `call_rows` rows (default `SPAN_ROWS`). Exact when every step's picks
     lie within `csa_span` entries of its smallest: a document-local pick lies in its row's
     document, before the row, so `csa_span_bound` of the longest document and the step's rows
-    holds."""
+    holds. With `span_chunk` the slice is scored in chunks of that many entries with an online
+    softmax (`_span_chunks`), up to the step's last pick only: the entries past it, the causal
+    half of a long document on average, are not scored (a loop of data-dependent length)."""
     t, h, k = q.shape
     if sparse and kind == CSA:
         return _pass_a_sparse(q, tab, kv_abs, ents, sink, scale, window, csa_ids, call_rows)
@@ -143,6 +145,10 @@ def pass_a(q, tab, kv_abs, ents, sink, scale, kind, block, window, csa_ids, spar
     ext = jnp.pad(kv_abs, ((w, tail), (0, 0)))  # key row p at w + p
     ext_frame = jnp.pad(tab["key_frame"], (w, tail), constant_values=-1)
     arrays = [(q, 0), (tab["frame"], -2)] + ([(csa_ids, -1)] if kind == CSA else [])  # a padding row: no key
+    if span:
+        n = min(csa_span, ents[0].shape[0])
+        n_slice = -(-n // span_chunk) * span_chunk if span_chunk else n  # whole chunks
+        e_ext = jnp.pad(ents[0], ((0, n_slice - n), (0, 0)))  # a slice from any start <= E - n fits
 
     def run(x):
         start, qb, fb = x[:3]
@@ -156,6 +162,7 @@ def pass_a(q, tab, kv_abs, ents, sink, scale, kind, block, window, csa_ids, spar
         fb = fb.reshape(nb, w)
         wm = (kp[:, None] <= pb[..., None]) & (kp[:, None] > pb[..., None] - w) & (kf[:, None] == fb[..., None])
         sets = [(kk, wm[:, :, None, :], "bthk,bsk->bths")]
+        chunked = None
         if kind == HCA:
             e, end = ents
             sets.append((e.astype(q.dtype), (end <= pb[..., None])[:, :, None, :], "bthk,wk->bthw"))
@@ -165,18 +172,48 @@ def pass_a(q, tab, kv_abs, ents, sink, scale, kind, block, window, csa_ids, spar
             safe = jnp.maximum(ids, 0)
             ok = (ids >= 0) & (end[safe] <= pb[..., None])
             if span:  # one slice of entries for the step, each row's picks a mask over it
-                n = min(csa_span, e.shape[0])
                 off = jnp.clip(jnp.min(jnp.where(ok, ids, e.shape[0])), 0, e.shape[0] - n)
-                at = jnp.where(ok, ids - off, n).reshape(rows, -1)
-                pick = jnp.zeros((rows, n), bool).at[jnp.arange(rows)[:, None], at].set(True, mode="drop")
-                sets.append((jax.lax.dynamic_slice_in_dim(e, off, n).astype(q.dtype),
-                             pick.reshape(nb, w, 1, n), "bthk,wk->bthw"))
+                at = jnp.where(ok, ids - off, n_slice).reshape(rows, -1)
+                pick = jnp.zeros((rows, n_slice), bool).at[jnp.arange(rows)[:, None], at].set(True, mode="drop")
+                keys = jax.lax.dynamic_slice_in_dim(e_ext, off, n_slice).astype(q.dtype)
+                if span_chunk:
+                    chunked = (keys, pick.reshape(nb, w, 1, n_slice), jnp.max(jnp.where(ok, ids - off, -1)) + 1)
+                else:
+                    sets.append((keys, pick.reshape(nb, w, 1, n_slice), "bthk,wk->bthw"))
             else:
                 sets.append((e[safe].astype(q.dtype), ok[:, :, None, :], "bthk,btwk->bthw"))
-        o, _ = sink_softmax_attend(qb.reshape(nb, w, h, k), sets, sink, scale)
+        o, lse = sink_softmax_attend(qb.reshape(nb, w, h, k), sets, sink, scale)
+        if chunked is not None:  # the window's (with the sink) and the chunks' softmax, merged
+            m, l, acc = _span_chunks(qb.reshape(nb, w, h, k), *chunked, span_chunk, scale)
+            top = jnp.maximum(lse, jnp.where(l > 0, m, -jnp.inf))  # lse holds the sink: finite
+            a, b = jnp.exp(lse - top), jnp.where(l > 0, jnp.exp(m - top), 0.0)
+            o = (o * a[..., None] + acc * b[..., None]) / (a + l * b)[..., None]
         return o.astype(q.dtype).reshape(rows, h, k)
 
     return in_steps(run, arrays, t, cap, unit=w)
+
+
+def _span_chunks(q, keys, mask, hi, chunk: int, scale):
+    """Softmax attention of q [nb, w, h, k] over keys [n, k] (whole chunks) where mask
+    [nb, w, 1, n], online over chunks of `chunk` keys and only up to key `hi` (dynamic; every
+    mask is false past it): (running max m, sum l of exp(s - m), unnormalised output acc)
+    fp32, no sink; a row with no key has l = 0."""
+    nb, w, h, k = q.shape
+
+    def body(c, carry):
+        m, l, acc = carry
+        kc = jax.lax.dynamic_slice_in_dim(keys, c * chunk, chunk)
+        s = jnp.einsum("bthk,wk->bthw", q, kc, preferred_element_type=jnp.float32, precision=HIGHEST) * scale
+        s = jnp.where(jax.lax.dynamic_slice_in_dim(mask, c * chunk, chunk, axis=-1), s, -jnp.inf)
+        m_new = jnp.maximum(m, jnp.max(s, -1))
+        safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
+        p, r = jnp.exp(s - safe[..., None]), jnp.exp(m - safe)
+        pv = jnp.einsum("bthw,wk->bthk", p.astype(kc.dtype), kc, preferred_element_type=jnp.float32, precision=HIGHEST)
+        return m_new, l * r + jnp.sum(p, -1), acc * r[..., None] + pv
+
+    init = (jnp.full((nb, w, h), -jnp.inf, jnp.float32), jnp.zeros((nb, w, h), jnp.float32),
+            jnp.zeros((nb, w, h, k), jnp.float32))
+    return jax.lax.fori_loop(0, (hi + chunk - 1) // chunk, body, init)
 
 
 def csa_span_bound(doc_rows: int, rate: int, window: int, step_rows: int = SPAN_ROWS) -> int:

@@ -57,9 +57,9 @@ def _native_cache(state: dict, like, n: int, window: int) -> dict:
     return c
 
 
-def hot_prefix(artifact, num_layers: int, window: int):
-    """What a prefix cache (vLLM's, SGLang's) holds of `artifact`'s document: every layer's
-    native state (`Artifact.native_state`, a compact codec's latents decoded once) dense on the
+def hot_prefix(artifact, layers, window: int):
+    """What a prefix cache (vLLM's, SGLang's) holds of `artifact`'s document: `layers`' (an int:
+    that many, every layer of the model; else the layer ids) native state (`Artifact.native_state`, a compact codec's latents decoded once) dense on the
     device, as an artifact of those alone (`prefix_layers`; no reusable layer, the same
     certificate), of the K=V rows only the last `window` (the sliding window: all that
     `native_cache` reads of them; "length" keeps the document's). `Consumer.prefix` over it
@@ -68,8 +68,8 @@ def hot_prefix(artifact, num_layers: int, window: int):
         kv = state["kv"]
         return {**jax.device_put({**state, "kv": kv[max(0, kv.shape[0] - window):]}), "length": np.int32(kv.shape[0])}
 
-    return dataclasses.replace(artifact, layers={},
-                               prefix_layers={i: hot(artifact.native_state(i)) for i in range(num_layers)})
+    ids = range(layers) if isinstance(layers, int) else layers
+    return dataclasses.replace(artifact, layers={}, prefix_layers={i: hot(artifact.native_state(i)) for i in ids})
 
 
 class PrefixCache:
@@ -91,15 +91,21 @@ class PrefixCache:
     def _key(artifact) -> str:
         return artifact.certificate.payload_digest
 
-    def get(self, artifact):
-        """`artifact`'s hot prefix, made (and the least recently used one evicted) on a miss."""
-        key = self._key(artifact)
+    def get(self, artifact, layers=None):
+        """`artifact`'s hot prefix holding at least `layers` (default every layer: the prefix arm
+        reads them all, the RedKnot arm its fences only); on a miss the layers it lacks are made
+        (and the least recently used document evicted)."""
+        key, want = self._key(artifact), set(range(self.num_layers) if layers is None else layers)
         with self._lock:
-            if key in self._hot:
+            held = self._hot.get(key)
+            if held is not None and want <= held.prefix_layers.keys():
                 self._hot.move_to_end(key)
                 self.stats["hits"] += 1
-                return self._hot[key]
-        hot = hot_prefix(artifact, self.num_layers, self.window)  # outside the lock: device work
+                return held
+        # outside the lock: device work
+        hot = hot_prefix(artifact, sorted(want - (held.prefix_layers.keys() if held else set())), self.window)
+        if held is not None:
+            hot = dataclasses.replace(hot, prefix_layers={**held.prefix_layers, **hot.prefix_layers})
         with self._lock:
             self.stats["misses"] += 1
             self._hot[key] = hot

@@ -220,11 +220,12 @@ class TPConsumer:
         n = jax.device_put(jnp.int32(t_real), self.rep)
         hist, tab, out = None, None, (0, 0)
         cap, pos0 = self.base._prefix_cap(L, t, plan.n_rows), jax.device_put(jnp.full((1,), L, jnp.int32), self.rep)
+        first = self.base._hot(plan.frames[0].artifact, self.base._fences()) if L else None  # the prefix's fence states
         for i in range(cfg.num_layers):
             if prof.is_fence(i, cfg.num_layers):
                 out = self.base._out(i, plan.query_rows - L, t) if streams is None else (0, 0)  # streams: every row
                 if L:
-                    cache = jax.device_put(native_cache(model.layers[i].attn, self.base._hot(plan.frames[0].artifact).native_state(i),
+                    cache = jax.device_put(native_cache(model.layers[i].attn, first.native_state(i),
                                                         cap, model.dtype), self.rep)
                     x = self._program(i, "chunk", t, cache=cache, rows=out[1])(self.layers[i][1], x, ids, pos0, n,
                                                                                  cache, self._row0(out))

@@ -327,11 +327,11 @@ def _pass_a_problem(*, t, nh, k, n_ent, topk, window, block, frames, dtype=jnp.f
             f(nh).astype(jnp.float32), k ** -0.5, CSA, block, window, jnp.asarray(ids[first:]))
 
 
-def test_pass_a_xla_equals_dense_attention():
+def test_pass_a_xla_equals_dense_attention(monkeypatch):
     """Pass A's XLA form (banded windows, loop steps of whole bands, the last padded) equals
     one dense masked attention over every key row and entry, for an HCA layer (entries shared
     by every row) in one step and in three, and for a CSA layer (its steps of `block` rows, or
-    the span form's steps of one slice of entries each)."""
+    the span form's steps of one slice of entries each, scored at once or in chunks)."""
     from redknot_jax.attention import sink_softmax_attend
     from redknot_jax.config import HCA
     from redknot_jax.reuse import layer
@@ -357,6 +357,13 @@ def test_pass_a_xla_equals_dense_attention():
     want, span = picked(loc[-1]), layer.csa_span_bound(24, 4, 8, 16)
     assert span == 12 and rel_err(layer.pass_a(*loc, call_rows=16, csa_span=span), want) < 1e-6
     assert rel_err(layer.pass_a(*loc, call_rows=16, csa_span=4), want) > 1e-2
+    # scored in chunks up to each step's last pick (online softmax): chunks dividing the slice,
+    # not dividing it, and one entry each; a loop one chunk short (the last pick's) drops picks
+    for chunk in (4, 5, 1):
+        assert rel_err(layer.pass_a(*loc, call_rows=16, csa_span=span, span_chunk=chunk), want) < 1e-6, chunk
+    real = layer._span_chunks
+    monkeypatch.setattr(layer, "_span_chunks", lambda qb, keys, mask, hi, *a: real(qb, keys, mask, hi - 1, *a))
+    assert rel_err(layer.pass_a(*loc, call_rows=16, csa_span=span, span_chunk=1), want) > 1e-2
 
 
 @pytest.mark.gpu

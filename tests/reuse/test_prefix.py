@@ -133,11 +133,16 @@ def test_both_arms_with_a_prefix_are_the_recomputed_arm_and_compute_no_prefix_ro
     assert {d["length"] for d in hot.prefix_layers.values()} == {L}  # host ints: no device read per layer
     assert all(isinstance(d["length"], np.integer) for d in hot.prefix_layers.values())
     assert {d["kv"].shape[0] for d in hot.prefix_layers.values()} == {CFG.sliding_window} and CFG.sliding_window < L
+    # the RedKnot arm first: its fences' states only, then the prefix arm adds the other layers
     cached = ReuseRuntime(model, PROF, FP, prefix_cache=1)
-    for arm in ("prefix", "prefix", "redknot"):
+    fences = cached.consumer._fences()
+    for k, arm in enumerate(("redknot", "prefix", "prefix", "redknot")):
         want = rt.prefill(req, arm).logits
         np.testing.assert_array_equal(cached.prefill(req, arm, require_reuse=True).logits, want)
-    assert cached.prefix_cache.stats == {"hits": 2, "misses": 1, "evictions": 0}
+        held = next(iter(cached.prefix_cache._hot.values())).prefix_layers
+        assert sorted(held) == (fences if k == 0 else list(range(CFG.num_layers))), arm
+    assert 0 < len(fences) < CFG.num_layers
+    assert cached.prefix_cache.stats == {"hits": 2, "misses": 2, "evictions": 0}
 
 
 def test_prefix_cache_keeps_the_least_recently_used_out(arts):
