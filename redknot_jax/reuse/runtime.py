@@ -69,6 +69,19 @@ class PrefillResult:
     decode: DecodeState | None = None  # with decode_rows (jit path): what next_logits reads
 
 
+def sub_batches(n: int, sizes=None) -> list[int]:
+    """n requests as consecutive sub-batches whose sizes are among `sizes` or 1, the largest that
+    fits first (sizes 2, 4 and 7 requests: 4, 2, 1); no sizes: one batch of n. A padded batch
+    would compute a whole request per padding slot; a sub-batch costs a dispatch per layer."""
+    if not sizes:
+        return [n]
+    fits, out = sorted(set(sizes) | {1}, reverse=True), []
+    while n > 0:
+        out.append(next(s for s in fits if s <= n))
+        n -= out[-1]
+    return out
+
+
 class ReuseRuntime:
     """Holds the model, profile, identity (checkpoint fingerprint, TP geometry) and counters."""
 
@@ -230,9 +243,9 @@ class ReuseRuntime:
     def prefill_batch_steps(self, reqs: list[Request], arm: str = "redknot", require_reuse: bool = False,
                             pool: DocPool | None = None, decode_rows: int = 0, batch_sizes=None):
         """`prefill_batch` a layer at a time (as `prefill_steps`); returns the results.
-        `batch_sizes`: the sizes a RedKnot batch is padded to (the smallest that holds it; copies
-        of its last request, their results dropped, nothing counted), so that a server's batches
-        of any size share a few compiled programs."""
+        `batch_sizes`: the sizes a RedKnot batch runs in, one sub-batch after another (`sub_batches`:
+        the largest that fit first, then 1s), so that a server's batches of any size share a few
+        compiled programs and no request is computed for padding."""
         if arm not in ("recompute", "redknot"):
             raise ValueError(f"arm: expected 'recompute' or 'redknot', got {arm!r}")
         if not reqs:
@@ -257,17 +270,18 @@ class ReuseRuntime:
             if pool is None:
                 arts = {id(s.artifact): s.artifact for k in red for s in reqs[k].segments if s.artifact is not None}
                 pool = self.consumer.pool(list(arts.values()))
-            pad = min((n for n in batch_sizes or () if n >= len(red)), default=len(red)) - len(red)
-            ghosts = [plan_request(reqs[red[-1]], self.profile) for _ in range(pad)]  # (each its own plan)
-            res = yield from self.consumer.redknot_batch_steps([plans[k] for k in red] + ghosts,
-                                                               [reqs[k].tokens for k in red + [red[-1]] * pad],
-                                                               pool, decode_rows=decode_rows)
-            for k, (logits, hist, *state) in zip(red, res):
-                hist = np.asarray(hist) if hist is not None else None
-                if hist is not None:
-                    hist = np.pad(hist, (0, max(0, 7 - hist.size)))
-                out[k] = PrefillResult(np.asarray(logits), "redknot", None, "", self._ledgers(plans[k], hist),
-                                       plans[k], 0.0, hist, state[0] if state else None)
+            at = 0
+            for size in sub_batches(len(red), batch_sizes):
+                part, at = red[at:at + size], at + size
+                res = yield from self.consumer.redknot_batch_steps([plans[k] for k in part],
+                                                                   [reqs[k].tokens for k in part], pool,
+                                                                   decode_rows=decode_rows)
+                for k, (logits, hist, *state) in zip(part, res):
+                    hist = np.asarray(hist) if hist is not None else None
+                    if hist is not None:
+                        hist = np.pad(hist, (0, max(0, 7 - hist.size)))
+                    out[k] = PrefillResult(np.asarray(logits), "redknot", None, "", self._ledgers(plans[k], hist),
+                                           plans[k], 0.0, hist, state[0] if state else None)
         if rec:
             if decode_rows:  # each with its own native decode state
                 res = []

@@ -18,8 +18,8 @@ Requests citing documents in the RedKnot arm run through `ReuseRuntime` over the
 of hot documents (`reuse/arena.py`: one copy of each document whatever set cites it, fixed
 shapes so a new set compiles nothing, least recently used documents back to host memory): up
 to `reuse_batch` of them waiting at the queue's front prefill together (one jitted call per
-layer, `prefill_batch_steps`, each keeping its decode state; the batch padded to a power of two
-or `reuse_batch` with a copy of its last request, so few batch sizes compile), a layer at a
+layer, `prefill_batch_steps`, each keeping its decode state; the batch run as sub-batches of
+powers of two or `reuse_batch`, `runtime.sub_batches`, so few batch sizes compile), a layer at a
 time: a layer costs the requests' rows over the model's layers of the step's budget, so a long
 document prefill spreads over steps as a chunked prompt does. Each then decodes as a row of the document decode
 batch (`reuse/decode_batch.py`, `slots` rows: every member's token in one jitted call per
@@ -238,7 +238,7 @@ class Scheduler:
         self.alive = False
         self.break_even = break_even  # reuse.break_even.BreakEven: picks the arm of "auto" requests, or None
         self.reuse_batch = reuse_batch  # document requests waiting together that prefill in one batch, at most
-        # the sizes such a batch is padded to (powers of two, and reuse_batch): few compiled programs
+        # the sizes such a batch runs in (powers of two, and reuse_batch; runtime.sub_batches): few compiled programs
         self.batch_sizes = tuple(sorted({1 << k for k in range(1, reuse_batch.bit_length()) if 1 << k < reuse_batch}
                                         | {reuse_batch}))
         # the hot tier: one device arena of documents for every document request (reuse/arena.py)

@@ -16,7 +16,7 @@ from redknot_jax.reuse.arena import doc_key as arena_key
 from redknot_jax.reuse.artifact import build_artifact
 from redknot_jax.reuse.planner import Request, Segment
 from redknot_jax.reuse.profile import tiny_profile
-from redknot_jax.reuse.runtime import ReuseRuntime
+from redknot_jax.reuse.runtime import ReuseRuntime, sub_batches
 from redknot_jax.reuse import codec, programs
 from redknot_jax.reuse.layout import max_sizes
 from tests.tolerances import TOL, rel_err
@@ -105,7 +105,7 @@ def test_lru_eviction_pins_and_errors(setup):
     assert arena._res[arena_key(arts[3])].start == need[0] + need[1]
 
 
-def test_a_decode_batch_steps_each_member_as_it_decodes_alone(setup):
+def test_a_decode_batch_steps_each_member_as_it_decodes_alone(setup, monkeypatch):
     """`DecodeBatch`: requests of different sizes over the arena joining (the larger pads every
     member once) and leaving between steps; each member's logits are those of its own decode
     state stepped alone; what cannot join is refused by name."""
@@ -154,12 +154,17 @@ def test_a_decode_batch_steps_each_member_as_it_decodes_alone(setup):
     assert [f.arm for f in firsts] == ["redknot"] * 3 + ["recompute"]
     for r, t in zip(reqs, toks):
         assert t == rt.generate(r, 4, pool=arena)[0]
-    # a batch of 3 padded to 4 (a server's batch sizes): the same logits, the copy neither returned nor counted
+    # a batch of 3 under a server's batch sizes (2, 4): sub-batches of 2 and 1, the same logits, each counted once
     v0 = rt.counters.snapshot()["validated"]
-    padded = rt.prefill_batch(reqs[:3], "redknot", pool=arena, batch_sizes=(2, 4))
-    assert len(padded) == 3 and rt.counters.snapshot()["validated"] == v0 + 3
-    for a, b in zip(padded, firsts):
+    sizes, real = [], c.redknot_batch_steps
+    monkeypatch.setattr(c, "redknot_batch_steps",
+                        lambda plans, *a, **kw: sizes.append(len(plans)) or real(plans, *a, **kw))
+    split = rt.prefill_batch(reqs[:3], "redknot", pool=arena, batch_sizes=(2, 4))
+    assert sizes == [2, 1] and len(split) == 3 and rt.counters.snapshot()["validated"] == v0 + 3
+    for a, b in zip(split, firsts):
         assert rel_err(a.logits, b.logits) < TOL["consumer_vs_reference"][0]
+    monkeypatch.undo()
+    assert sub_batches(7, (2, 4)) == [4, 2, 1] and sub_batches(6, (2, 4, 6)) == [6] and sub_batches(3) == [3]
     with pytest.raises(ValueError, match="joined a DecodeBatch"):
         c.decode_step(1, mine[1])
     one = c.decode_batch(slots=1)
