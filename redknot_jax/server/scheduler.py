@@ -70,7 +70,7 @@ from redknot_jax.reuse.artifact import build_artifact
 from redknot_jax.reuse.break_even import request_tier
 from redknot_jax.reuse.certificate import CertCounters, FallbackReason
 from redknot_jax.reuse.planner import Request, Segment
-from redknot_jax.reuse.runtime import ReuseRuntime
+from redknot_jax.reuse.runtime import ReuseRuntime, sub_batches
 from redknot_jax.server.documents import Document
 from redknot_jax.server.metrics import Metrics, compiled_programs
 
@@ -720,17 +720,19 @@ class Scheduler:
         self._prefilling += [self._prefill_group(g) for g in groups]
 
     def _prefill_group(self, preps: list[dict]) -> _Prefilling:
-        """Requests' prefill as steps of a layer each; a layer's share of the token budget is the
-        requests' rows over the model's layers."""
+        """Requests' prefill as steps of a layer each (of each sub-batch, `sub_batches`); a step's
+        share of the token budget is the requests' rows over the steps."""
         decode_rows = self._decode_rows(max(p["job"].sampling.max_tokens for p in preps))
+        parts = 1
         if len(preps) > 1:
             steps = self.rt.prefill_batch_steps([p["req"] for p in preps], "redknot", pool=self.arena,
                                                 decode_rows=decode_rows, batch_sizes=self.batch_sizes)
+            parts = len(sub_batches(len(preps), self.batch_sizes))
         else:
             p = preps[0]
             steps = self.rt.prefill_steps(p["req"], p["arm"], pool=p["pool"], decode_rows=decode_rows)
         rows = sum(int(p["req"].tokens.size) for p in preps)
-        return _Prefilling(preps, steps, max(1, rows // self.rt.cfg.num_layers))
+        return _Prefilling(preps, steps, max(1, rows // (self.rt.cfg.num_layers * parts)))
 
     def _decode_rows(self, max_tokens: int) -> int:
         """Rows a document request's decode state is made for: `max_new_tokens` - 1 when the
