@@ -101,7 +101,8 @@ def main(argv=None):
             rows.append(dict(kind=kind, form=form, rows_per_step=v or 256, span=span, span_chunk=chunk,
                              steps=-(-o.shape[0] // (v or 256)), ms=ms, first_call_s=first_s,
                              rel_err_vs_first=err))
-            print(f"{kind} {form}{f' chunks of {chunk}' if chunk else ''} {rows[-1]['rows_per_step']} rows per step: {ms:.2f} ms "
+            name = f"{form} chunks of {chunk}" if chunk else form
+            print(f"{kind} {name} {rows[-1]['rows_per_step']} rows per step: {ms:.2f} ms "
                   f"({rows[-1]['steps']} steps), vs the first {err:.1e}", flush=True)
     out = dict(device=jax.devices()[0].device_kind, date=time.strftime("%Y-%m-%d"), jax=jax.__version__,
                command="python launch/bench_pass_a.py " + " ".join(sys.argv[1:] if argv is None else argv),

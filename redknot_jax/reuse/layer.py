@@ -104,8 +104,8 @@ def online_entries(comp, proj_kv, proj_gate, ring, tab, freqs, own_slot=None):
 PASS_A_ROWS = 8192  # pass A's rows per loop step at most (the kernel's calls; XLA's, but a CSA layer's)
 SPAN_ROWS = 2048  # a CSA layer's pass A in its span form: rows per loop step at most
 # documents of at most this many rows: pass A's span form beats the kernel ("sparse_global"); one
-# H100, 2026-12-06, launch/bench_pass_a.py (docs/kernels.md): at 64K / 128K the span form took
-# 17 / 23 ms at documents of 8K / 16K rows where the kernel took 31 / 27, but 26 ms to its 19 at 32K
+# H100, 2026-12-06, launch/bench_pass_a.py (docs/kernels.md): at 64K the span form took 17 / 23 ms
+# at documents of 8K / 16K rows where the kernel took 31 / 27, but 26 ms to its 19 at 32K (128K alike)
 SPAN_DOC_ROWS = 16384
 
 
@@ -208,7 +208,8 @@ def _span_chunks(q, keys, mask, hi, chunk: int, scale):
         m_new = jnp.maximum(m, jnp.max(s, -1))
         safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
         p, r = jnp.exp(s - safe[..., None]), jnp.exp(m - safe)
-        pv = jnp.einsum("bthw,wk->bthk", p.astype(kc.dtype), kc, preferred_element_type=jnp.float32, precision=HIGHEST)
+        pv = jnp.einsum("bthw,wk->bthk", p.astype(kc.dtype), kc, preferred_element_type=jnp.float32,
+                        precision=HIGHEST)
         return m_new, l * r + jnp.sum(p, -1), acc * r[..., None] + pv
 
     init = (jnp.full((nb, w, h), -jnp.inf, jnp.float32), jnp.zeros((nb, w, h), jnp.float32),

@@ -59,8 +59,9 @@ def _native_cache(state: dict, like, n: int, window: int) -> dict:
 
 def hot_prefix(artifact, layers, window: int):
     """What a prefix cache (vLLM's, SGLang's) holds of `artifact`'s document: `layers`' (an int:
-    that many, every layer of the model; else the layer ids) native state (`Artifact.native_state`, a compact codec's latents decoded once) dense on the
-    device, as an artifact of those alone (`prefix_layers`; no reusable layer, the same
+    that many, every layer of the model; else the layer ids) native state
+    (`Artifact.native_state`, a compact codec's latents decoded once) dense on the device, as an
+    artifact of those alone (`prefix_layers`; no reusable layer, the same
     certificate), of the K=V rows only the last `window` (the sliding window: all that
     `native_cache` reads of them; "length" keeps the document's). `Consumer.prefix` over it
     reads no host array and decodes nothing per request; it gives the logits of `artifact`."""

@@ -65,7 +65,7 @@ class ServeConfig:
     shape_buckets: int = 8  # RedKnot requests' padded sizes per octave (reuse.pool.Buckets; 0: exact)
     arena_rows: int = 0  # the device arena's document rows (reuse.arena.DocArena; 0: 8 x max_model_len)
     arena_docs: int = 64  # documents the arena holds at once
-    prefix_docs: int = 4  # the exact prefix's device cache, both arms (reuse.prefix.PrefixCache): first documents held hot; 0: none
+    prefix_docs: int = 4  # the exact prefix's device cache, both arms (reuse.prefix.PrefixCache): documents; 0: none
     break_even: str | None = None  # a break-even table (reuse.break_even): "auto" requests run the faster arm
     reuse_batch: int = 4  # document requests waiting together that prefill in one batch, at most
 

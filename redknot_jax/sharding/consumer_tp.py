@@ -239,7 +239,8 @@ class TPConsumer:
                     self.base.controller(plan, jax.device_put(x, jax.devices()[0]), pool, pool.layers[i])
                 layout = self.base._layout(plan, pool)
                 tab = jax.device_put(layout.tables, self.rep)
-            f = self._program(i, "reusable", t, pool.layers[i], tab, longest_doc=self.base._pass_a([layout])["longest_doc"])
+            longest = self.base._pass_a([layout])["longest_doc"]
+            f = self._program(i, "reusable", t, pool.layers[i], tab, longest_doc=longest)
             x, h = f(self.layers[i][1], x, ids, tab, pool.layers[i])
             hist = h if hist is None else hist + h
             if streams is not None:
