@@ -118,6 +118,7 @@ class Consumer:
         local = local_head_mask(model, profile)
         self.glob = tuple(int(i) for i in np.flatnonzero(~local))
         self.reusable = list(profile.reusable_layers(self.cfg.num_layers))
+        self.fences = [i for i in range(self.cfg.num_layers) if i not in self.reusable]  # the prefix states it reads
         self.fan = (profile.fanout_mode, float(profile.tau), int(profile.fanout_min))
         self.ffn_rows = profile.ffn_rows
         self.kernels = resolve_kernels(kernels, model, len(self.glob) // self.cfg.o_groups)
@@ -245,10 +246,6 @@ class Consumer:
         hot copy in the prefix cache (`prefix.hot_prefix`, made on a miss), or without a cache
         the artifact itself."""
         return artifact if artifact is None or self.prefix_cache is None else self.prefix_cache.get(artifact, layers)
-
-    def _fences(self) -> list[int]:
-        """The fence layers: those whose native states the RedKnot arm reads of its prefix."""
-        return [i for i in range(self.cfg.num_layers) if self.profile.is_fence(i, self.cfg.num_layers)]
 
     def _native_cached(self, i, x, ids, pos0, n_real, cap, artifacts, state=None, out=(0, 0)):
         """Native layer i over computed rows x [b, C, ...] with a cache of `cap` rows: after each
@@ -403,7 +400,7 @@ class Consumer:
         hist, layout = None, None
         cap = self._prefix_cap(L, t, n + decode_rows) if L else self._cap(n + decode_rows)
         state = DecodeState(n, cap, pool) if decode_rows else None
-        first = self._hot(plan.frames[0].artifact, self._fences()) if L else None  # the prefix's fence states
+        first = self._hot(plan.frames[0].artifact, self.fences) if L else None  # the prefix's fence states
         out = (0, 0)  # the last layer's output rows (`_out`; a reusable last layer: every row)
         for i in range(cfg.num_layers):
             if prof.is_fence(i, cfg.num_layers):
@@ -422,6 +419,7 @@ class Consumer:
                     self.controller(plan, x, pool, pool_layer)
                 t1 = time.perf_counter()
                 layout = self._layout(plan, pool)
+                pass_a = self._pass_a([layout])
                 if layout.c != t:
                     raise AssertionError(f"layout of {layout.c} computed rows for {t} embedded rows")
                 if state is not None:
@@ -431,7 +429,7 @@ class Consumer:
                     timings.update(plan_s=time.perf_counter() - t0, controller_s=t1 - t0)
             gd, st = self.defs[i]
             kw = dict(graphdef=gd, freqs=self.model.freqs(i), glob=self.glob, block=self.block, fan=self.fan,
-                      topk_stages=self.topk_stages, ffn_rows=self.ffn_rows, **self._pass_a([layout]))
+                      topk_stages=self.topk_stages, ffn_rows=self.ffn_rows, **pass_a)
             if state is None:
                 x, h = reusable_jit(st, x, ids, layout.tables, pool_layer, **kw)
             else:
@@ -528,7 +526,7 @@ class Consumer:
         x = self._embed(ids)
         hist, tabs, keep_rows = None, None, None
         cap = max(self._prefix_cap(L, t, p.n_rows + decode_rows) for L, p in zip(Ls, plans))
-        hot = {id(p.frames[0].artifact): self._hot(p.frames[0].artifact, self._fences())
+        hot = {id(p.frames[0].artifact): self._hot(p.frames[0].artifact, self.fences)
                for p in plans if p.prefix}  # once a document
         firsts = [hot[id(p.frames[0].artifact)] if p.prefix else None for p in plans]
         states = [DecodeState(p.n_rows, cap, pool) for p in plans] if decode_rows else None
@@ -545,6 +543,7 @@ class Consumer:
                 first = [self._layout(plan, pool, {"t": 0, "C": t, "P": 0, "K": 0, "rates": {}}) for plan in plans]
                 sizes = common_sizes(first)
                 layouts = [self._layout(plan, pool, sizes) for plan in plans]
+                pass_a = self._pass_a(layouts)
                 tabs = jax.tree.map(lambda *a: jnp.stack(a), *[lay.tables for lay in layouts])
                 if states is not None:  # as `redknot`
                     for plan, lay, st_b in zip(plans, layouts, states):
@@ -553,7 +552,7 @@ class Consumer:
             gd, st = self.defs[i]
             out = reusable_batch_jit(st, x, ids, tabs, pool_layer, keep_rows, graphdef=gd, freqs=self.model.freqs(i),
                                      glob=self.glob, block=self.block, fan=self.fan,
-                                     topk_stages=self.topk_stages, ffn_rows=self.ffn_rows, **self._pass_a(layouts))
+                                     topk_stages=self.topk_stages, ffn_rows=self.ffn_rows, **pass_a)
             x, hb = out[:2]
             if states is not None:  # each request's compact rows, cut to its own capacity
                 for b, st_b in enumerate(states):

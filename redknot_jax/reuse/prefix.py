@@ -16,6 +16,7 @@ import collections
 import dataclasses
 import functools
 import threading
+import weakref
 
 import numpy as np
 import jax
@@ -35,9 +36,23 @@ def native_cache(attn, state: dict, cap: int, dtype) -> dict:
     n = int(state.get("length", np.shape(state["kv"])[0]))  # `hot_prefix` keeps the window's rows only
     if n > cap:
         raise ValueError(f"native_cache: {n} document rows exceed the capacity {cap}")
-    leaves, tree = jax.tree.flatten(jax.eval_shape(lambda: attn.init_cache(1, cap, dtype)))
     arrays = {k: v for k, v in state.items() if k != "length"}
-    return _native_cache(arrays, like=(tree, tuple(leaves)), n=n, window=attn.window)
+    return _native_cache(arrays, like=_cache_like(attn, cap, dtype), n=n, window=attn.window)
+
+
+_LIKE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # attention -> {(cap, dtype): cache shapes}
+
+
+def _cache_like(attn, cap: int, dtype):
+    """`attn.init_cache(1, cap, dtype)`'s tree and leaf shapes (`_native_cache`'s static
+    argument), traced once per attention, capacity and dtype (a trace costs ~1.5 ms of host time,
+    every fence layer of every request)."""
+    key = (cap, jnp.dtype(dtype).name)
+    held = _LIKE.setdefault(attn, {})
+    if key not in held:
+        leaves, tree = jax.tree.flatten(jax.eval_shape(lambda: attn.init_cache(1, cap, dtype)))
+        held[key] = (tree, tuple(leaves))
+    return held[key]
 
 
 @functools.partial(jax.jit, static_argnames=("like", "n", "window"))

@@ -220,7 +220,7 @@ class TPConsumer:
         n = jax.device_put(jnp.int32(t_real), self.rep)
         hist, tab, out = None, None, (0, 0)
         cap, pos0 = self.base._prefix_cap(L, t, plan.n_rows), jax.device_put(jnp.full((1,), L, jnp.int32), self.rep)
-        first = self.base._hot(plan.frames[0].artifact, self.base._fences()) if L else None  # the prefix's fence states
+        first = self.base._hot(plan.frames[0].artifact, self.base.fences) if L else None  # the prefix's fence states
         for i in range(cfg.num_layers):
             if prof.is_fence(i, cfg.num_layers):
                 out = self.base._out(i, plan.query_rows - L, t) if streams is None else (0, 0)  # streams: every row
@@ -239,7 +239,7 @@ class TPConsumer:
                     self.base.controller(plan, jax.device_put(x, jax.devices()[0]), pool, pool.layers[i])
                 layout = self.base._layout(plan, pool)
                 tab = jax.device_put(layout.tables, self.rep)
-            longest = self.base._pass_a([layout])["longest_doc"]
+                longest = self.base._pass_a([layout])["longest_doc"]
             f = self._program(i, "reusable", t, pool.layers[i], tab, longest_doc=longest)
             x, h = f(self.layers[i][1], x, ids, tab, pool.layers[i])
             hist = h if hist is None else hist + h

@@ -135,7 +135,7 @@ def test_both_arms_with_a_prefix_are_the_recomputed_arm_and_compute_no_prefix_ro
     assert {d["kv"].shape[0] for d in hot.prefix_layers.values()} == {CFG.sliding_window} and CFG.sliding_window < L
     # the RedKnot arm first: its fences' states only, then the prefix arm adds the other layers
     cached = ReuseRuntime(model, PROF, FP, prefix_cache=1)
-    fences = cached.consumer._fences()
+    fences = cached.consumer.fences
     for k, arm in enumerate(("redknot", "prefix", "prefix", "redknot")):
         want = rt.prefill(req, arm).logits
         np.testing.assert_array_equal(cached.prefill(req, arm, require_reuse=True).logits, want)
