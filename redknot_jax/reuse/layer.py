@@ -103,10 +103,11 @@ def online_entries(comp, proj_kv, proj_gate, ring, tab, freqs, own_slot=None):
 # ---------------------------------------------------------------------------------- passes A and B
 PASS_A_ROWS = 8192  # pass A's rows per loop step at most (the kernel's calls; XLA's, but a CSA layer's)
 SPAN_ROWS = 2048  # a CSA layer's pass A in its span form: rows per loop step at most
-# documents of at most this many rows: pass A's span form beats the kernel ("sparse_global"); one
-# H100, 2026-12-06, launch/bench_pass_a.py (docs/kernels.md): at 64K the span form took 17 / 23 ms
-# at documents of 8K / 16K rows where the kernel took 31 / 27, but 26 ms to its 19 at 32K (128K alike)
-SPAN_DOC_ROWS = 16384
+SPAN_CHUNK = 2048  # ... scored in chunks of this many entries, up to each step's last pick
+# documents of at most this many rows: pass A's span form in chunks beats the kernel ("sparse_global");
+# one H100, 2026-12-06, launch/bench_pass_a.py (docs/kernels.md): at 64K it took 15.2 / 17.8 / 17.8 ms
+# at documents of 8K / 16K / 32K rows where the kernel took 30.7 / 26.9 / 18.7
+SPAN_DOC_ROWS = 32768
 
 
 def pass_a(q, tab, kv_abs, ents, sink, scale, kind, block, window, csa_ids, sparse: bool = False,
@@ -147,6 +148,7 @@ def pass_a(q, tab, kv_abs, ents, sink, scale, kind, block, window, csa_ids, spar
     arrays = [(q, 0), (tab["frame"], -2)] + ([(csa_ids, -1)] if kind == CSA else [])  # a padding row: no key
     if span:
         n = min(csa_span, ents[0].shape[0])
+        span_chunk = span_chunk and min(span_chunk, n)
         n_slice = -(-n // span_chunk) * span_chunk if span_chunk else n  # whole chunks
         e_ext = jnp.pad(ents[0], ((0, n_slice - n), (0, 0)))  # a slice from any start <= E - n fits
 
@@ -487,7 +489,7 @@ def reusable_attention(blk, x, tab, pool_layer, *, freqs, glob, block, reduce=No
     span = csa_span_bound(longest_doc, attn.compressor.m, w) if kind == CSA and longest_doc is not None \
         else None
     o_g = pass_a(q_g, tab, kv_abs, ents, sink[glob], scale, kind, block, w, csa_ids,
-                 sparse=kernel_mode(kernels, "sparse_global") == "mosaic", csa_span=span)
+                 sparse=kernel_mode(kernels, "sparse_global") == "mosaic", csa_span=span, span_chunk=SPAN_CHUNK)
     o_g = apply_rope(o_g, pos, freqs, inverse=True)
 
     # pass B: every head of the protected rows, native key sets; their z replaces the row's
