@@ -358,8 +358,8 @@ def test_pass_a_xla_equals_dense_attention(monkeypatch):
     assert span == 12 and rel_err(layer.pass_a(*loc, call_rows=16, csa_span=span), want) < 1e-6
     assert rel_err(layer.pass_a(*loc, call_rows=16, csa_span=4), want) > 1e-2
     # scored in chunks up to each step's last pick (online softmax): chunks dividing the slice,
-    # not dividing it, and one entry each; a loop one chunk short (the last pick's) drops picks
-    for chunk in (4, 5, 1):
+    # not dividing it, one entry each, and longer than it; a loop one chunk short (the last pick's) drops picks
+    for chunk in (4, 5, 1, 64):
         assert rel_err(layer.pass_a(*loc, call_rows=16, csa_span=span, span_chunk=chunk), want) < 1e-6, chunk
     real = layer._span_chunks
     monkeypatch.setattr(layer, "_span_chunks", lambda qb, keys, mask, hi, *a: real(qb, keys, mask, hi - 1, *a))
