@@ -167,6 +167,28 @@ def certify_for(arts, prof) -> None:
         a.certificate = dataclasses.replace(a.certificate, profile_digest=prof.digest())
 
 
+def headline(out: dict) -> dict:
+    """The machine-readable headline of a run (`docs/results/ttft_headline.json`, issue #45): per
+    length the preset's own profile (no override but the artifact codec) as `rows`, and the fastest
+    RedKnot variant timed as `best_measured`; medians of the run's repeats."""
+    rows, best = [], []
+    for r in out["lengths"]:
+        if "redknot_median_s" not in r:
+            continue  # cut off before its medians
+        variants = r.get("by_profile") or r.get("by_kernels") or {next(iter(out["profiles"])): r}
+        point = lambda name, v: {
+            "length": r["length"], "recompute_s": v["recompute_median_s"], "prefix_s": r.get("prefix_median_s"),
+            "redknot_s": v["redknot_median_s"], "profile": out["profiles"][name]["name"], "variant": name,
+            "ffn_rows": out["profiles"][name]["ffn_rows"], "protected_fraction": v["protected_fraction"],
+            "operator_bound": v["operator_bound"], "repeats": len(r["recompute_s"])}
+        overrides = lambda n: {part.split("=")[0] for part in out["profiles"][n]["name"].split("-") if "=" in part}
+        own = [n for n in variants if overrides(n) <= {"artifact_codec"}]  # the name's "-field=value" parts
+        rows += [point(n, variants[n]) for n in own[:1]]
+        fastest = min(variants, key=lambda n: variants[n]["redknot_median_s"])
+        best.append(point(fastest, variants[fastest]))
+    return {k: out[k] for k in ("device", "date", "jax", "command")} | {"rows": rows, "best_measured": best}
+
+
 def _decode(rt, req, pool, arm: str, steps: int):
     """One prefill keeping a decode state, then `steps` greedy tokens: (state, tokens, seconds per step)."""
     res = rt.prefill(req, arm, require_reuse=arm == "redknot", pool=pool, decode_rows=steps)
@@ -252,6 +274,8 @@ def main(argv=None):
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="ttft.json")
+    ap.add_argument("--headline", help="also write the run's headline here (`headline`: per length the preset's own "
+                                       "profile and the fastest variant; docs/results/ttft_headline.json)")
     ap.add_argument("--tail-rows", type=int, help="override the profile's tail class (default: the profile's, 32768)")
     ap.add_argument("--fanout", choices=("native", "tau", "k3"), help="override the profile's MoE fan-out mode")
     ap.add_argument("--budget", type=float, help="fixed budget instead of the controller (budget_override)")
@@ -374,6 +398,8 @@ def main(argv=None):
     def save():
         with open(args.out, "w") as f:
             json.dump(out, f, indent=1)
+        if args.headline:
+            pathlib.Path(args.headline).write_text(json.dumps(headline(out), indent=1) + "\n")
 
     store = ArtifactStore(args.store, durable=False) if args.store else None
 

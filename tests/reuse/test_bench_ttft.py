@@ -25,8 +25,11 @@ def test_bench_ttft_store_host_resident_cold_layers(monkeypatch, tmp_path):
     res = bench_ttft.main(common + ["--resident", "host", "--host-kind", "pinned", "--cold", "--layer-times",
                                     "--kernels", "xla,auto", "--topk-stages", "4,1",
                                     "--op-profile", "0,2", "--decode-steps", "3", "--decode-batch", "2",
-                                    "--out", str(out)])
+                                    "--out", str(out), "--headline", str(tmp_path / "headline.json")])
     assert json.loads(out.read_text()) == json.loads(json.dumps(res)) and res["resident"] == "host"
+    head = json.loads((tmp_path / "headline.json").read_text())  # tail4-k3 is not the preset's own profile
+    assert head["rows"] == [] and head["best_measured"][0]["redknot_s"] == min(
+        v["redknot_median_s"] for v in res["lengths"][0]["by_kernels"].values())
     row = res["lengths"][0]
     # the same records, their artifacts read back from the store (content ids), not rebuilt
     assert row["records_sha256"] == built["records_sha256"]
@@ -84,6 +87,25 @@ def test_bench_ttft_store_host_resident_cold_layers(monkeypatch, tmp_path):
     for v in dec["by_kernels"].values():
         assert v["redknot"]["tokens"] == red["tokens"] and len(v["redknot"]["step_s"]) == 2
         assert v["redknot"]["decode_kernels"] == ""
+
+
+def test_headline_rows_are_the_presets_own_profile():
+    """`headline`: per length the variant with no override but the codec as the row, the fastest
+    as best_measured; a length cut off before its medians is left out."""
+    name = lambda *o: "-".join(("flash-3F-37R-3F",) + o)
+    out = {"device": "d", "date": "2026-12-06", "jax": "0.11.2", "command": "c",
+           "profiles": {"tail0-omit-fp4": {"name": name("tail_rows=0", "ffn_rows=omit", "artifact_codec=fp4"),
+                                           "ffn_rows": "omit"},
+                        "fp4": {"name": name("artifact_codec=fp4"), "ffn_rows": "restore"}},
+           "lengths": [{"length": 65536, "recompute_s": [8.0, 8.0], "prefix_median_s": 7.0, "redknot_median_s": 3.0,
+                        "by_profile": {v: {"recompute_median_s": 8.0, "redknot_median_s": t, "protected_fraction": f,
+                                           "operator_bound": b}
+                                       for v, t, f, b in (("tail0-omit-fp4", 2.0, 0.1, 3.8), ("fp4", 7.5, 0.5, 1.1))}},
+                       {"length": 131072, "recompute_s": [16.0]}]}
+    head = bench_ttft.headline(out)
+    assert [r["variant"] for r in head["rows"]] == ["fp4"] and head["rows"][0]["redknot_s"] == 7.5
+    assert head["rows"][0]["prefix_s"] == 7.0 and head["rows"][0]["repeats"] == 2
+    assert [(r["variant"], r["ffn_rows"]) for r in head["best_measured"]] == [("tail0-omit-fp4", "omit")]
 
 
 @pytest.mark.parametrize("flags,named", [
