@@ -25,7 +25,7 @@ from launch import _cli  # noqa: E402
 
 
 def main(argv=None) -> dict:
-    ap = _cli.parser(__doc__, __file__, "python launch/bench_topk.py --sizes 4096,8192")
+    ap = _cli.parser(__doc__, __file__, "python launch/bench_topk.py")  # docs/kernels.md
     ap.add_argument("--sizes", default="2048,2176,4096,4352,6144,6528,8192,8672,16384")
     ap.add_argument("--block", type=int, default=256, help="query rows per call (the consumer's query block)")
     ap.add_argument("--k", type=int, default=512, help="picks per row (Flash's index_topk)")

@@ -10,9 +10,9 @@ reference, and the Mosaic GPU kernel); `score_function` picks one.
 
 Causal prefill sees a growing prefix of the entries: a query block at row r can see only the
 first (r + 1) / m. `select_topk_causal` scores and selects over the shortest of a few static
-prefixes that holds every entry the block can see (chosen per block at run time), so a
-long prefill scores and sorts about 5/8 of the entries at 4 stages instead of all of them,
-with the same picks.
+prefixes that holds every entry the block can see (chosen per block at run time; n and the
+powers of two below it, `prefix_sizes`), so a long prefill scores and sorts about 5/8 of the
+entries at 4 stages instead of all of them, with the same picks.
 """
 
 from __future__ import annotations
@@ -61,14 +61,17 @@ TOPK_STAGES = 4  # prefixes of the entries a causal block scores over (1: every 
 
 
 def prefix_sizes(n: int, stages: int) -> tuple[int, ...]:
-    """The entry prefixes `select_topk_causal` chooses from: `stages` even steps up to n (steps
-    of a multiple of 64 once n allows it, the indexer kernel's tile), ascending, the last n."""
+    """The entry prefixes `select_topk_causal` chooses from, ascending: n and the `stages` - 1
+    largest powers of two below it (at least 64, the indexer kernel's tile, once n >= 64 x stages).
+    A large-k top-k is a sort, whose cost steps at powers of two (`launch/bench_topk.py`: 0.17 ms
+    a 256-row block over 4096 entries, 0.27 over 4352, 0.32 over 6144 and 8192, on one H100), so a
+    prefix just past one costs the next, as even steps of n would: 12288 of 16384 entries, or
+    every step of a capacity such as 8672."""
     if stages < 1:
         raise ValueError(f"prefix_sizes: stages must be >= 1, got {stages}")
-    unit = -(-n // stages)
-    if n >= 64 * stages:
-        unit = -(-unit // 64) * 64
-    return tuple(sorted({min(n, unit * (s + 1)) for s in range(stages)}))
+    low = 64 if n >= 64 * stages else 1
+    below = [1 << j for j in range(max(n - 1, 1).bit_length()) if low <= 1 << j < n]
+    return tuple(below[max(len(below) - stages + 1, 0):] if stages > 1 else []) + (n,)
 
 
 def select_topk_causal(scores, q, w, keys, visible, k: int, stages: int = TOPK_STAGES):

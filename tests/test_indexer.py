@@ -19,9 +19,12 @@ from tests.tolerances import TOL, rel_err
 
 
 def test_prefix_sizes():
-    assert prefix_sizes(16384, 4) == (4096, 8192, 12288, 16384)
-    assert prefix_sizes(1000, 4) == (256, 512, 768, 1000)  # steps of 64 once the entries allow
-    assert prefix_sizes(40, 4) == (10, 20, 30, 40)
+    # n and the largest powers of two below it (a sort's cost steps there)
+    assert prefix_sizes(16384, 4) == (2048, 4096, 8192, 16384)
+    assert prefix_sizes(8672, 4) == (2048, 4096, 8192, 8672)
+    assert prefix_sizes(1000, 4) == (128, 256, 512, 1000)
+    assert prefix_sizes(256, 4) == (64, 128, 256)  # at least 64 (the kernel's tile) once the entries allow
+    assert prefix_sizes(40, 4) == (8, 16, 32, 40)
     assert prefix_sizes(3, 4) == (1, 2, 3)
     assert prefix_sizes(40, 1) == (40,)
     with pytest.raises(ValueError, match="stages must be >= 1"):
@@ -46,7 +49,8 @@ def test_causal_selection_equals_scoring_every_entry(k):
         return index_scores(q, w, keys)
 
     run = jax.jit(lambda vis: select_topk_causal(scores, q, w, keys, vis, k, 4))
-    for last in (-1, 0, 5, 9, 10, 11, 19, 20, 29, 30, 39):  # prefixes (10, 20, 30, 40)
+    sizes = (8, 16, 32, 40)
+    for last in (-1, 0, 5, 7, 8, 9, 15, 16, 31, 32, 39):  # each side of every prefix's edge
         counts = np.array([max(last - 1, 0), last + 1, max(last, 0)])  # row 1 sees the most: it decides
         vis = jnp.asarray(np.arange(n)[None, None, :] < counts[None, :, None])
         seen.clear()
@@ -54,7 +58,7 @@ def test_causal_selection_equals_scoring_every_entry(k):
         want_ids, want_ok = select_topk(index_scores(q, w, keys), vis, k)
         assert ids.shape == want_ids.shape and np.array_equal(ok, want_ok), last
         assert np.array_equal(np.where(ok, ids, -1), np.where(want_ok, want_ids, -1)), last
-        assert seen == [max(10, -(-(last + 1) // 10) * 10)], (last, seen)
+        assert seen == [next(s for s in sizes if s > last)], (last, seen)
 
 
 def test_consumer_picks_do_not_depend_on_the_stages():

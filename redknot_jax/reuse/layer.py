@@ -106,7 +106,7 @@ SPAN_ROWS = 2048  # a CSA layer's pass A in its span form: rows per loop step at
 SPAN_CHUNK = 2048  # ... scored in chunks of this many entries, up to each step's last pick
 # documents of at most this many rows: pass A's span form in chunks beats the kernel ("sparse_global");
 # one H100, 2026-12-06, launch/bench_pass_a.py (docs/kernels.md): at 64K it took 15.2 / 17.8 / 17.8 ms
-# at documents of 8K / 16K / 32K rows where the kernel took 30.7 / 26.9 / 18.7
+# at documents of 8K / 16K / 32K rows where the kernel took 30.7 / 26.9 / 18.7; at 128K, 32K: 50.7 to 55.1
 SPAN_DOC_ROWS = 32768
 
 
