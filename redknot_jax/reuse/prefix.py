@@ -73,10 +73,9 @@ def _native_cache(state: dict, like, n: int, window: int) -> dict:
 
 
 def hot_prefix(artifact, layers, window: int):
-    """What a prefix cache (vLLM's, SGLang's) holds of `artifact`'s document: `layers`' (an int:
-    that many, every layer of the model; else the layer ids) native state
-    (`Artifact.native_state`, a compact codec's latents decoded once) dense on the device, as an
-    artifact of those alone (`prefix_layers`; no reusable layer, the same
+    """What a prefix cache (vLLM's, SGLang's) holds of `artifact`'s document: the native state of
+    `layers` (layer ids; `Artifact.native_state`, a compact codec's latents decoded once) dense on
+    the device, as an artifact of those alone (`prefix_layers`; no reusable layer, the same
     certificate), of the K=V rows only the last `window` (the sliding window: all that
     `native_cache` reads of them; "length" keeps the document's). `Consumer.prefix` over it
     reads no host array and decodes nothing per request; it gives the logits of `artifact`."""
@@ -84,8 +83,7 @@ def hot_prefix(artifact, layers, window: int):
         kv = state["kv"]
         return {**jax.device_put({**state, "kv": kv[max(0, kv.shape[0] - window):]}), "length": np.int32(kv.shape[0])}
 
-    ids = range(layers) if isinstance(layers, int) else layers
-    return dataclasses.replace(artifact, layers={}, prefix_layers={i: hot(artifact.native_state(i)) for i in ids})
+    return dataclasses.replace(artifact, layers={}, prefix_layers={i: hot(artifact.native_state(i)) for i in layers})
 
 
 class PrefixCache:

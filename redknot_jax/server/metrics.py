@@ -114,8 +114,9 @@ ARENA = ("arena", (("rows_used", "rows_used", "Document rows held by the device 
            "to make room")))
 PREFIX_CACHE = ("prefix_cache", (("documents", "docs", "First documents held hot on the device as exact prefixes"),
                                  ("bytes", "bytes", "Device bytes of the exact-prefix cache")),
-                (("hits", "hits", "Prefix-arm requests whose first document's state was held hot"),
-                 ("misses", "misses", "Prefix-arm requests that decoded their first document's state onto the "
+                (("hits", "hits", "Exact-prefix lookups (prefix or RedKnot arm) whose first document's states "
+                  "were held hot"),
+                 ("misses", "misses", "Exact-prefix lookups that decoded states of their first document onto the "
                   "device"),
                  ("evictions", "evictions", "Hot prefix states dropped, least recently used, to make room")))
 

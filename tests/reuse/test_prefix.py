@@ -126,7 +126,7 @@ def test_both_arms_with_a_prefix_are_the_recomputed_arm_and_compute_no_prefix_ro
             assert rel_err(a, b) < TOL_FP32, (arm, s)
     # both arms over the document's state held dense on the device (what a prefix cache holds),
     # through a runtime with a prefix cache: the same logits; a miss the first time, then hits
-    hot = hot_prefix(arts[L], CFG.num_layers, CFG.sliding_window)
+    hot = hot_prefix(arts[L], range(CFG.num_layers), CFG.sliding_window)
     assert not hot.layers and sorted(hot.prefix_layers) == list(range(CFG.num_layers))
     assert all(isinstance(v, jax.Array) for d in hot.prefix_layers.values()
                for v in jax.tree.leaves({k: a for k, a in d.items() if k != "length"}))
@@ -150,7 +150,7 @@ def test_prefix_cache_keeps_the_least_recently_used_out(arts):
     a, b = cache.get(arts[45]), cache.get(arts[32])  # b evicts a
     assert cache.get(arts[32]) is b and cache.get(arts[45]) is not a and len(cache) == 1
     assert cache.stats == {"hits": 1, "misses": 3, "evictions": 2}
-    hot = hot_prefix(arts[45], CFG.num_layers, CFG.sliding_window)
+    hot = hot_prefix(arts[45], range(CFG.num_layers), CFG.sliding_window)
     assert cache.nbytes() == sum(v.nbytes for v in jax.tree.leaves(hot.prefix_layers))
     assert cache.drop(arts[45]) and not cache.drop(arts[45]) and len(cache) == 0
     with pytest.raises(ValueError, match="capacity"):
