@@ -33,8 +33,8 @@ run_steps() {
   today=$(date +%Y%m%d)
   local steps=${1:-}
   if [ -z "$steps" ]; then  # what docs/benchmarks.md still lists as not measured, by device
-    if [ $d = h200 ]; then steps=ttft64,ttft128,qps,break_even,ttft256build,ttft256,model64,decode_batch,pass_a
-    else steps=ttft32,pass_a,ops32,decode_batch16,model32; fi  # 64K and command F (qps) exceed an H100's 80 GB
+    if [ $d = h200 ]; then steps=ttft64,ttft128,qps,break_even,ttft256build,ttft256,model64,decode_batch,pass_a,mhc
+    else steps=mhc,ttft32,pass_a,ops32,decode_batch16,model32; fi  # 64K and command F (qps) exceed an H100's 80 GB
   fi
   for s in ${steps//,/ }; do case $s in
     ttft64) step $s launch/bench_ttft.py --lengths 65536 --repeats 2 --layer-times --op-profile 2,20,21,40 \
@@ -64,6 +64,7 @@ run_steps() {
     buckets32) step $s launch/bench_ttft.py --lengths 32768 --repeats 2 --profiles tail0-b10-omit-fp4 --no-prefix-arm \
       --shape-buckets 16 --out $R/ttft_32k_buckets16_${d}_$today.json ;;  # vs ttft32's 8 per octave: RedKnot's
       # 24704 computed rows pad to 26624 (7.8 %) at 8, to 25600 (3.6 %) at 16, in every layer; not in the default lists
+    mhc) step $s launch/bench_mhc.py --rows 32768 --json $R/mhc_32k_${d}_$today.json ;;  # mHC's forms side by side
     ttft32) step $s launch/bench_ttft.py --lengths 32768 --repeats 2 --layer-times --op-profile 2,20,21,40 \
       --profiles tail0-b10-omit-fp4,tail0-b10-restore-fp4,fp4 --out $R/ttft_32k_fp4_${d}_$today.json ;;
     qps)  # issue #46's command F at 1 / 4 / 16 clients; the server's wheels carried in .whl/ (docs/benchmarks.md)

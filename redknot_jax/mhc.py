@@ -11,9 +11,24 @@ import jax.numpy as jnp
 from flax import nnx
 
 
-def _flat_norm(x, eps):
-    f = x.reshape(*x.shape[:-2], -1).astype(jnp.float32)  # [b, t, n*d]
-    return f * jax.lax.rsqrt(jnp.mean(f * f, axis=-1, keepdims=True) + eps)
+def mix_logits(x: jax.Array, fn: jax.Array, eps: float) -> jax.Array:
+    """fn @ RMSNorm(flatten(x)) [b, t, c] in fp32, as (fn @ flatten(x)) * rsqrt(mean(x^2) + eps):
+    the norm is one scalar per row, so the normalised fp32 streams are never written (the site
+    reads x once for the sum of squares and once for the projection). fp32 x: the projection at
+    HIGHEST precision. bf16 x: fn split into two bf16 parts (hi + lo, 16 of fp32's 24 mantissa
+    bits) so the projection runs on bf16 tensor cores with fp32 accumulation; each product of a
+    bf16 x and a part is exact in fp32 (`launch/bench_mhc.py` times both forms, docs/benchmarks.md)."""
+    xf = x.reshape(*x.shape[:-2], -1)  # [b, t, n*d]
+    sq = jnp.mean(jnp.square(xf.astype(jnp.float32)), axis=-1, keepdims=True)
+    if xf.dtype == jnp.float32:
+        m = jnp.einsum("btf,cf->btc", xf, fn, precision=jax.lax.Precision.HIGHEST)
+    else:
+        hi = fn.astype(xf.dtype)
+        lo = (fn - hi.astype(jnp.float32)).astype(xf.dtype)
+        c = fn.shape[0]
+        both = jnp.einsum("btf,cf->btc", xf, jnp.concatenate([hi, lo]), preferred_element_type=jnp.float32)
+        m = both[..., :c] + both[..., c:]
+    return m * jax.lax.rsqrt(sq + eps)
 
 
 def sinkhorn(logits: jax.Array, iters: int, eps: float, unroll: bool = True) -> jax.Array:
@@ -50,8 +65,7 @@ class HyperConnection(nnx.Module):
     def pre(self, x: jax.Array):
         """x [b, t, n, d] -> (u [b, t, d] block input, post [b, t, n], comb [b, t, n, n])."""
         n = self.n
-        m = jnp.einsum("btf,cf->btc", _flat_norm(x, self.norm_eps), self.fn[...],
-                       precision=jax.lax.Precision.HIGHEST)
+        m = mix_logits(x, self.fn[...], self.norm_eps)
         base, scale = self.base[...], self.scale[...]
         pre = jax.nn.sigmoid(m[..., :n] * scale[0] + base[:n]) + self.hc_eps
         post = 2.0 * jax.nn.sigmoid(m[..., n:2 * n] * scale[1] + base[n:2 * n])
@@ -83,7 +97,6 @@ class HyperHead(nnx.Module):
         self.hc_eps, self.norm_eps = hc_eps, norm_eps
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        m = jnp.einsum("btf,cf->btc", _flat_norm(x, self.norm_eps), self.hc_fn[...],
-                       precision=jax.lax.Precision.HIGHEST)
+        m = mix_logits(x, self.hc_fn[...], self.norm_eps)
         pre = jax.nn.sigmoid(m * self.hc_scale[...] + self.hc_base[...]) + self.hc_eps
         return jnp.einsum("btn,btnd->btd", pre, x.astype(jnp.float32)).astype(x.dtype)

@@ -5,7 +5,7 @@ import pytest
 import jax
 import jax.numpy as jnp
 
-from redknot_jax import config
+from redknot_jax import config, mhc
 from redknot_jax.mhc import HyperConnection, sinkhorn
 from redknot_jax.rope import apply_rope, inv_freq
 from redknot_jax.ring import ring_read, ring_write
@@ -55,10 +55,12 @@ def test_ring_round_trip(r, pos0, n):
     np.testing.assert_array_equal(got[0, :, 0], np.arange(pos0 + n - r, pos0 + n))
 
 
-def test_mhc_post_streams_form_equals_batched_matmul_form():
+def test_mhc_forms_equal_the_forms_they_replaced():
     """`HyperConnection.post` (the stream sum written out) equals the batched-matmul form it
     replaced, in fp32 exactly up to summation order and in bf16 within one rounding;
-    `launch/bench_mhc.py` (which times both) runs."""
+    `mhc.mix_logits` (the norm as a row scale after the projection) equals the normalise-then-
+    project form in fp32 up to summation order and for bf16 streams within fn's split into two
+    bf16 parts; `launch/bench_mhc.py` (which times both pairs) runs."""
     import importlib.util
     import pathlib
 
@@ -75,8 +77,14 @@ def test_mhc_post_streams_form_equals_batched_matmul_form():
         want = bench.post_matmul(x, y, post, comb)
         assert got.dtype == want.dtype == dt
         np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=tol, atol=tol)
+    for dt, tol in ((jnp.float32, 1e-5), (jnp.bfloat16, 1e-4)):  # mix_logits: the norm applied after the projection
+        x = jax.random.normal(ks[0], (2, 5, 4, 32), dt) * 3.0
+        fn = jax.random.normal(ks[1], (24, 128), jnp.float32)
+        got, want = mhc.mix_logits(x, fn, 1e-6), bench.mix_logits_normalized(x, fn, 1e-6)
+        assert got.dtype == jnp.float32
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=tol, atol=tol * float(jnp.max(jnp.abs(want))))
     res = bench.main(["--rows", "16", "--hidden", "64", "--iters", "2"])
-    assert res["post_streams_max_rel_diff"] < 1e-2 and res["pre_ms"] > 0
+    assert res["post_streams_max_rel_diff"] < 1e-2 and res["pre_ms"] > 0 and res["logits_scaled_max_rel_diff"] < 1e-4
     assert res["command"] == "python launch/bench_mhc.py --rows 16 --hidden 64 --iters 2"
 
 
