@@ -15,16 +15,19 @@ def mix_logits(x: jax.Array, fn: jax.Array, eps: float) -> jax.Array:
     """fn @ RMSNorm(flatten(x)) [b, t, c] in fp32, as (fn @ flatten(x)) * rsqrt(mean(x^2) + eps):
     the norm is one scalar per row, so the normalised fp32 streams are never written (the site
     reads x once for the sum of squares and once for the projection). fp32 x: the projection at
-    HIGHEST precision. bf16 x: fn split into two bf16 parts (hi + lo, 16 of fp32's 24 mantissa
+    HIGHEST precision. bf16 x: fn split into two bf16 parts (hi + lo, ~16 of fp32's 24 mantissa
     bits) so the projection runs on bf16 tensor cores with fp32 accumulation; each product of a
     bf16 x and a part is exact in fp32 (`launch/bench_mhc.py` times both forms, docs/benchmarks.md)."""
     xf = x.reshape(*x.shape[:-2], -1)  # [b, t, n*d]
     sq = jnp.mean(jnp.square(xf.astype(jnp.float32)), axis=-1, keepdims=True)
-    if xf.dtype == jnp.float32:
-        m = jnp.einsum("btf,cf->btc", xf, fn, precision=jax.lax.Precision.HIGHEST)
+    if xf.dtype != jnp.bfloat16:
+        m = jnp.einsum("btf,cf->btc", xf.astype(jnp.float32), fn, precision=jax.lax.Precision.HIGHEST)
     else:
-        hi = fn.astype(xf.dtype)
-        lo = (fn - hi.astype(jnp.float32)).astype(xf.dtype)
+        # hi: fn truncated to bf16's bits by a mask, not by a rounding convert (XLA:GPU's excess
+        # precision would drop an f32 -> bf16 -> f32 round trip, making lo zero)
+        hi32 = jax.lax.bitcast_convert_type(
+            jax.lax.bitcast_convert_type(fn.astype(jnp.float32), jnp.uint32) & jnp.uint32(0xFFFF0000), jnp.float32)
+        hi, lo = hi32.astype(xf.dtype), (fn - hi32).astype(xf.dtype)
         c = fn.shape[0]
         both = jnp.einsum("btf,cf->btc", xf, jnp.concatenate([hi, lo]), preferred_element_type=jnp.float32)
         m = both[..., :c] + both[..., c:]
