@@ -61,10 +61,11 @@ run_steps() {
       --op-profile 2,20,21,42 --profiles tail0-b10-omit-fp4 --out $R/ops_32k_nocmdbuf_${d}_$today.json ;;  # ops named
       # (not hidden in command buffers) with their source lines; times not comparable with the other steps'; the
       # first fence's and the last layer's idle time named; not in the default lists
-    buckets32) step $s launch/bench_ttft.py --lengths 32768 --repeats 2 --profiles tail0-b10-omit-fp4 --no-prefix-arm \
-      --shape-buckets 16 --out $R/ttft_32k_buckets16_${d}_$today.json ;;  # vs ttft32's 8 per octave: RedKnot's
-      # 24704 computed rows pad to 26624 (7.8 %) at 8, to 25600 (3.6 %) at 16, in every layer; not in the default lists
-    mhc) step $s launch/bench_mhc.py --rows 32768 --json $R/mhc_32k_${d}_$today.json ;;  # mHC's forms side by side
+    buckets32) for nb in 8 16; do  # padded sizes per octave, side by side on one machine (one artifact store):
+        # RedKnot's 24704 computed rows pad to 26624 (7.8 %) at 8, to 25600 (3.6 %) at 16, in every layer
+        step ${s}_$nb launch/bench_ttft.py --lengths 32768 --repeats 2 --profiles tail0-b10-omit-fp4 --no-prefix-arm \
+          --store /tmp/art32 --shape-buckets $nb --out $R/ttft_32k_buckets${nb}_${d}_$today.json
+      done ;;  # not in the default lists
     ttft32) step $s launch/bench_ttft.py --lengths 32768 --repeats 2 --layer-times --op-profile 2,20,21,40 \
       --profiles tail0-b10-omit-fp4,tail0-b10-restore-fp4,fp4 --out $R/ttft_32k_fp4_${d}_$today.json ;;
     qps)  # issue #46's command F at 1 / 4 / 16 clients; the server's wheels carried in .whl/ (docs/benchmarks.md)
