@@ -65,7 +65,8 @@ run_steps() {
         # RedKnot's 24704 computed rows pad to 26624 (7.8 %) at 8, to 25600 (3.6 %) at 16, in every layer
         step ${s}_$nb launch/bench_ttft.py --lengths 32768 --repeats 2 --profiles tail0-b10-omit-fp4 --no-prefix-arm \
           --store /tmp/art32 --shape-buckets $nb --out $R/ttft_32k_buckets${nb}_${d}_$today.json
-      done ;;  # not in the default lists
+      done ;;  # not in the default lists; ~6 min for the first half on a fresh H100, so give it a call of its own
+    mhc) step $s launch/bench_mhc.py --rows 32768 --json $R/mhc_32k_${d}_$today.json ;;  # mHC's forms side by side
     ttft32) step $s launch/bench_ttft.py --lengths 32768 --repeats 2 --layer-times --op-profile 2,20,21,40 \
       --profiles tail0-b10-omit-fp4,tail0-b10-restore-fp4,fp4 --out $R/ttft_32k_fp4_${d}_$today.json ;;
     qps)  # issue #46's command F at 1 / 4 / 16 clients; the server's wheels carried in .whl/ (docs/benchmarks.md)
