@@ -3,7 +3,8 @@ documents' artifacts to a store (--store), the timed call reads them back and ru
 host-resident artifacts streamed per layer, the per-layer and op-level profiles of the three arms
 and the cold (construction
 included) RedKnot run, two kernel sets x two entry-prefix stagings timed side by side under one
---profiles variant; every RedKnot run certified, none fell back."""
+--profiles variant; every RedKnot run certified, none fell back; the medians and the headline
+written before the optional profiling stages."""
 
 import dataclasses
 import json
@@ -22,11 +23,17 @@ def test_bench_ttft_store_host_resident_cold_layers(monkeypatch, tmp_path):
     built = bench_ttft.main(common + ["--build-only", "--out", str(tmp_path / "b.json")])["lengths"][0]
     assert built["artifacts"] == "built" and built["build_s"] > 0 and "recompute_s" not in built
     out = tmp_path / "ttft.json"
+    saved = []  # what the files held when the op-level profile started: a run cut there keeps its medians
+    summarize = bench_ttft.op_profile.summarize
+    monkeypatch.setattr(bench_ttft.op_profile, "summarize", lambda *a, **k: saved.append(
+        ("redknot_median_s" in json.loads(out.read_text())["lengths"][0],
+         json.loads((tmp_path / "headline.json").read_text())["best_measured"] != [])) or summarize(*a, **k))
     res = bench_ttft.main(common + ["--resident", "host", "--host-kind", "pinned", "--cold", "--layer-times",
                                     "--kernels", "xla,auto", "--topk-stages", "4,1",
                                     "--op-profile", "0,2", "--decode-steps", "3", "--decode-batch", "2",
                                     "--out", str(out), "--headline", str(tmp_path / "headline.json")])
     assert json.loads(out.read_text()) == json.loads(json.dumps(res)) and res["resident"] == "host"
+    assert saved and all(all(x) for x in saved)
     head = json.loads((tmp_path / "headline.json").read_text())  # tail4-k3 is not the preset's own profile
     assert head["rows"] == [] and head["best_measured"][0]["redknot_s"] == min(
         v["redknot_median_s"] for v in res["lengths"][0]["by_kernels"].values())
