@@ -71,7 +71,7 @@ def prefix_sizes(n: int, stages: int) -> tuple[int, ...]:
         raise ValueError(f"prefix_sizes: stages must be >= 1, got {stages}")
     low = 64 if n >= 64 * stages else 1
     below = [1 << j for j in range(max(n - 1, 1).bit_length()) if low <= 1 << j < n]
-    return tuple(below[max(len(below) - stages + 1, 0):] if stages > 1 else []) + (n,)
+    return tuple(below[max(len(below) - stages + 1, 0):]) + (n,)
 
 
 def select_topk_causal(scores, q, w, keys, visible, k: int, stages: int = TOPK_STAGES):
