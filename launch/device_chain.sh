@@ -69,6 +69,11 @@ run_steps() {
         step ${s}_$nb launch/bench_ttft.py --lengths 32768 --repeats 2 --profiles tail0-b10-omit-fp4 --no-prefix-arm \
           --store /tmp/art32 --shape-buckets $nb --out $R/ttft_32k_buckets${nb}_${d}_$today.json
       done ;;  # not in the default lists; ~6 min for the first half on a fresh H100, so give it a call of its own
+    blocks32) for qb in 256 512; do  # query rows per attention step in every arm, side by side (one artifact
+        # store): a 32K fence layer idles ~8.5 ms of ~85 between its 256-row steps (the loop, the top-k switch)
+        step ${s}_$qb launch/bench_ttft.py --lengths 32768 --repeats 2 --layer-times --profiles tail0-b10-omit-fp4 \
+          --no-prefix-arm --store /tmp/art32 --query-block $qb --out $R/ttft_32k_block${qb}_${d}_$today.json
+      done ;;  # not in the default lists; ~6 min for the first half on a fresh H100 (the artifacts built)
     mhc) step $s launch/bench_mhc.py --rows 32768 --json $R/mhc_32k_${d}_$today.json ;;  # mHC's forms side by side
     ttft32) step $s launch/bench_ttft.py --lengths 32768 --repeats 2 --layer-times --op-profile 2,20,21,40 \
       --profiles tail0-b10-omit-fp4,tail0-b10-restore-fp4,fp4 --out $R/ttft_32k_fp4_${d}_$today.json ;;

@@ -29,7 +29,7 @@ def test_bench_ttft_store_host_resident_cold_layers(monkeypatch, tmp_path):
         ("redknot_median_s" in json.loads(out.read_text())["lengths"][0],
          json.loads((tmp_path / "headline.json").read_text())["best_measured"] != [])) or summarize(*a, **k))
     res = bench_ttft.main(common + ["--resident", "host", "--host-kind", "pinned", "--cold", "--layer-times",
-                                    "--kernels", "xla,auto", "--topk-stages", "4,1",
+                                    "--kernels", "xla,auto", "--topk-stages", "4,1", "--query-block", "16",
                                     "--op-profile", "0,2", "--decode-steps", "3", "--decode-batch", "2",
                                     "--out", str(out), "--headline", str(tmp_path / "headline.json")])
     assert json.loads(out.read_text()) == json.loads(json.dumps(res)) and res["resident"] == "host"
@@ -51,6 +51,7 @@ def test_bench_ttft_store_host_resident_cold_layers(monkeypatch, tmp_path):
     # certified; the first named fills the row's main fields
     names = {"xla/stages4", "xla/stages1", "auto/stages4", "auto/stages1"}
     assert res["kernels_resolved"] == dict.fromkeys(names, "") and res["shape_buckets"] == 8
+    assert res["query_block"] == 16  # every arm's (the tiny consumer's default is 32)
     # one --profiles variant: the profile of every kernel set
     assert set(res["profiles"]) == names and {p["fanout_mode"] for p in res["profiles"].values()} == {"k3"}
     assert res["topk_stages"] == [4, 1]
@@ -131,6 +132,7 @@ def test_headline_rows_are_the_presets_own_profile():
     (["--op-profile", "a"], "--op-profile: expected comma-separated layer indices"),
     (["--decode-steps", "-1"], "--decode-steps: expected >= 0, got -1"),
     (["--decode-batch", "2"], "--decode-batch: expected >= 0, with --decode-steps, got 2"),
+    (["--query-block", "96"], "--query-block: expected 0 or a power of two, got 96"),
     (["--shape-buckets", "3"], "--shape-buckets: Buckets: per_octave must be 0 or a power of two, got 3"),
     (["--topk-stages", "0"], "--topk-stages: expected distinct ints >= 1"),
     (["--topk-stages", "2,2"], "--topk-stages: expected distinct ints >= 1"),
