@@ -40,6 +40,9 @@ run_steps() {
     ttft64) step $s launch/bench_ttft.py --lengths 65536 --repeats 2 --layer-times --op-profile 2,20,21,40 \
       --profiles tail0-b10-omit,tail0-b10-restore,default --out $R/ttft_64k_modes_${d}_$today.json \
       --headline $R/ttft_headline_64k_${d}_$today.json ;;
+    ttft64head) step $s launch/bench_ttft.py --lengths 65536 --repeats 2 --profiles default,tail0-b10-omit \
+      --out $R/ttft_64k_head_${d}_$today.json --headline $R/ttft_headline_64k_${d}_$today.json ;;  # ttft64 less its
+      # profiles and restore variant: the headline's 64K row in one call of a short budget
     ttft64omit) step $s launch/bench_ttft.py --lengths 65536 --repeats 2 --layer-times --profiles tail0-b10-omit-fp4 \
       --out $R/ttft_64k_omit_fp4_${d}_$today.json ;;  # 64K within an H100's 80 GB? One profile, `omit`: its fp4 pool
       # holds no FFN outputs (~14 GB against 19.8 GB with `restore`'s, when the Recomputed warm-up ran out of memory)
