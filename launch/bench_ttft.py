@@ -311,6 +311,9 @@ def main(argv=None):
     ap.add_argument("--query-block", type=int, default=0,
                     help="query rows per attention step in every arm (Consumer(block=)): 0 for the consumer's "
                          "default (256 at model scale)")
+    ap.add_argument("--compile-threads", type=int, default=0,
+                    help="threads that compile a request's layer programs ahead of their first calls "
+                         "(Consumer(compile_threads=)); 0: each compiles when first reached")
     ap.add_argument("--profiles", help="profile variants timed side by side (one kernel set; a single variant: the "
                                        "profile of every kernel set): comma list, each "
                                        + PROFILE_SPEC.replace("%", "%%")  # argparse %-formats help
@@ -334,6 +337,8 @@ def main(argv=None):
         ap.error(f"--shape-buckets: {e}")
     if args.query_block < 0 or args.query_block & (args.query_block - 1):
         ap.error(f"--query-block: expected 0 or a power of two, got {args.query_block}")
+    if args.compile_threads < 0:
+        ap.error(f"--compile-threads: expected >= 0, got {args.compile_threads}")
     if args.tail_rows is not None and args.tail_rows < 0:
         ap.error(f"--tail-rows: expected >= 0, got {args.tail_rows}")
     if args.build_only and not args.store:
@@ -387,7 +392,7 @@ def main(argv=None):
                  "serves them)")
     rts = {v: ReuseRuntime(model, profs[v], checkpoint_fingerprint=f"random-{args.preset}-seed-0",
                            kernels=k.replace("+", ","), buckets=args.shape_buckets, topk_stages=n, prefix_cache=1,
-                           block=args.query_block or None)
+                           block=args.query_block or None, compile_threads=args.compile_threads)
            for v, (k, n) in variants.items()}
     # the artifacts are built once, under the first variant that restores FFN outputs (they hold them) or the first
     prof = next((p for p in profs.values() if p.ffn_rows == "restore"), next(iter(profs.values())))
@@ -398,6 +403,7 @@ def main(argv=None):
            "profile": prof.to_dict(), "profiles": {v: p.to_dict() for v, p in profs.items()},
            "resident": args.resident, "kernels": args.kernels,
            "shape_buckets": args.shape_buckets, "topk_stages": stages, "query_block": rt.consumer.block,
+           "compile_threads": args.compile_threads,
            "kernels_resolved": {k: r.consumer.kernels for k, r in rts.items()}, "model_init_s": init_s, "command": "python launch/bench_ttft.py " +
            " ".join(argv if argv is not None else sys.argv[1:]), "lengths": []}
 

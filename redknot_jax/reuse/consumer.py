@@ -47,7 +47,7 @@ from redknot_jax.reuse.layout import NEVER, build_layout, common_sizes, frame_ro
 from redknot_jax.reuse.planner import Plan, concentration, fill_itop, row_risk
 from redknot_jax.reuse.pool import ENTRY_PAD, Buckets, DocPool, HostPool, ceil_to
 from redknot_jax.reuse.prefix import PrefixCache, native_cache, prefix_check
-from redknot_jax.reuse.programs import (controller_jit, decode_entries_jit, deviation_jit,
+from redknot_jax.reuse.programs import (AheadCompiler, controller_jit, decode_entries_jit, deviation_jit,
                                         native_jit, reusable_batch_jit, reusable_jit, reusable_keys_jit,
                                         reusable_step_jit)
 
@@ -96,7 +96,7 @@ class Consumer:
     """Both arms of a model at serving scale: `recompute(req)` and `redknot(req, pool)`."""
 
     def __init__(self, model, profile, block: int | None = None, kernels: str = "auto", buckets: int = 8,
-                 topk_stages: int = TOPK_STAGES, prefix_cache: PrefixCache | None = None):
+                 topk_stages: int = TOPK_STAGES, prefix_cache: PrefixCache | None = None, compile_threads: int = 0):
         """kernels: which Mosaic GPU kernels prefills (single or batched) run: see
         `resolve_kernels`; `self.kernels` is the resolved set. A kernel
         named explicitly that the model cannot run is refused here, not silently replaced by its
@@ -108,7 +108,11 @@ class Consumer:
         "sparse_global" (pass A's kernel) runs for requests whose longest document exceeds
         `span_doc_rows` rows; below that pass A's span form is faster (`layer.pass_a_kernels`).
         prefix_cache: where both the prefix arm and the RedKnot arm read an exact prefix's
-        native states (`_hot`); None: from the artifact, host arrays copied per request."""
+        native states (`_hot`); None: from the artifact, host arrays copied per request.
+        compile_threads: a single request's arms (`recompute`, `prefix`, `redknot`) submit their
+        layer programs to an `AheadCompiler` of that many threads as soon as their shapes are
+        known (the native layers at the start, the reusable ones once the layout is), so that a
+        first request compiles them side by side; 0: each compiles when first reached."""
         # query block: 256 rows at model scale; 32 for the small test models (fewer padded rows)
         block = block or (256 if model.cfg.hidden_size >= 1024 else 32)
         self.model, self.profile, self.cfg, self.block = model, profile, model.cfg, block
@@ -127,6 +131,7 @@ class Consumer:
         if not isinstance(topk_stages, int) or topk_stages < 1:
             raise ValueError(f"Consumer: topk_stages must be an int >= 1, got {topk_stages!r}")
         self.topk_stages = topk_stages
+        self.ahead = AheadCompiler(compile_threads)
 
     @property
     def decode_kernels(self) -> str:
@@ -182,20 +187,27 @@ class Consumer:
         ids = jnp.asarray(np.pad(np.asarray(tokens, np.int32), (0, t - t_real)))[None]
         return ids, t, t_real
 
-    def _native(self, i, x, ids, t_real, t, out=(0, 0)):
-        """t_real: an int, or one per request of the batch; `out`: `_out`'s."""
+    def _native(self, i, x, ids, t_real, t, out=(0, 0), ahead: bool = False):
+        """t_real: an int, or one per request of the batch; `out`: `_out`'s; ahead: the
+        program's compilation submitted (`AheadCompiler`), nothing run."""
         gd, st = self.defs[i]
-        cap = self._cap(t)
-        return native_jit(st, x, ids, jnp.asarray(np.reshape(t_real, -1), jnp.int32), out[0], graphdef=gd,
-                          freqs=self.model.freqs(i), block=min(self.block, t), cap=cap,
-                          kernels=self.prefill_kernels,
-                          topk_stages=self.topk_stages, rows=out[1])
+        args = (st, x, ids, jnp.asarray(np.reshape(t_real, -1), jnp.int32), out[0])
+        kw = dict(graphdef=gd, freqs=self.model.freqs(i), block=min(self.block, t), cap=self._cap(t),
+                  kernels=self.prefill_kernels, topk_stages=self.topk_stages, rows=out[1])
+        return self.ahead.submit(native_jit, args, kw) if ahead else self.ahead(native_jit, args, kw)
 
     def _out(self, i: int, rows, t: int) -> tuple[int, int]:
         """The rows of layer i's output that are read when `rows` (of t computed rows) are the
         only ones whose logits are, as (row0, count) for `_native` / `_native_cached`: in the
         last layer `model.output_block`'s, in any other (0, 0), every row."""
         return output_block(rows, t, self.block) if i == self.cfg.num_layers - 1 else (0, 0)
+
+    def _compile_ahead(self, layer, layers) -> None:
+        """With compile threads (`AheadCompiler`): `layer(i, ahead=True)` for each of `layers`,
+        whose distinct programs then compile side by side while the arm runs up to them."""
+        if self.ahead.pool is not None:
+            for i in layers:
+                layer(i, ahead=True)
 
     def last_layer_rows(self, plan: Plan) -> int | None:
         """How many rows the RedKnot arm's last layer computes outputs for (`_out`: a fence
@@ -247,22 +259,28 @@ class Consumer:
         the artifact itself."""
         return artifact if artifact is None or self.prefix_cache is None else self.prefix_cache.get(artifact, layers)
 
-    def _native_cached(self, i, x, ids, pos0, n_real, cap, artifacts, state=None, out=(0, 0)):
+    def _native_cached(self, i, x, ids, pos0, n_real, cap, artifacts, state=None, out=(0, 0), ahead: bool = False):
         """Native layer i over computed rows x [b, C, ...] with a cache of `cap` rows: after each
         request's exact prefix (`artifacts`: one per request, None for a request without one,
         whose pos0 is then 0), the cache rebuilt from the artifact (`prefix.native_cache`); with
         `state` (a `DecodeState`, or one per request of a batch) the cache is kept for decoding;
-        `out`: `_out`'s."""
+        `out`: `_out`'s; ahead: as `_native`'s (the cache's shapes only)."""
         gd, st = self.defs[i]
         attn = self.model.layers[i].attn
-        caches = [native_cache(attn, a.native_state(i), cap, self.model.dtype) if a is not None
-                  else attn.init_cache(1, cap, self.model.dtype) for a in artifacts]
-        cache = caches[0] if len(caches) == 1 else jax.tree.map(lambda *c: jnp.concatenate(c), *caches)
-        x, cache = block_jit(st, x, ids, jnp.asarray(pos0, jnp.int32).reshape(-1),
-                             jnp.asarray(n_real, jnp.int32).reshape(-1), cache, out[0], graphdef=gd,
-                             freqs=self.model.freqs(i), block=min(self.block, x.shape[1]),
-                             kernels=self.prefill_kernels,
-                             topk_stages=self.topk_stages, rows=out[1])
+
+        def build():
+            caches = [native_cache(attn, a.native_state(i), cap, self.model.dtype) if a is not None
+                      else attn.init_cache(1, cap, self.model.dtype) for a in artifacts]
+            return caches[0] if len(caches) == 1 else jax.tree.map(lambda *c: jnp.concatenate(c), *caches)
+
+        cache = jax.eval_shape(build) if ahead else build()
+        args = (st, x, ids, jnp.asarray(pos0, jnp.int32).reshape(-1), jnp.asarray(n_real, jnp.int32).reshape(-1),
+                cache, out[0])
+        kw = dict(graphdef=gd, freqs=self.model.freqs(i), block=min(self.block, x.shape[1]),
+                  kernels=self.prefill_kernels, topk_stages=self.topk_stages, rows=out[1])
+        if ahead:
+            return self.ahead.submit(block_jit, args, kw)
+        x, cache = self.ahead(block_jit, args, kw)
         if isinstance(state, DecodeState):
             state.layers[i] = cache
         elif state is not None:  # a batch: each request's row of the cache
@@ -286,12 +304,18 @@ class Consumer:
         clock = _LayerClock(layer_times, x, layer_traces)
         state = DecodeState(t_real, self._cap(t_real + decode_rows), None, native=True) \
             if decode_rows else None
-        for i in range(self.cfg.num_layers):
+
+        def layer(i, ahead=False):
             out = self._out(i, query_rows, t)
-            x = self._native(i, x, ids, t_real, t, out) if state is None else \
-                self._native_cached(i, x, ids, 0, t_real, state.cap, [None], state, out)
+            return self._native(i, x, ids, t_real, t, out, ahead) if state is None else \
+                self._native_cached(i, x, ids, 0, t_real, state.cap, [None], state, out, ahead)
+
+        self._compile_ahead(layer, range(self.cfg.num_layers))
+        for i in range(self.cfg.num_layers):
+            x = layer(i)
             clock.lap(x)
             yield
+        out = self._out(self.cfg.num_layers - 1, query_rows, t)
         logits = self._logits(x, np.asarray(query_rows) - out[0])
         return (logits, state) if decode_rows else logits
 
@@ -319,11 +343,16 @@ class Consumer:
         x = self._embed(ids)
         clock = _LayerClock(layer_times, x, layer_traces)
         state = DecodeState(n, cap, None, native=True)
+
+        def layer(i, ahead=False):
+            return self._native_cached(i, x, ids, L, t_real, cap, [artifact], state, self._out(i, q - L, t), ahead)
+
+        self._compile_ahead(layer, range(self.cfg.num_layers))
         for i in range(self.cfg.num_layers):
-            out = self._out(i, q - L, t)
-            x = self._native_cached(i, x, ids, L, t_real, cap, [artifact], state, out)
+            x = layer(i)
             clock.lap(x)
             yield
+        out = self._out(self.cfg.num_layers - 1, q - L, t)
         logits = self._logits(x, q - L - out[0])
         return (logits, state) if decode_rows else logits
 
@@ -401,14 +430,25 @@ class Consumer:
         cap = self._prefix_cap(L, t, n + decode_rows) if L else self._cap(n + decode_rows)
         state = DecodeState(n, cap, pool) if decode_rows else None
         first = self._hot(plan.frames[0].artifact, self.fences) if L else None  # the prefix's fence states
-        out = (0, 0)  # the last layer's output rows (`_out`; a reusable last layer: every row)
+
+        def fence(i, ahead=False):
+            out = self._out(i, plan.query_rows - L, t)
+            if L or state is not None:
+                return self._native_cached(i, x, ids, L, t_real, cap, [first], state, out, ahead)
+            return self._native(i, x, ids, t_real, t, out, ahead)
+
+        def reusable(i, pool_layer, ahead=False):
+            gd, st = self.defs[i]
+            kw = dict(graphdef=gd, freqs=self.model.freqs(i), glob=self.glob, block=self.block, fan=self.fan,
+                      topk_stages=self.topk_stages, ffn_rows=self.ffn_rows, **pass_a)
+            fn, args = (reusable_jit, (st, x, ids, layout.tables, pool_layer)) if state is None else \
+                (reusable_keys_jit, (st, x, ids, layout.tables, pool_layer, keep_rows))
+            return self.ahead.submit(fn, args, kw) if ahead else self.ahead(fn, args, kw)
+
+        self._compile_ahead(fence, self.fences)
         for i in range(cfg.num_layers):
             if prof.is_fence(i, cfg.num_layers):
-                out = self._out(i, plan.query_rows - L, t)
-                if L or state is not None:
-                    x = self._native_cached(i, x, ids, L, t_real, cap, [first], state, out)
-                else:
-                    x = self._native(i, x, ids, t_real, t, out)
+                x = fence(i)
                 clock.lap(x)
                 yield
                 continue
@@ -427,16 +467,16 @@ class Consumer:
                     keep_rows = jnp.arange(state.own_cap, dtype=jnp.int32)  # compact rows: the own rows, in order
                 if timings is not None:  # host seconds (the controller's include its device read)
                     timings.update(plan_s=time.perf_counter() - t0, controller_s=t1 - t0)
-            gd, st = self.defs[i]
-            kw = dict(graphdef=gd, freqs=self.model.freqs(i), glob=self.glob, block=self.block, fan=self.fan,
-                      topk_stages=self.topk_stages, ffn_rows=self.ffn_rows, **pass_a)
-            if state is None:
-                x, h = reusable_jit(st, x, ids, layout.tables, pool_layer, **kw)
-            else:
-                x, h, state.layers[i] = reusable_keys_jit(st, x, ids, layout.tables, pool_layer, keep_rows, **kw)
+                if not isinstance(pool, HostPool):  # (a host pool's layers are read once, when run)
+                    self._compile_ahead(lambda j, ahead: reusable(j, pool.layers[j], ahead), self.reusable)
+            x, h, *kept = reusable(i, pool_layer)
+            if kept:
+                state.layers[i] = kept[0]
             hist = h if hist is None else hist + h
             clock.lap(x)
             yield
+        last = cfg.num_layers - 1
+        out = self._out(last, plan.query_rows - L, t) if prof.is_fence(last, cfg.num_layers) else (0, 0)
         logits = self._logits(x, plan.query_rows - L - out[0])
         return (logits, hist, state) if decode_rows else (logits, hist)
 

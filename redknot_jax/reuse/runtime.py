@@ -87,7 +87,8 @@ class ReuseRuntime:
 
     def __init__(self, model: Model, profile: RedKnotProfile, checkpoint_fingerprint: str,
                  tp: TPGeometry | None = None, min_generation: int = 0, kernels: str = "auto", buckets: int = 8,
-                 topk_stages: int = TOPK_STAGES, prefix_cache: int = 0, block: int | None = None):
+                 topk_stages: int = TOPK_STAGES, prefix_cache: int = 0, block: int | None = None,
+                 compile_threads: int = 0):
         self.model, self.profile, self.cfg = model, profile, model.cfg
         self.fingerprint, self.tp = checkpoint_fingerprint, tp or single_rank()
         self.min_generation = min_generation
@@ -97,13 +98,14 @@ class ReuseRuntime:
         self._verified: dict[int, tuple] = {}
         # Mosaic GPU kernels: resolve_kernels; buckets: the padded sizes (pool.Buckets); topk_stages:
         # the CSA selection's entry prefixes (indexer.select_topk_causal); block: every arm's query
-        # block (Consumer; None: its default)
+        # block (Consumer; None: its default); compile_threads: Consumer's (layer programs compiled ahead)
         # the device cache of first documents' states, where both arms read an exact prefix
         # (prefix.PrefixCache; 0: none, each request reads its artifact's host arrays)
         self.prefix_cache = PrefixCache(prefix_cache, self.cfg.num_layers, self.cfg.sliding_window) \
             if prefix_cache else None
         self.consumer = Consumer(model, profile, kernels=kernels, buckets=buckets, topk_stages=topk_stages,
-                                 prefix_cache=self.prefix_cache, block=block)
+                                 prefix_cache=self.prefix_cache, block=block,
+                                 compile_threads=compile_threads)
 
     # ------------------------------------------------------------------ certification
     def certify(self, req: Request) -> tuple[FallbackReason, str] | None:

@@ -10,6 +10,7 @@ comparison can fail.
 """
 
 import dataclasses
+import threading
 
 import numpy as np
 import jax
@@ -254,6 +255,38 @@ def test_batched_prefill_equals_one_request_at_a_time():
     # this test's batch and decode programs serve no later test: dropped, as conftest drops a
     # module's (with them kept, the process crashed compiling a later test's decode step)
     jax.clear_caches()
+
+
+def test_layer_programs_compile_ahead_on_threads(monkeypatch):
+    """`Consumer(compile_threads=2)`: each arm's layer programs (native, cached native, reusable)
+    are compiled on the ahead threads, none where the arm calls them (a submitted shape that the
+    call does not match would compile there), and every arm's logits are bitwise those of a
+    consumer compiling in turn. A 16-row query block: programs no other test compiles."""
+    from jax._src import compiler
+    cfg = config.tiny("mixed")
+    model = random_model(cfg, seed=7, dtype=jnp.float32)
+    prof = dataclasses.replace(tiny_profile(cfg.num_layers), budget_override=0.2, tail_rows=8)
+    req, arts = _request(cfg, prof, model, 3)
+    where = []
+    compile_or_get = compiler.compile_or_get_cached
+
+    def spy(backend, computation, *a, **k):
+        name = str(computation.operation.attributes["sym_name"]).strip('"')
+        where.append((name, threading.current_thread().name.startswith("ahead-compile")))
+        return compile_or_get(backend, computation, *a, **k)
+
+    monkeypatch.setattr(compiler, "compile_or_get_cached", spy)
+    ahead, in_turn = (ReuseRuntime(model, prof, "fp", block=16, compile_threads=n) for n in (2, 0))
+    for arm in ("recompute", "prefix", "redknot"):
+        where.clear()
+        got = ahead.prefill(req, arm, require_reuse=arm != "recompute", pool=ahead.consumer.pool(arts))
+        layers = [on_thread for name, on_thread in where if name in ("jit_native_jit", "jit_block_jit",
+                                                                     "jit_reusable_jit")]
+        assert layers and all(layers), (arm, where)
+        want = in_turn.prefill(req, arm, require_reuse=arm != "recompute", pool=in_turn.consumer.pool(arts))
+        np.testing.assert_array_equal(got.logits, want.logits)
+    with pytest.raises(ValueError, match="threads must be an int >= 0, got -1"):
+        consumer_mod.Consumer(model, prof, compile_threads=-1)
 
 
 @pytest.mark.parametrize("kind,refresh,fan", CASES)
