@@ -52,6 +52,11 @@ from redknot_jax.reuse.programs import (AheadCompiler, controller_jit, decode_en
                                         reusable_step_jit)
 
 
+def _shapes(tree) -> tuple:
+    """The leaves' shapes and dtypes (a signature for `Consumer._compile_ahead`)."""
+    return tuple((np.shape(a), str(getattr(a, "dtype", type(a).__name__))) for a in jax.tree.leaves(tree))
+
+
 def run_steps(steps):
     """What a steps generator (module doc) returns, run to its end."""
     while True:
@@ -202,10 +207,11 @@ class Consumer:
         last layer `model.output_block`'s, in any other (0, 0), every row."""
         return output_block(rows, t, self.block) if i == self.cfg.num_layers - 1 else (0, 0)
 
-    def _compile_ahead(self, layer, layers) -> None:
-        """With compile threads (`AheadCompiler`): `layer(i, ahead=True)` for each of `layers`,
-        whose distinct programs then compile side by side while the arm runs up to them."""
-        if self.ahead.pool is not None:
+    def _compile_ahead(self, layer, layers, *sig) -> None:
+        """With compile threads (`AheadCompiler`), for the first request of signature `sig`:
+        `layer(i, ahead=True)` for each of `layers`, whose distinct programs then compile side by
+        side while the arm runs up to them."""
+        if self.ahead.first((layer.__qualname__, tuple(layers)) + sig):
             for i in layers:
                 layer(i, ahead=True)
 
@@ -310,12 +316,13 @@ class Consumer:
             return self._native(i, x, ids, t_real, t, out, ahead) if state is None else \
                 self._native_cached(i, x, ids, 0, t_real, state.cap, [None], state, out, ahead)
 
-        self._compile_ahead(layer, range(self.cfg.num_layers))
+        last = self.cfg.num_layers - 1
+        self._compile_ahead(layer, range(last + 1), t, self._out(last, query_rows, t), state and state.cap)
         for i in range(self.cfg.num_layers):
             x = layer(i)
             clock.lap(x)
             yield
-        out = self._out(self.cfg.num_layers - 1, query_rows, t)
+        out = self._out(last, query_rows, t)
         logits = self._logits(x, np.asarray(query_rows) - out[0])
         return (logits, state) if decode_rows else logits
 
@@ -347,12 +354,13 @@ class Consumer:
         def layer(i, ahead=False):
             return self._native_cached(i, x, ids, L, t_real, cap, [artifact], state, self._out(i, q - L, t), ahead)
 
-        self._compile_ahead(layer, range(self.cfg.num_layers))
+        last = self.cfg.num_layers - 1
+        self._compile_ahead(layer, range(last + 1), L, t, cap, self._out(last, q - L, t))
         for i in range(self.cfg.num_layers):
             x = layer(i)
             clock.lap(x)
             yield
-        out = self._out(self.cfg.num_layers - 1, q - L, t)
+        out = self._out(last, q - L, t)
         logits = self._logits(x, q - L - out[0])
         return (logits, state) if decode_rows else logits
 
@@ -445,7 +453,8 @@ class Consumer:
                 (reusable_keys_jit, (st, x, ids, layout.tables, pool_layer, keep_rows))
             return self.ahead.submit(fn, args, kw) if ahead else self.ahead(fn, args, kw)
 
-        self._compile_ahead(fence, self.fences)
+        last = cfg.num_layers - 1
+        self._compile_ahead(fence, self.fences, L, t, cap, state is None, self._out(last, plan.query_rows - L, t))
         for i in range(cfg.num_layers):
             if prof.is_fence(i, cfg.num_layers):
                 x = fence(i)
@@ -468,14 +477,15 @@ class Consumer:
                 if timings is not None:  # host seconds (the controller's include its device read)
                     timings.update(plan_s=time.perf_counter() - t0, controller_s=t1 - t0)
                 if not isinstance(pool, HostPool):  # (a host pool's layers are read once, when run)
-                    self._compile_ahead(lambda j, ahead: reusable(j, pool.layers[j], ahead), self.reusable)
+                    self._compile_ahead(lambda j, ahead: reusable(j, pool.layers[j], ahead), self.reusable,
+                                        state is None, _shapes(layout.tables), _shapes(pool_layer),
+                                        tuple(sorted(pass_a.items())))
             x, h, *kept = reusable(i, pool_layer)
             if kept:
                 state.layers[i] = kept[0]
             hist = h if hist is None else hist + h
             clock.lap(x)
             yield
-        last = cfg.num_layers - 1
         out = self._out(last, plan.query_rows - L, t) if prof.is_fence(last, cfg.num_layers) else (0, 0)
         logits = self._logits(x, plan.query_rows - L - out[0])
         return (logits, hist, state) if decode_rows else (logits, hist)

@@ -32,13 +32,24 @@ class AheadCompiler:
     it reaches them: `submit(fn, args, kw)` once the arguments' shapes are known (the call's own
     arguments, or `jax.ShapeDtypeStruct`s with their shardings), `__call__(fn, args, kw)` to run
     a program, waiting for its compilation first (a program compiled once: XLA's compilation
-    cache serves the call; a compile error raises here). threads=0: calls only."""
+    cache serves the call; a compile error raises here). threads=0: calls only. `first(sig)`:
+    whether a request of this signature (its arm and shapes) is the first, so that later ones
+    spend no host time on submitting (a signature that misses a shape only leaves that program
+    to compile at its call)."""
 
     def __init__(self, threads: int = 0):
         if not isinstance(threads, int) or threads < 0:
             raise ValueError(f"AheadCompiler: threads must be an int >= 0, got {threads!r}")
         self.pool = ThreadPoolExecutor(threads, thread_name_prefix="ahead-compile") if threads else None
         self.jobs: dict = {}
+        self.signatures: set = set()
+        self.pending = False  # any job not yet waited for (else a call computes no key)
+
+    def first(self, sig) -> bool:
+        if self.pool is None or sig in self.signatures:
+            return False
+        self.signatures.add(sig)
+        return True
 
     @staticmethod
     def _key(fn, args, kw):
@@ -56,12 +67,14 @@ class AheadCompiler:
         key = self._key(fn, args, kw)
         if key not in self.jobs:
             self.jobs[key] = self.pool.submit(lambda: fn.lower(*args, **kw).compile() and None)
+            self.pending = True
 
     def __call__(self, fn, args: tuple, kw: dict):
-        if self.jobs:
+        if self.pending:
             job = self.jobs.get(self._key(fn, args, kw))
             if job is not None:
                 job.result()
+            self.pending = not all(j.done() for j in self.jobs.values())
         return fn(*args, **kw)
 
 

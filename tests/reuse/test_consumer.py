@@ -260,8 +260,9 @@ def test_batched_prefill_equals_one_request_at_a_time():
 def test_layer_programs_compile_ahead_on_threads(monkeypatch):
     """`Consumer(compile_threads=2)`: each arm's layer programs (native, cached native, reusable)
     are compiled on the ahead threads, none where the arm calls them (a submitted shape that the
-    call does not match would compile there), and every arm's logits are bitwise those of a
-    consumer compiling in turn. A 16-row query block: programs no other test compiles."""
+    call does not match would compile there), every arm's logits are bitwise those of a consumer
+    compiling in turn, and a repeated request submits nothing. A 16-row query block: programs no
+    other test compiles."""
     from jax._src import compiler
     cfg = config.tiny("mixed")
     model = random_model(cfg, seed=7, dtype=jnp.float32)
@@ -285,6 +286,11 @@ def test_layer_programs_compile_ahead_on_threads(monkeypatch):
         assert layers and all(layers), (arm, where)
         want = in_turn.prefill(req, arm, require_reuse=arm != "recompute", pool=in_turn.consumer.pool(arts))
         np.testing.assert_array_equal(got.logits, want.logits)
+    submitted = []  # a second request of the same shapes submits nothing (no host time spent)
+    monkeypatch.setattr(ahead.consumer.ahead, "submit", lambda *a: submitted.append(a))
+    for arm in ("recompute", "prefix", "redknot"):
+        ahead.prefill(req, arm, require_reuse=arm != "recompute", pool=ahead.consumer.pool(arts))
+    assert submitted == [] and not ahead.consumer.ahead.pending
     with pytest.raises(ValueError, match="threads must be an int >= 0, got -1"):
         consumer_mod.Consumer(model, prof, compile_threads=-1)
 
