@@ -30,7 +30,8 @@ class AheadCompiler:
     """A request's layer programs compiled side by side in `threads` threads before their first
     calls (`Consumer(compile_threads=)`), where the arm would compile them one after another as
     it reaches them: `submit(fn, args, kw)` once the arguments' shapes are known (the call's own
-    arguments, or `jax.ShapeDtypeStruct`s with their shardings), `__call__(fn, args, kw)` to run
+    arguments, or `jax.ShapeDtypeStruct`s, with a sharding only where the call's arrays will be
+    committed to one: else the lowering differs), `__call__(fn, args, kw)` to run
     a program, waiting for its compilation first (a program compiled once: XLA's compilation
     cache serves the call; a compile error raises here). threads=0: calls only. `first(sig)`:
     whether a request of this signature (its arm and shapes) is the first, so that later ones
@@ -66,7 +67,9 @@ class AheadCompiler:
             return
         key = self._key(fn, args, kw)
         if key not in self.jobs:
-            self.jobs[key] = self.pool.submit(lambda: fn.lower(*args, **kw).compile() and None)
+            def compile_only():  # the executable is kept by XLA's compilation cache, not here
+                fn.lower(*args, **kw).compile()
+            self.jobs[key] = self.pool.submit(compile_only)
             self.pending = True
 
     def __call__(self, fn, args: tuple, kw: dict):
