@@ -31,8 +31,6 @@ def apply_rope(x: jax.Array, pos: jax.Array, freqs, inverse: bool = False) -> ja
 
     `pos` broadcasts against x's leading dims; if x has one more axis than pos+1 (a heads
     axis), the angle is shared across it. Rotation in fp32, result in x's dtype.
-    The inverse turns attention outputs, which a kernel has already written: it updates their
-    last r dims in place (an eighth of the bytes at k = 512) rather than writing a new array.
     """
     freqs = jnp.asarray(freqs, jnp.float32)
     r = 2 * freqs.shape[0]
@@ -44,7 +42,5 @@ def apply_rope(x: jax.Array, pos: jax.Array, freqs, inverse: bool = False) -> ja
         sin = -sin
     rot = x[..., -r:].astype(jnp.float32)
     a, b = rot[..., 0::2], rot[..., 1::2]  # the interleaved pairs
-    out = jnp.stack([a * cos - b * sin, a * sin + b * cos], axis=-1).reshape(rot.shape).astype(x.dtype)
-    if inverse:
-        return x.at[..., -r:].set(out)
-    return jnp.concatenate([x[..., :-r], out], axis=-1)
+    out = jnp.stack([a * cos - b * sin, a * sin + b * cos], axis=-1).reshape(rot.shape)
+    return jnp.concatenate([x[..., :-r], out.astype(x.dtype)], axis=-1)

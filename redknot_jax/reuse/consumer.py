@@ -476,7 +476,8 @@ class Consumer:
                     keep_rows = jnp.arange(state.own_cap, dtype=jnp.int32)  # compact rows: the own rows, in order
                 if timings is not None:  # host seconds (the controller's include its device read)
                     timings.update(plan_s=time.perf_counter() - t0, controller_s=t1 - t0)
-                if not isinstance(pool, HostPool):  # (a host pool's layers are read once, when run)
+                if self.ahead.pool is not None and not isinstance(pool, HostPool):  # (a host pool's layers
+                    # are read once, when run; the signature's shapes cost host time: only with threads)
                     self._compile_ahead(lambda j, ahead: reusable(j, pool.layers[j], ahead), self.reusable,
                                         state is None, _shapes(layout.tables), _shapes(pool_layer),
                                         tuple(sorted(pass_a.items())))
