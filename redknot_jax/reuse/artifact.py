@@ -47,10 +47,20 @@ class Artifact:
     layers: dict[int, dict]
     certificate: Certificate
     prefix_layers: dict[int, dict] = dataclasses.field(default_factory=dict)
+    _far: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)  # far_mean's, by layers
 
     @property
     def length(self) -> int:
         return int(self.tokens.shape[0])
+
+    def far_mean(self, layers) -> np.ndarray:
+        """[length] fp64: the mean of `far` over `layers` (`planner.row_risk`), read from the
+        device in one transfer the first time a layer set asks (the artifact is immutable)."""
+        key = tuple(layers)
+        if key not in self._far:
+            far = jax.device_get([self.layers[i]["far"] for i in key])
+            self._far[key] = np.mean([np.asarray(a, np.float64) for a in far], axis=0)
+        return self._far[key]
 
     def layer(self, i: int) -> dict:
         """Reusable layer i's arrays dense (`codec.decode_layer`, in the dtype they were produced

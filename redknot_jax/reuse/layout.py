@@ -23,7 +23,6 @@ import dataclasses
 
 import numpy as np
 import jax
-import jax.numpy as jnp
 
 from redknot_jax.config import CSA, HCA
 from redknot_jax.reuse.planner import Plan, online_frames
@@ -233,5 +232,5 @@ def build_layout(plan: Plan, pool: DocPool, profile, cfg, block: int, pad_to: di
     K = max(buckets(max(own.size, 1), block), (pad_to or {}).get("K", 0))
     tab["own_idx"] = np.r_[own, np.full(K - own.size, c)].astype(np.int32)
     longest = max((f.doc_len for f in plan.frames if f.artifact is not None), default=0)
-    return Layout(tables=jax.tree.map(jnp.asarray, tab), t=t, n_real=t_real, n_prot=int(prot_idx.size),
+    return Layout(tables=jax.device_put(tab), t=t, n_real=t_real, n_prot=int(prot_idx.size),
                   own_slot=tab["own_slot"], prefix=L, longest_doc=int(longest))

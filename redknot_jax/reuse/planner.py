@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import dataclasses
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -216,11 +215,9 @@ def row_risk(plan: Plan, layers) -> np.ndarray:
     (the reusable ones) of the artifact's `far` (the Local heads' attention share beyond the
     sliding window, measured when the document was built alone); 0 for other rows."""
     risk = np.zeros(plan.n_rows)
-    frames = [f for f in plan.frames if f.artifact is not None and f.doc_len]
-    # one transfer for every (document, layer) array, not one blocking read each (device artifacts)
-    far = jax.device_get([[f.artifact.layers[i]["far"] for i in layers] for f in frames])
-    for f, per_layer in zip(frames, far):
-        risk[f.start:f.start + f.doc_len] = np.mean([np.asarray(a, np.float64) for a in per_layer], axis=0)
+    for f in plan.frames:
+        if f.artifact is not None and f.doc_len:
+            risk[f.start:f.start + f.doc_len] = f.artifact.far_mean(layers)
     return risk
 
 
