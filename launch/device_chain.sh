@@ -77,9 +77,12 @@ run_steps() {
         step ${s}_$qb launch/bench_ttft.py --lengths 32768 --repeats 2 --layer-times --profiles tail0-b10-omit-fp4 \
           --no-prefix-arm --store /tmp/art32 --query-block $qb --out $R/ttft_32k_block${qb}_${d}_$today.json
       done ;;  # not in the default lists; ~6 min for the first half on a fresh H100 (the artifacts built)
-    ahead32) step $s launch/bench_ttft.py --lengths 32768 --repeats 2 --profiles tail0-b10-omit-fp4 --no-prefix-arm \
-      --compile-threads 8 --out $R/ttft_32k_ahead8_${d}_$today.json ;;  # warm-ups with the layer programs compiled
-      # side by side (Consumer(compile_threads=)); step blocks32's first half is the same run compiling them in turn
+    ahead32) for th in 0 8; do  # compile threads 0 and 8 side by side (one artifact store; a fresh compilation
+        # cache each, so both warm-ups compile every program): warm-up and timed seconds decide Consumer's default
+        JAX_COMPILATION_CACHE_DIR=/tmp/jc_ahead$th step ${s}_$th launch/bench_ttft.py --lengths 32768 --repeats 3 \
+          --profiles tail0-b10-omit-fp4 --no-prefix-arm --store /tmp/art32 --compile-threads $th \
+          --out $R/ttft_32k_ahead${th}_${d}_$today.json
+      done ;;  # not in the default lists; ~12 min on a fresh H100
     mhc) step $s launch/bench_mhc.py --rows 32768 --json $R/mhc_32k_${d}_$today.json ;;  # mHC's forms side by side
     ttft32) step $s launch/bench_ttft.py --lengths 32768 --repeats 2 --layer-times --op-profile 2,20,21,40 \
       --profiles tail0-b10-omit-fp4,tail0-b10-restore-fp4,fp4 --out $R/ttft_32k_fp4_${d}_$today.json ;;
