@@ -183,8 +183,8 @@ class Consumer:
         """Cache capacity (rows) for n rows: their bucket, whole HCA windows."""
         return ceil_to(self._rows(n), self.cfg.hca_rate)
 
-    def _layout(self, plan: Plan, pool: DocPool, pad_to: dict | None = None, runs: bool = False):
-        return build_layout(plan, pool, self.profile, self.cfg, self.block, pad_to, self.buckets, runs)
+    def _layout(self, plan: Plan, pool: DocPool, pad_to: dict | None = None, runs: bool = False, place: bool = True):
+        return build_layout(plan, pool, self.profile, self.cfg, self.block, pad_to, self.buckets, runs, place)
 
     def _pad(self, tokens):
         t_real = len(tokens)
@@ -243,11 +243,15 @@ class Consumer:
         longest = self.buckets(max(lay.longest_doc for lay in layouts), self.block)
         return dict(kernels=pass_a_kernels(self.prefill_kernels, longest, self.span_doc_rows), longest_doc=longest)
 
+    def _compact_rows(self, state: DecodeState, plan: Plan, layout, decode_rows: int) -> None:
+        """A decode state's compact rows: the prompt layout's own rows, then room for the new rows."""
+        state.own = layout.own_rows(plan.n_rows).size
+        state.own_cap = self._rows(state.own + decode_rows)
+
     def _decode_layout(self, state: DecodeState, plan: Plan, layout, decode_rows: int) -> None:
-        """A decode state's compact rows (the prompt layout's own rows, then room for the new
-        rows) and its decode layout: the plan extended by `decode_rows` (`state.plan`)."""
+        """A decode state's decode layout: the plan extended by `decode_rows` (`state.plan`). Built
+        once the prompt's layers are dispatched (the host builds it while the device runs them)."""
         kept = layout.own_rows(plan.n_rows)
-        state.own, state.own_cap = kept.size, self._rows(kept.size + decode_rows)
         state.plan = plan.extend(decode_rows)
         state.layout = self._layout(state.plan, state.pool, runs=bool(self.decode_kernels))
         if not np.array_equal(state.layout.own_rows(plan.n_rows), kept):
@@ -472,7 +476,7 @@ class Consumer:
                 if layout.c != t:
                     raise AssertionError(f"layout of {layout.c} computed rows for {t} embedded rows")
                 if state is not None:
-                    self._decode_layout(state, plan, layout, decode_rows)
+                    self._compact_rows(state, plan, layout, decode_rows)
                     keep_rows = jnp.arange(state.own_cap, dtype=jnp.int32)  # compact rows: the own rows, in order
                 if timings is not None:  # host seconds (the controller's include its device read)
                     timings.update(plan_s=time.perf_counter() - t0, controller_s=t1 - t0)
@@ -487,6 +491,8 @@ class Consumer:
             hist = h if hist is None else hist + h
             clock.lap(x)
             yield
+        if state is not None and layout is not None:
+            self._decode_layout(state, plan, layout, decode_rows)
         out = self._out(last, plan.query_rows - L, t) if prof.is_fence(last, cfg.num_layers) else (0, 0)
         logits = self._logits(x, plan.query_rows - L - out[0])
         return (logits, hist, state) if decode_rows else (logits, hist)
@@ -591,14 +597,16 @@ class Consumer:
             if tabs is None:
                 for b, plan in enumerate(plans):
                     self.controller(plan, x[b:b + 1], pool, pool_layer)
-                first = [self._layout(plan, pool, {"t": 0, "C": t, "P": 0, "K": 0, "rates": {}}) for plan in plans]
+                # host tables, stacked, then one transfer
+                first = [self._layout(plan, pool, {"t": 0, "C": t, "P": 0, "K": 0, "rates": {}}, place=False)
+                         for plan in plans]
                 sizes = common_sizes(first)
-                layouts = [self._layout(plan, pool, sizes) for plan in plans]
+                layouts = [self._layout(plan, pool, sizes, place=False) for plan in plans]
                 pass_a = self._pass_a(layouts)
-                tabs = jax.tree.map(lambda *a: jnp.stack(a), *[lay.tables for lay in layouts])
+                tabs = jax.device_put(jax.tree.map(lambda *a: np.stack(a), *[lay.tables for lay in layouts]))
                 if states is not None:  # as `redknot`
                     for plan, lay, st_b in zip(plans, layouts, states):
-                        self._decode_layout(st_b, plan, lay, decode_rows)
+                        self._compact_rows(st_b, plan, lay, decode_rows)
                     keep_rows = jnp.tile(jnp.arange(max(s.own_cap for s in states), dtype=jnp.int32), (len(plans), 1))
             gd, st = self.defs[i]
             out = reusable_batch_jit(st, x, ids, tabs, pool_layer, keep_rows, graphdef=gd, freqs=self.model.freqs(i),
@@ -610,6 +618,9 @@ class Consumer:
                     st_b.layers[i] = jax.tree.map(lambda k: k[b, :st_b.own_cap], out[2])
             hist = hb if hist is None else hist + hb
             yield
+        if states is not None and tabs is not None:
+            for plan, lay, st_b in zip(plans, layouts, states):
+                self._decode_layout(st_b, plan, lay, decode_rows)
         logits = self._logits_batch(x, [p.query_rows - p.prefix for p in plans])
         return [(lg, None if hist is None else hist[b]) + ((states[b],) if states else ())
                 for b, lg in enumerate(logits)]

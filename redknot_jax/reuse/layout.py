@@ -76,11 +76,12 @@ def _entry_table(plan: Plan, pool: DocPool, m: int, overlap: bool, refresh: np.n
         pbase = pool.entry_base(f.artifact, m) if L else 0
         ring0 = pool.doc(f.artifact) * r if L else 0
         src.append(np.where(from_pool, pbase + w, -1))
-        lo = (w - 1) * m if overlap else w * m
-        c = lo[:, None] + np.arange(r)[None, :]  # canonical slot positions [nw, r]
+        on = np.flatnonzero(~from_pool)  # the online entries: the slots they pool
+        lo = (on - 1) * m if overlap else on * m
+        c = lo[:, None] + np.arange(r)[None, :]  # canonical slot positions [n_on, r]
         # an exact prefix's slots are canonical whether refreshed or not: read from its ring
-        art_slot = (c < L) & (~ref_rows[:, None] | (f.start < plan.prefix))
-        if np.any(art_slot & ~from_pool[:, None] & (c >= 0) & (c < L - r)):
+        art_slot = (c < L) & (~ref_rows[on, None] | (f.start < plan.prefix))
+        if np.any(art_slot & (c >= 0) & (c < L - r)):
             raise AssertionError("entry table: a continuation slot lies before the artifact's boundary ring")
         slots = np.where(c < 0, -1, np.where(art_slot, t + ring0 + np.mod(c, r), f.start + c))
         on_slots.append(slots)
@@ -103,7 +104,7 @@ def _entry_table(plan: Plan, pool: DocPool, m: int, overlap: bool, refresh: np.n
         "w": np.r_[wcan, np.zeros(pad)].astype(np.int32),
         "end": np.r_[endpos, np.full(pad, NEVER)].astype(np.int32),
         "on_idx": np.r_[online, np.full(E_on - online.size, E)].astype(np.int32),
-        "on_slots": np.r_[slots[online], np.full((E_on - online.size, r), -1)].astype(np.int32),
+        "on_slots": np.r_[slots, np.full((E_on - online.size, r), -1)].astype(np.int32),
         "ebase": ebase,
         "row_on": on_of[row_ent].astype(np.int32),
     }
@@ -114,7 +115,8 @@ def _entry_table(plan: Plan, pool: DocPool, m: int, overlap: bool, refresh: np.n
 
 @dataclasses.dataclass
 class Layout:
-    """Index tables of one planned request (device arrays) and its static sizes."""
+    """Index tables of one planned request (device arrays; numpy with `build_layout(place=False)`)
+    and its static sizes."""
 
     tables: dict
     t: int  # padded key rows (T)
@@ -173,13 +175,14 @@ def computed_rows(plan: Plan, block: int, buckets: Buckets = EXACT, pad_to: dict
 
 
 def build_layout(plan: Plan, pool: DocPool, profile, cfg, block: int, pad_to: dict | None = None,
-                 buckets: Buckets = EXACT, runs: bool = False) -> Layout:
+                 buckets: Buckets = EXACT, runs: bool = False, place: bool = True) -> Layout:
     """Index tables of a planned request, padded to `buckets` (rows and protected rows of the
     query block, entries of ENTRY_PAD). `pad_to` (`common_sizes` of a batch): pad key rows,
     computed rows, protected rows and entry tables at least that far, so a batch shares one
     program; padding rows extend the last frame, padding entries are never visible, padding
     indices drop. `runs`: the HCA pool entries as runs too (`pool_runs`: a decode layout's, for
-    the segment attention kernel)."""
+    the segment attention kernel). `place`: the tables on the device (one batched transfer), or
+    left on the host (numpy; a batch stacks them first)."""
     t_real, L = plan.n_rows, plan.prefix
     c, t = computed_rows(plan, block, buckets, pad_to)
     prot = plan.protected
@@ -232,5 +235,5 @@ def build_layout(plan: Plan, pool: DocPool, profile, cfg, block: int, pad_to: di
     K = max(buckets(max(own.size, 1), block), (pad_to or {}).get("K", 0))
     tab["own_idx"] = np.r_[own, np.full(K - own.size, c)].astype(np.int32)
     longest = max((f.doc_len for f in plan.frames if f.artifact is not None), default=0)
-    return Layout(tables=jax.device_put(tab), t=t, n_real=t_real, n_prot=int(prot_idx.size),
+    return Layout(tables=jax.device_put(tab) if place else tab, t=t, n_real=t_real, n_prot=int(prot_idx.size),
                   own_slot=tab["own_slot"], prefix=L, longest_doc=int(longest))

@@ -138,54 +138,45 @@ def plan_request(req: Request, profile: RedKnotProfile) -> Plan:
     first document is the exact prefix where it can be one (`exact_prefix`)."""
     if not req.segments:
         raise RequestError("request: no segments")
-    frames, fr, doc = [], [], []
-    classes = {k: [] for k in ("Q", "N", "D", "B", "T")}
+    toks = [np.asarray(seg.tokens) for seg in req.segments]
+    for si, tk in enumerate(toks):
+        if tk.ndim != 1 or tk.shape[0] == 0:
+            raise RequestError(f"segment {si}: expected a non-empty 1-D token list, got shape {tk.shape}")
+    t = sum(int(tk.shape[0]) for tk in toks)
+    frames, fr, doc = [], np.zeros(t, np.int64), np.zeros(t, bool)
+    cl = {k: np.zeros(t, bool) for k in ("Q", "N", "D", "B", "T", "I")}
     pos = 0
-    for si, seg in enumerate(req.segments):
-        toks = np.asarray(seg.tokens)
-        n = int(toks.shape[0])
-        if toks.ndim != 1 or n == 0:
-            raise RequestError(f"segment {si}: expected a non-empty 1-D token list, got shape {toks.shape}")
-        art = seg.artifact
+    for si, (seg, tk) in enumerate(zip(req.segments, toks)):
+        n, art = int(tk.shape[0]), seg.artifact
+        bad = [r for r in seg.dirty if not 0 <= r < n]
+        if bad:
+            raise RequestError(f"segment {si}: dirty rows {bad} outside [0, {n})")
         if art is not None:
             if art.length != n:
                 raise RequestError(f"segment {si}: artifact covers {art.length} tokens, segment has {n}")
-            bad = [r for r in seg.dirty if not 0 <= r < n]
-            if bad:
-                raise RequestError(f"segment {si}: dirty rows {bad} outside [0, {n})")
             frames.append(Frame(offset=pos, start=pos, end=pos + n, doc_len=n, artifact=art))
         elif frames:  # new rows continue the current frame
-            f = frames[-1]
-            frames[-1] = dataclasses.replace(f, end=f.end + n)
+            frames[-1] = dataclasses.replace(frames[-1], end=frames[-1].end + n)
         else:
             frames.append(Frame(offset=pos, start=pos, end=pos + n, doc_len=0, artifact=None))
-        fr += [len(frames) - 1] * n
-        doc += [art is not None] * n
-        classes["N"] += [art is None] * n
-        dirty = np.zeros(n, bool)
-        dirty[list(seg.dirty)] = True
-        classes["D"] += dirty.tolist()
-        b = np.zeros(n, bool)
+        fr[pos:pos + n] = len(frames) - 1
+        doc[pos:pos + n] = art is not None
+        cl["N"][pos:pos + n] = art is None
+        cl["D"][pos + np.asarray(seg.dirty, np.int64)] = True
         if art is not None and pos > 0:  # relocated: windows cross the boundary
-            b[: profile.boundary_rows] = True
-            b[-profile.boundary_rows:] = True
-        classes["B"] += b.tolist()
+            br = min(profile.boundary_rows, n)
+            cl["B"][pos:pos + br] = cl["B"][pos + n - br:pos + n] = True
         pos += n
-    t = pos
     q = np.asarray(req.query_rows or (t - 1,), np.int64)
     if q.min() < 0 or q.max() >= t:
         raise RequestError(f"query_rows {q.tolist()} outside the request's {t} rows")
-    cl = {k: np.asarray(v, bool) for k, v in classes.items()}
-    cl["Q"] = np.zeros(t, bool)
     cl["Q"][q] = True
-    cl["T"] = np.arange(t) >= t - profile.tail_rows
-    cl["I"] = np.zeros(t, bool)
-    doc = np.asarray(doc)
+    cl["T"][t - min(profile.tail_rows, t):] = True
     L = exact_prefix(req)
     doc[:L] = False
     for v in cl.values():
         v[:L] = False
-    return Plan(n_rows=t, frames=frames, frame_of_row=np.asarray(fr), doc_row=doc, classes=cl, query_rows=q,
+    return Plan(n_rows=t, frames=frames, frame_of_row=fr, doc_row=doc, classes=cl, query_rows=q,
                 prefix=L)
 
 
@@ -251,5 +242,9 @@ def fill_itop(plan: Plan, row_scores: np.ndarray, budget: float, risk: np.ndarra
     extra = max(0, want - int(have.sum()))
     r = np.zeros(plan.n_rows) if risk is None else np.asarray(risk, np.float64)
     moved = np.zeros(plan.n_rows) if deviation is None else np.where(deviation > DEVIATION_FLOOR, deviation, 0.0)
-    order = free[np.lexsort((free, -r[free], -row_scores[free], -moved[free]))][:extra]
+    s = np.asarray(row_scores, np.float64)[free]
+    if deviation is None and 0 < extra < free.size:  # only rows scored at least the extra-th best can be taken
+        keep = s >= np.partition(s, free.size - extra)[free.size - extra]
+        free, s = free[keep], s[keep]
+    order = free[np.lexsort((-r[free], -s, -moved[free]))][:extra]  # stable: ties in row order (free ascends)
     plan.classes["I"][order] = True

@@ -4,7 +4,8 @@
 entries, i.e. beyond the sliding window. Checked: attention shares per key set plus the sink's
 share sum to 1; `far` is a share in [0, 1], exactly 0 for rows that see no compressed entry yet
 and equal to a direct recomputation from the trace otherwise; `fill_itop` orders the rows of
-one compressed window (equal indexer scores) by it, and never lets it override a score.
+one compressed window (equal indexer scores) by it, never lets it override a score, and takes
+the rows a full sort ranks first.
 """
 
 import numpy as np
@@ -16,7 +17,7 @@ from redknot_jax.attention import sink_softmax_attend
 from redknot_jax.config import CSA, HCA
 from redknot_jax.init import random_model
 from redknot_jax.reuse.artifact import build_artifact, local_head_mask
-from redknot_jax.reuse.planner import Request, Segment, fill_itop, plan_request, row_risk
+from redknot_jax.reuse.planner import DEVIATION_FLOOR, Plan, Request, Segment, fill_itop, plan_request, row_risk
 from redknot_jax.reuse.profile import tiny_profile
 
 CFG = config.tiny("mixed")
@@ -96,6 +97,29 @@ def test_fill_itop_orders_a_window_by_risk_never_over_scores(art):
     have = int((plan.protected & plan.doc_row).sum())
     fill_itop(plan, scores, (have + 2) / plan.candidates, r)
     assert np.flatnonzero(plan.classes["I"]).tolist() == [101, 103]
+
+
+@pytest.mark.parametrize("ranked_by", ["indexer", "deviation"])
+def test_fill_itop_takes_the_rows_a_full_sort_ranks_first(ranked_by):
+    """The budget's rows are those a full sort by (deviation, score, risk, row) puts first, with
+    many ties (fill_itop sorts only the rows that can make the cut)."""
+    rng = np.random.default_rng(0)
+    n = 4000
+    doc = rng.random(n) < 0.9
+    classes = {k: np.zeros(n, bool) for k in ("Q", "N", "D", "B", "T", "I")}
+    classes["B"][rng.choice(n, 50)] = True
+    plan = Plan(n_rows=n, frames=[], frame_of_row=np.zeros(n, int), doc_row=doc, classes=classes,
+                query_rows=np.array([n - 1]))
+    scores = np.repeat(rng.integers(0, 30, n // 4).astype(float), 4)  # a window's rows share its score
+    scores[rng.random(n) < 0.1] = -np.inf
+    risk = rng.integers(0, 3, n).astype(float)
+    dev = np.where(rng.random(n) < 0.2, rng.random(n), 0.0) if ranked_by == "deviation" else None
+    fill_itop(plan, scores, 0.3, risk, dev)
+    free = np.flatnonzero(doc & ~classes["B"])
+    moved = np.zeros(n) if dev is None else np.where(dev > DEVIATION_FLOOR, dev, 0.0)
+    want = int(np.ceil(0.3 * doc.sum())) - int((classes["B"] & doc).sum())
+    ref = free[np.lexsort((free, -risk[free], -scores[free], -moved[free]))][:want]
+    np.testing.assert_array_equal(np.flatnonzero(plan.classes["I"]), np.sort(ref))
 
 
 def test_concentration_is_a_share_even_in_float32():

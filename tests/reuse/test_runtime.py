@@ -221,6 +221,28 @@ def test_bad_requests_are_named():
         plan_request(Request([Segment(np.array([], np.int32))]), prof)
     with pytest.raises(RequestError, match="query_rows"):
         plan_request(Request([Segment(np.arange(5))], query_rows=(9,)), prof)
+    with pytest.raises(RequestError, match="segment 1: dirty rows \\[7\\]"):
+        plan_request(Request([Segment(np.arange(5)), Segment(np.arange(4), dirty=(7,))]), prof)
+
+
+@pytest.mark.parametrize("boundary", [0, 3, 50])
+def test_row_classes_of_a_plan(boundary):
+    """Boundary rows at both ends of each relocated document (none with boundary_rows=0, the
+    whole document when it is shorter), dirty rows, tail rows, new rows; no class but Q, N and T
+    in a first document that cannot be an exact prefix (no artifact certificate here) and
+    relocates at 0 without boundary rows."""
+    from redknot_jax.reuse.planner import plan_request
+
+    art = lambda n: type("A", (), {"length": n, "certificate": None})()
+    prof = dataclasses.replace(tiny_profile(CFG.num_layers), boundary_rows=boundary, tail_rows=6)
+    plan = plan_request(Request([Segment(np.arange(10), art(10)), Segment(np.arange(20), art(20), dirty=(4,)),
+                                 Segment(np.arange(5))]), prof)
+    rows = lambda k: np.flatnonzero(plan.classes[k]).tolist()
+    b = min(boundary, 20)
+    assert rows("B") == sorted(set(range(10, 10 + b)) | set(range(30 - b, 30)))
+    assert (rows("D"), rows("N"), rows("T"), rows("Q")) == ([14], list(range(30, 35)), list(range(29, 35)), [34])
+    assert plan.prefix == 0 and plan.doc_row.tolist() == [True] * 30 + [False] * 5
+    assert plan.frame_of_row.tolist() == [0] * 10 + [1] * 25
 
 
 def test_decode_continues_over_relocated_frames(model):
