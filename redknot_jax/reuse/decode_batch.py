@@ -93,8 +93,9 @@ class DecodeBatch:
             tables = self._layout(state, sizes)
             if sizes != self.sizes:  # every member's layout padded to the new sizes; a free slot's: a copy
                 per = [tables if s is None else self._layout(s, sizes) for s in self.members]
-                self.tables = jax.tree.map(lambda *a: jnp.stack(a), *per)
+                self.tables = jax.device_put(jax.tree.map(lambda *a: np.stack(a), *per))  # one transfer
                 self.sizes = sizes
+            tables = jax.device_put(tables)
         one = {}
         for i, keys in state.layers.items():
             if state.native or c.profile.is_fence(i, c.cfg.num_layers):
@@ -167,8 +168,8 @@ class DecodeBatch:
 
     # ------------------------------------------------------------------ pieces
     def _layout(self, state: DecodeState, sizes: dict) -> dict:
-        """The member's decode layout tables padded to `sizes` (its compact rows unchanged)."""
-        lay = self.consumer._layout(state.plan, state.pool, sizes)
+        """The member's decode layout tables padded to `sizes` (its compact rows unchanged), on the host."""
+        lay = self.consumer._layout(state.plan, state.pool, sizes, place=False)
         if not np.array_equal(lay.own_slot[:lay.n_real], state.layout.own_slot[:lay.n_real]):
             raise AssertionError("DecodeBatch: padding a decode layout moved its compact rows")
         return lay.tables
