@@ -47,7 +47,7 @@ class Artifact:
     layers: dict[int, dict]
     certificate: Certificate
     prefix_layers: dict[int, dict] = dataclasses.field(default_factory=dict)
-    _far: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)  # far_mean's, by layers
+    _far: dict = dataclasses.field(default_factory=dict, init=False, repr=False, compare=False)  # far_mean's
 
     @property
     def length(self) -> int:
