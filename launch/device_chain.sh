@@ -83,6 +83,9 @@ run_steps() {
           --profiles tail0-b10-omit-fp4 --no-prefix-arm --store /tmp/art32 --compile-threads $th \
           --out $R/ttft_32k_ahead${th}_${d}_$today.json
       done ;;  # not in the default lists; ~12 min on a fresh H100
+    plan32) step $s launch/bench_ttft.py --lengths 32768 --repeats 2 --layer-times --profiles tail0-b10-omit-fp4 \
+      --no-prefix-arm --compile-threads 8 --out $R/ttft_32k_plan_${d}_$today.json ;;  # the request's host time
+      # (redknot_plan_s) and TTFT in the least device time: layer programs compiled side by side
     mhc) step $s launch/bench_mhc.py --rows 32768 --json $R/mhc_32k_${d}_$today.json ;;  # mHC's forms side by side
     ttft32) step $s launch/bench_ttft.py --lengths 32768 --repeats 2 --layer-times --op-profile 2,20,21,40 \
       --profiles tail0-b10-omit-fp4,tail0-b10-restore-fp4,fp4 --out $R/ttft_32k_fp4_${d}_$today.json ;;
