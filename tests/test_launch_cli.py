@@ -131,6 +131,8 @@ BAD_FLAGS = [  # (script, command line, the error line's text): checks added wit
     ("serve", ["--no-warmup", "--warmup-documents", "1x8+2"], "--warmup-documents and --no-warmup: give one of them"),
     ("bench_moe", ["--experts", "16,x"], r"--experts / --chunks: expected comma-separated integers, got '16,x'"),
     ("bench_model", ["--lengths", "8k"], "--lengths: expected comma-separated integers, got '8k'"),
+    ("bench_host", ["--doc-lengths", "8k"], "--doc-lengths: expected comma-separated integers, got '8k'"),
+    ("bench_host", ["--budget", "0"], r"--budget: expected a fraction in \(0, 1\], got 0.0"),
     ("profile_layers", ["--contexts", "a"], "--contexts: expected comma-separated integers, got 'a'"),
     ("profile_layers", ["--chunk", "8192", "--contexts", "8448,8000"],
      r"--contexts \[8000\]: each must hold the --chunk \(8192\) rows and 256 more"),
