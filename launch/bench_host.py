@@ -9,7 +9,8 @@ classes), `row_risk` (the documents' per-row `far` means, stored on the device a
 them), `fill_itop` (the budget's rows ranked) and `build_layout` (index tables, on the device).
 No model and no kernel: the pool is an index-only stand-in (the layout reads its row and entry
 bases), so any machine runs it; what it measures is numpy and the host-device transfers. Run it
-on an older commit's package (`PYTHONPATH=<its redknot_jax's parent>`) for a side-by-side figure.
+on an older commit's package (`git archive REV redknot_jax | tar -x -C OLD`, then `PYTHONPATH=OLD:$PWD`) beside
+the current one for a side-by-side figure.
 """
 
 from __future__ import annotations
