@@ -600,8 +600,9 @@ class Consumer:
                 # host tables, stacked, then one transfer
                 first = [self._layout(plan, pool, {"t": 0, "C": t, "P": 0, "K": 0, "rates": {}}, place=False)
                          for plan in plans]
-                sizes = common_sizes(first)
-                layouts = [self._layout(plan, pool, sizes, place=False) for plan in plans]
+                sizes = common_sizes(first)  # rebuilt only where the batch pads further
+                layouts = [lay if lay.sizes() == sizes else self._layout(plan, pool, sizes, place=False)
+                           for plan, lay in zip(plans, first)]
                 pass_a = self._pass_a(layouts)
                 tabs = jax.device_put(jax.tree.map(lambda *a: np.stack(a), *[lay.tables for lay in layouts]))
                 if states is not None:  # as `redknot`
