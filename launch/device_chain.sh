@@ -97,6 +97,15 @@ run_steps() {
       --concurrency 1,4,16 --duration-s 30 --warmup-requests 1 --warmup-max-rounds 3 --docs 8 --docs-per-request 4 \
       --doc-chars 8192 --prompt-chars 32 --output-len 64 --startup-timeout-s 600 \
       --headline $R/qps_headline_${d}_$today.json --out $R/qps_flash_${d}_$today.json ;;
+    qps_h100)  # command F within an H100's 80 GB (its arena of 65,536 rows did not fit beside the weights): the
+      # 4 documents every request cites (in a seeded random order) in an arena of 32,768 rows, batches of 2
+      pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl >> $R/chain.log 2>&1
+      PYTHONPATH=/tmp/site:$PWD step $s launch/bench_qps.py --serve-args "--preset flash-shaped --dtype bfloat16 \
+--artifact-codec fp4 --max-model-len 33280 --arena-rows 32768 --reuse-batch 2 --max-tokens-limit 64 \
+--prefill-chunk 8192 --max-batched-tokens 8192" --arms redknot,prefix,recompute \
+      --concurrency 1,4,16 --duration-s 30 --warmup-requests 1 --warmup-max-rounds 3 --docs 4 --docs-per-request 4 \
+      --doc-chars 8192 --prompt-chars 32 --output-len 64 --startup-timeout-s 600 \
+      --headline $R/qps_headline_docs4_${d}_$today.json --out $R/qps_flash_docs4_${d}_$today.json ;;
     *) echo "== $s: no such step" >> $R/chain.log ;;
   esac; done
   touch $R/done

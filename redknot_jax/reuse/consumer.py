@@ -368,38 +368,51 @@ class Consumer:
         logits = self._logits(x, q - L - out[0])
         return (logits, state) if decode_rows else logits
 
-    def controller(self, plan: Plan, x, pool: DocPool, pool_layer: dict) -> None:
+    def controller_scores(self, plan: Plan, x):
+        """The controller's indexer scores of the candidate documents' windows, dispatched (a
+        device array, not read) with those documents; (None, []) with no reusable CSA layer or no
+        candidate document of a whole window."""
+        cfg = self.cfg
+        csa = [i for i in self.reusable if cfg.layer_types[i] == CSA]
+        docs = [f for f in plan.candidate_frames if f.doc_len >= cfg.csa_rate]
+        if not (csa and docs):
+            return None, []
+        L, li, m = plan.prefix, csa[0], cfg.csa_rate
+        keys = jnp.concatenate([jnp.asarray(f.artifact.layers[li]["idx_entries"]) for f in docs])
+        d_e = np.concatenate([np.full(f.doc_len // m, f.offset) for f in docs]).astype(np.int32)
+        w_e = np.concatenate([np.arange(f.doc_len // m) for f in docs])
+        end_e = d_e + (w_e + 1) * m - 1
+        # padded to buckets: entries never visible (scores -inf, then dropped), query rows repeated
+        n_e, qr = keys.shape[0], np.asarray(plan.query_rows, np.int32)
+        pad_e = self.buckets(n_e, ENTRY_PAD) - n_e
+        keys = jnp.pad(keys, ((0, pad_e), (0, 0)))
+        d_e, end_e = np.r_[d_e, np.zeros(pad_e, np.int32)], np.r_[end_e, np.full(pad_e, NEVER)]
+        qr = np.r_[qr, np.full(self.buckets(qr.size, 8) - qr.size, qr[-1])]
+        pd, ps = self.defs[self.reusable[0]]
+        cd, cs = self.defs[li]
+        return controller_jit(ps, cs, x[:, qr - L], jnp.asarray(qr), keys, jnp.asarray(d_e, jnp.int32),
+                              jnp.asarray(end_e, jnp.int32), pre_def=pd, csa_def=cd, freqs=self.model.freqs(li),
+                              m=m), docs
+
+    def controller(self, plan: Plan, x, pool: DocPool, pool_layer: dict, scores=None) -> None:
         """Fill Itop and the budget (profile rule) from the native indexer for the query rows;
         with `itop_rank="deviation"` the budget's rows are those of largest `latent_deviation` at
         x, the first reusable layer's input (`pool_layer`: that layer of `pool`). x holds the
-        computed rows (after the exact prefix, whose rows are no candidates)."""
+        computed rows (after the exact prefix, whose rows are no candidates). `scores`: this
+        request's `controller_scores`, dispatched earlier (a batch dispatches all of them first)."""
         cfg, prof = self.cfg, self.profile
-        csa = [i for i in self.reusable if cfg.layer_types[i] == CSA]
-        scores = np.full(plan.n_rows, -np.inf)
+        scores = self.controller_scores(plan, x) if scores is None else scores
+        s, docs = scores
         conc = 1.0
         L = plan.prefix
-        docs = [f for f in plan.candidate_frames if f.doc_len >= cfg.csa_rate]
-        if csa and docs:
-            li, m = csa[0], cfg.csa_rate
-            keys = jnp.concatenate([jnp.asarray(f.artifact.layers[li]["idx_entries"]) for f in docs])
-            d_e = np.concatenate([np.full(f.doc_len // m, f.offset) for f in docs]).astype(np.int32)
-            w_e = np.concatenate([np.arange(f.doc_len // m) for f in docs])
-            end_e = d_e + (w_e + 1) * m - 1
-            # padded to buckets: entries never visible (scores -inf, then dropped), query rows repeated
-            n_e, qr = keys.shape[0], np.asarray(plan.query_rows, np.int32)
-            pad_e = self.buckets(n_e, ENTRY_PAD) - n_e
-            keys = jnp.pad(keys, ((0, pad_e), (0, 0)))
-            d_e, end_e = np.r_[d_e, np.zeros(pad_e, np.int32)], np.r_[end_e, np.full(pad_e, NEVER)]
-            qr = np.r_[qr, np.full(self.buckets(qr.size, 8) - qr.size, qr[-1])]
-            pd, ps = self.defs[self.reusable[0]]
-            cd, cs = self.defs[li]
-            s = np.asarray(controller_jit(ps, cs, x[:, qr - L], jnp.asarray(qr), keys, jnp.asarray(d_e, jnp.int32),
-                                          jnp.asarray(end_e, jnp.int32), pre_def=pd, csa_def=cd,
-                                          freqs=self.model.freqs(li), m=m))[:n_e]
+        row_score = np.full(plan.n_rows, -np.inf)
+        if s is not None:
+            m = cfg.csa_rate
+            s = np.asarray(s)[:sum(f.doc_len // m for f in docs)]
             off = 0
             for f in docs:
                 n = f.doc_len // m
-                scores[f.start:f.start + n * m] = np.repeat(s[off:off + n], m)
+                row_score[f.start:f.start + n * m] = np.repeat(s[off:off + n], m)
                 off += n
             conc = concentration(s, cfg.index_topk)
         plan.concentration = conc
@@ -414,7 +427,7 @@ class Consumer:
             dev[L:] = np.asarray(deviation_jit(st, x, kv, jnp.asarray(pool_row[rows], jnp.int32),
                                                jnp.asarray(rows - d_row[rows], jnp.int32), graphdef=gd,
                                                freqs=self.model.freqs(self.reusable[0])))[:plan.n_rows - L]
-        fill_itop(plan, scores, budget, row_risk(plan, self.reusable), dev)
+        fill_itop(plan, row_score, budget, row_risk(plan, self.reusable), dev)
 
     def redknot(self, plan: Plan, tokens, pool: DocPool, timings: dict | None = None, frozen: bool = False,
                 decode_rows: int = 0, layer_times: list | None = None,
@@ -595,8 +608,9 @@ class Consumer:
                 continue
             pool_layer = pool.layers[i]
             if tabs is None:
-                for b, plan in enumerate(plans):
-                    self.controller(plan, x[b:b + 1], pool, pool_layer)
+                scores = [self.controller_scores(plan, x[b:b + 1]) for b, plan in enumerate(plans)]  # all dispatched
+                for b, (plan, sc) in enumerate(zip(plans, scores)):
+                    self.controller(plan, x[b:b + 1], pool, pool_layer, sc)
                 # host tables, stacked, then one transfer
                 first = [self._layout(plan, pool, {"t": 0, "C": t, "P": 0, "K": 0, "rates": {}}, place=False)
                          for plan in plans]
