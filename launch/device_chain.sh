@@ -98,9 +98,14 @@ run_steps() {
       --doc-chars 8192 --prompt-chars 32 --output-len 64 --startup-timeout-s 600 \
       --headline $R/qps_headline_${d}_$today.json --out $R/qps_flash_${d}_$today.json ;;
     qps_h100)  # command F within an H100's 80 GB (its arena of 65,536 rows did not fit beside the weights): the
-      # 4 documents every request cites (in a seeded random order) in an arena of 32,768 rows, batches of 2
+      # 4 documents every request cites (in a seeded random order) in an arena of 32,768 rows, batches of 2; the
+      # Flash profile at tail 0 and a 10 % budget (its 32K tail protects every row of a 32K request)
       pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl >> $R/chain.log 2>&1
+      python -c "import dataclasses, json; from redknot_jax.reuse.profile import flash_profile as f
+p = dataclasses.replace(f(), name='flash-tail0-b10', tail_rows=0, budget_override=0.1)
+json.dump(p.to_dict(), open('/tmp/flash_tail0_b10.json', 'w'))"
       PYTHONPATH=/tmp/site:$PWD step $s launch/bench_qps.py --serve-args "--preset flash-shaped --dtype bfloat16 \
+--profile /tmp/flash_tail0_b10.json \
 --artifact-codec fp4 --max-model-len 33280 --arena-rows 32768 --reuse-batch 2 --max-tokens-limit 64 \
 --prefill-chunk 8192 --max-batched-tokens 8192" --arms redknot,prefix,recompute \
       --concurrency 1,4,16 --duration-s 30 --warmup-requests 1 --warmup-max-rounds 3 --docs 4 --docs-per-request 4 \
