@@ -127,16 +127,16 @@ def op_profile_layers(ap, spec: str, num_layers: int) -> list[int]:
 
 
 def profile_variant(prof, **over):
-    """The profile with the given fields overridden (None: kept), renamed after them: a named
-    variant whose digest differs, so artifacts are certified for it."""
-    over = {k: v for k, v in over.items() if v is not None}
+    """The profile with the given fields overridden (None or the profile's own value: kept),
+    renamed after them: a named variant whose digest differs, so artifacts are certified for it."""
+    over = {k: v for k, v in over.items() if v is not None and v != getattr(prof, k)}
     if not over:
         return prof
     return dataclasses.replace(prof, name=prof.name + "".join(f"-{k}={v}" for k, v in over.items()), **over)
 
 
 PROFILE_SPEC = "'default' or dash-joined fields: tailN (tail rows), bNN (budget %), omit|restore|run (ffn_rows), " \
-               "k3|tau|native (fan-out), fp8|fp4 (artifact_codec), e.g. 'tail0-b10-omit' or 'tail0-b10-omit-fp4'"
+               "k3|tau|native (fan-out), dense|fp8|fp4 (artifact_codec), e.g. 'tail0-b10-omit' or 'tail0-b10-omit-fp4'"
 
 
 def parse_profile(base, spec: str):
@@ -147,7 +147,7 @@ def parse_profile(base, spec: str):
             over["ffn_rows"] = part
         elif part in FANOUT_MODES:
             over["fanout_mode"] = part
-        elif part in CODECS and part != "dense":
+        elif part in CODECS:
             over["artifact_codec"] = part
         elif part.startswith("tail") and part[4:].isdigit():
             over["tail_rows"] = int(part[4:])
@@ -187,6 +187,24 @@ def headline(out: dict) -> dict:
         fastest = min(variants, key=lambda n: variants[n]["redknot_median_s"])
         best.append(point(fastest, variants[fastest]))
     return {k: out[k] for k in ("device", "date", "jax", "command")} | {"rows": rows, "best_measured": best}
+
+
+def out_of_memory_named(fn, what: str, row: dict, weights_gb: float, codec: str):
+    """`fn` with its running out of device memory turned into an exit naming what the device held
+    and what to change (`XLA_PYTHON_CLIENT_MEM_FRACTION` is already 0.95 here)."""
+    def run(*args):
+        try:
+            return fn(*args)
+        except jax.errors.JaxRuntimeError as e:
+            if "RESOURCE_EXHAUSTED" not in str(e):
+                raise
+            pool = f"a {row['pool_gb']:.1f} GB {codec} artifact pool" if "pool_gb" in row else f"{codec} artifacts"
+            compact = "a compact codec (an '-fp4' --profiles variant, the Flash preset's own), " if codec == "dense" \
+                else ""
+            raise SystemExit(f"bench_ttft: {what} at {row['length']} tokens ran out of device memory beside "
+                             f"{weights_gb:.1f} GB of weights and {pool}: use {compact}--resident host (the pool in "
+                             f"host memory, streamed a layer at a time) or a shorter length") from e
+    return run
 
 
 def _decode(rt, req, pool, arm: str, steps: int):
@@ -371,6 +389,7 @@ def main(argv=None):
     model = random_model(cfg, seed=0)
     jax.block_until_ready(jax.tree.leaves(model))
     init_s = time.perf_counter() - t0
+    weights_gb = sum(x.nbytes for x in jax.tree.leaves(model)) / 1e9
     prof = flash_profile() if cfg.num_layers == 43 else tiny_profile(cfg.num_layers)
     prof = profile_variant(prof, tail_rows=args.tail_rows, fanout_mode=args.fanout, budget_override=args.budget)
     profs = {v: prof for v in variants}
@@ -390,6 +409,7 @@ def main(argv=None):
     if len(producer) > 1:
         ap.error("--profiles: the variants must share fences, Global head and artifact codec (one set of artifacts "
                  "serves them)")
+    codec = next(iter(producer))[3]
     rts = {v: ReuseRuntime(model, profs[v], checkpoint_fingerprint=f"random-{args.preset}-seed-0",
                            kernels=k.replace("+", ","), buckets=args.shape_buckets, topk_stages=n, prefix_cache=1,
                            block=args.query_block or None, compile_threads=args.compile_threads)
@@ -404,7 +424,8 @@ def main(argv=None):
            "resident": args.resident, "kernels": args.kernels,
            "shape_buckets": args.shape_buckets, "topk_stages": stages, "query_block": rt.consumer.block,
            "compile_threads": args.compile_threads,
-           "kernels_resolved": {k: r.consumer.kernels for k, r in rts.items()}, "model_init_s": init_s, "command": "python launch/bench_ttft.py " +
+           "kernels_resolved": {k: r.consumer.kernels for k, r in rts.items()}, "model_init_s": init_s,
+           "weights_gb": weights_gb, "command": "python launch/bench_ttft.py " +
            " ".join(argv if argv is not None else sys.argv[1:]), "lengths": []}
 
     def save():
@@ -465,7 +486,7 @@ def main(argv=None):
             save()
             continue
         t0 = time.perf_counter()
-        pool, req = admit(arts)
+        pool, req = out_of_memory_named(admit, "admitting the artifacts", row, weights_gb, codec)(arts)
         row["admit_s"], row["pool_gb"], row["pool"] = time.perf_counter() - t0, pool.nbytes() / 1e9, type(pool).__name__
         if args.resident == "host":
             row["host_kind"] = pool.host_kind
@@ -494,7 +515,8 @@ def main(argv=None):
         rec_once = sweep
         arms_of = lambda krt: (["recompute"] if krt is rt or not rec_once else []) + \
             (["prefix"] if not args.no_prefix_arm and (krt is rt or not rec_once) else []) + ["redknot"]
-        run_arm = {"recompute": recompute, "prefix": prefix, "redknot": redknot}
+        run_arm = {arm: out_of_memory_named(fn, f"the {arm} arm", row, weights_gb, codec)
+                   for arm, fn in (("recompute", recompute), ("prefix", prefix), ("redknot", redknot))}
         bar = _cli.progress(desc=f"{length}: warm-up + {args.repeats} repeats", unit="run", leave=False,
                             total=(1 + args.repeats) * sum(len(arms_of(krt)) for krt in rts.values()))
         for k, krt in rts.items():  # warm-up (compilation) of every program timed below
@@ -502,7 +524,8 @@ def main(argv=None):
                 t0 = time.perf_counter()
                 run_arm[arm](krt)
                 row[f"warmup_{arm}_s" + ("" if krt is rt else f"_{k}")] = time.perf_counter() - t0
-                bar.update()
+                _cli.echo(f"{length}: {arm} ({k}) warmed up in {time.perf_counter() - t0:.1f} s")  # a log says
+                bar.update()  # where a run that stalls is
                 save()
         times = {k: {**{f"{arm}_s": [] for arm in arms_of(krt)}, "tokens": []} for k, krt in rts.items()}
         results = {}

@@ -110,9 +110,10 @@ def main(argv=None):
     ap.add_argument("--tp", type=int, default=1, help="publish this many TP rank slices per document")
     ap.add_argument("--layer-group-size", type=int, default=4)
     ap.add_argument("--codec", default="raw", choices=["raw", "orbax"], help="the store's tile codec")
-    ap.add_argument("--artifact-codec", default="dense", choices=["dense", "fp8", "fp4"],
-                    help="how the reusable layers' rows are stored (reuse/codec.py: fp8 / fp4 compact); "
-                         "part of the profile, so a consumer reads them under the same --artifact-codec")
+    ap.add_argument("--artifact-codec", default=None, choices=["dense", "fp8", "fp4"],
+                    help="how the reusable layers' rows are stored (reuse/codec.py: fp8 / fp4 compact; default: "
+                         "the profile's, fp4 for flash and pro, dense for tiny); part of the profile, so a "
+                         "consumer reads them under the same codec")
     ap.add_argument("--no-fsync", action="store_true", help="skip fsync (scratch stores only)")
     ap.add_argument("--rebuild", action="store_true", help="a new generation for every document")
     ap.add_argument("--limit", type=int, help="stop after this many documents built")
@@ -145,7 +146,8 @@ def main(argv=None):
         kind = "tiny" if cfg.num_layers <= 8 else ("pro" if cfg.num_layers > 50 else "flash")
     prof = {"tiny": lambda: profiles.tiny_profile(cfg.num_layers), "flash": profiles.flash_profile,
             "pro": profiles.pro_profile}[kind]()
-    prof = dataclasses.replace(prof, artifact_codec=args.artifact_codec)
+    if args.artifact_codec:
+        prof = dataclasses.replace(prof, artifact_codec=args.artifact_codec)
     model, load_s = None, 0.0
 
     def get_model():

@@ -222,14 +222,17 @@ def flash_profile() -> RedKnotProfile:
     """DeepSeek-V4-Flash, 3F-37R-3F: 7 Local + 1 Global head per group (56 / 8 of 64).
     ffn_rows="restore": on the shipped QA model restoring the FFN output of unprotected rows
     gives the answers of running it (docs/quality.md, "Speed-quality frontier") without their
-    MoE; the artifacts then carry it (8 KB per row and reusable layer at Flash shapes)."""
-    return RedKnotProfile(name="flash-3F-37R-3F", ffn_rows="restore")
+    MoE; the artifacts then carry it (8 KB per row and reusable layer at Flash shapes).
+    artifact_codec="fp4" (docs/store.md, "Artifact codecs"): the dense artifacts' answers on
+    every question measured, at 301 KiB a token against 974 dense; a dense 64K pool (64.9 GB)
+    beside the weights leaves the Recomputed arm out of memory on one H200."""
+    return RedKnotProfile(name="flash-3F-37R-3F", ffn_rows="restore", artifact_codec="fp4")
 
 
 def pro_profile() -> RedKnotProfile:
     """DeepSeek-V4-Pro, 3F-55R-3F: 7 Local + 1 Global head per group (112 / 16 of 128);
-    ffn_rows="restore" as `flash_profile`."""
-    return RedKnotProfile(name="pro-3F-55R-3F", ffn_rows="restore")
+    ffn_rows and artifact_codec as `flash_profile`."""
+    return RedKnotProfile(name="pro-3F-55R-3F", ffn_rows="restore", artifact_codec="fp4")
 
 
 def tiny_profile(n_layers: int) -> RedKnotProfile:

@@ -9,6 +9,7 @@ written before the optional profiling stages."""
 import dataclasses
 import json
 
+import jax
 import pytest
 
 from launch import bench_ttft
@@ -144,3 +145,18 @@ def test_bench_ttft_rejects_bad_flags(tmp_path, refused, flags, named):
     """Each bad flag is refused before any work, by the message of its own check (the usage line
     names every flag, so the error line itself is matched)."""
     refused(bench_ttft.main, ["--preset", "tiny", *flags, "--out", str(tmp_path / "x.json")], "error: " + named)
+
+
+def test_running_out_of_device_memory_is_named():
+    def arm(msg):
+        raise jax.errors.JaxRuntimeError(msg)
+
+    row = {"length": 65536, "pool_gb": 64.9}
+    with pytest.raises(SystemExit, match=r"the recompute arm at 65536 tokens ran out of device memory beside 49\.2 GB "
+                                         r"of weights and a 64\.9 GB dense artifact pool: use a compact codec"):
+        bench_ttft.out_of_memory_named(arm, "the recompute arm", row, 49.2, "dense")("RESOURCE_EXHAUSTED: 8.11GiB")
+    with pytest.raises(SystemExit, match=r"and fp4 artifacts: use --resident host"):  # before admission; compact
+        bench_ttft.out_of_memory_named(arm, "admitting", {"length": 8}, 49.2, "fp4")("RESOURCE_EXHAUSTED: 1GiB")
+    with pytest.raises(jax.errors.JaxRuntimeError, match="INTERNAL"):  # any other runtime error as it was
+        bench_ttft.out_of_memory_named(arm, "the recompute arm", row, 49.2, "dense")("INTERNAL: x")
+    assert bench_ttft.parse_profile(tiny_profile(4), "dense").artifact_codec == "dense"
