@@ -50,7 +50,12 @@ run_steps() {
       --span-chunks 2048 --hca-rows 8192 --json $R/pass_a_128k_doc16384_${d}_$today.json ;;  # the kernel-vs-chunks
       # table's last gap (docs/kernels.md; layer.SPAN_DOC_ROWS)
     ttft128) step $s launch/bench_ttft.py --lengths 131072 --repeats 2 --profiles tail0-b10-omit-fp4,fp4 \
-      --out $R/ttft_128k_fp4_${d}_$today.json --headline $R/ttft_headline_128k_${d}_$today.json ;;
+      --out $R/ttft_128k_fp4_${d}_$today.json --headline $R/ttft_headline_128k_${d}_$today.json ;;  # 2026-12-06 on an
+      # H200: the prefix arm's warm-up had not ended 10 minutes after the Recomputed arm's (102.6 s); the log now
+      # names each warm-up's end
+    ttft128np) step $s launch/bench_ttft.py --lengths 131072 --repeats 2 --profiles default,tail0-b10-omit \
+      --no-prefix-arm --out $R/ttft_128k_noprefix_${d}_$today.json \
+      --headline $R/ttft_headline_128k_noprefix_${d}_$today.json ;;  # ttft128 less the prefix arm
     ttft256build) step $s launch/bench_ttft.py --lengths 262144 --profiles tail0-b10-omit-fp4 \
       --store /tmp/art --build-only --out $R/ttft_256k_build_${d}_$today.json ;;
     ttft256) step $s launch/bench_ttft.py --lengths 262144 --repeats 2 --profiles tail0-b10-omit-fp4 \
