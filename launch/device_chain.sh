@@ -110,8 +110,7 @@ run_steps() {
 p = dataclasses.replace(f(), name='flash-tail0-b10', tail_rows=0, budget_override=0.1)
 json.dump(p.to_dict(), open('/tmp/flash_tail0_b10.json', 'w'))"
       PYTHONPATH=/tmp/site:$PWD step $s launch/bench_qps.py --serve-args "--preset flash-shaped --dtype bfloat16 \
---profile /tmp/flash_tail0_b10.json \
---artifact-codec fp4 --max-model-len 33280 --arena-rows 32768 --reuse-batch 2 --max-tokens-limit 64 \
+--profile /tmp/flash_tail0_b10.json --max-model-len 33280 --arena-rows 32768 --reuse-batch 2 --max-tokens-limit 64 \
 --prefill-chunk 8192 --max-batched-tokens 8192" --arms redknot,prefix,recompute \
       --concurrency 1,4,16 --duration-s 30 --warmup-requests 1 --warmup-max-rounds 3 --docs 4 --docs-per-request 4 \
       --doc-chars 8192 --prompt-chars 32 --output-len 64 --startup-timeout-s 600 \
