@@ -58,6 +58,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import faulthandler
 import hashlib
 import json
 import os
@@ -344,7 +345,14 @@ def main(argv=None):
     ap.add_argument("--decode-batch", type=int, default=0,
                     help="with --decode-steps: also that many copies of the request per arm decoding as rows of one "
                          "DecodeBatch (seconds per step and per token; every row's tokens the request's own)")
+    ap.add_argument("--stacks-every", type=float, default=0, metavar="S",
+                    help="dump every thread's Python stack to stderr each S seconds (faulthandler): where a "
+                         "warm-up stalls, compiling or running")
     args = ap.parse_args(argv)
+    if args.stacks_every < 0:
+        ap.error(f"--stacks-every: expected seconds >= 0, got {args.stacks_every}")
+    if args.stacks_every:
+        faulthandler.dump_traceback_later(args.stacks_every, repeat=True)
     if args.decode_steps < 0:
         ap.error(f"--decode-steps: expected >= 0, got {args.decode_steps}")
     if args.decode_batch < 0 or (args.decode_batch and not args.decode_steps):

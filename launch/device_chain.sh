@@ -56,10 +56,10 @@ run_steps() {
     pass_a) step $s launch/bench_pass_a.py --length 131072 --doc 16384 --call-rows 8192 --span-rows 2048 \
       --span-chunks 2048 --hca-rows 8192 --json $R/pass_a_128k_doc16384_${d}_$today.json ;;  # the kernel-vs-chunks
       # table's last gap (docs/kernels.md; layer.SPAN_DOC_ROWS)
-    ttft128) step $s launch/bench_ttft.py --lengths 131072 --repeats 2 --profiles tail0-b10-omit-fp4,fp4 \
-      --out $R/ttft_128k_fp4_${d}_$today.json --headline $R/ttft_headline_128k_${d}_$today.json ;;  # 2026-12-06 on an
-      # H200: the prefix arm's warm-up had not ended 10 minutes after the Recomputed arm's (102.6 s); the log now
-      # names each warm-up's end
+    ttft128) step $s launch/bench_ttft.py --lengths 131072 --repeats 2 --profiles default,tail0-b10-omit \
+      --stacks-every 120 --out $R/ttft_128k_${d}_$today.json --headline $R/ttft_headline_128k_${d}_$today.json ;;
+      # 2026-12-06 on an H200: the prefix arm's warm-up had not ended 10 minutes after the Recomputed arm's (102.6 s);
+      # the log names each warm-up's end, and Python's stacks every 2 minutes say where it stalls
     ttft128np) step $s launch/bench_ttft.py --lengths 131072 --repeats 2 --profiles default,tail0-b10-omit \
       --no-prefix-arm --out $R/ttft_128k_noprefix_${d}_$today.json \
       --headline $R/ttft_headline_128k_noprefix_${d}_$today.json ;;  # ttft128 less the prefix arm
@@ -105,8 +105,8 @@ run_steps() {
       # (the preset's 32K tail protects every row of a 32K request: RedKnot would be the Recomputed arm)
       b10_profile
       PYTHONPATH=/tmp/site:$PWD step $s launch/bench_qps.py --serve-args "--preset flash-shaped --dtype bfloat16 \
---profile /tmp/flash_tail0_b10.json --max-model-len 33280 --arena-rows 65536 --max-tokens-limit 64 --prefill-chunk 8192 \
---max-batched-tokens 8192" --arms redknot,prefix,recompute \
+--profile /tmp/flash_tail0_b10.json --max-model-len 33280 --arena-rows 65536 --max-tokens-limit 64 \
+--prefill-chunk 8192 --max-batched-tokens 8192" --arms redknot,prefix,recompute \
       --concurrency 1,4,16 --duration-s 30 --warmup-requests 1 --warmup-max-rounds 3 --docs 8 --docs-per-request 4 \
       --doc-chars 8192 --prompt-chars 32 --output-len 64 --startup-timeout-s 600 \
       --headline $R/qps_headline_${d}_$today.json --out $R/qps_flash_${d}_$today.json ;;
