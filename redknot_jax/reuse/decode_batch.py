@@ -87,13 +87,14 @@ class DecodeBatch:
             raise ValueError(f"DecodeBatch.join: {why}")
         c, slot = self.consumer, self.members.index(None)
         self.pool, self.native = state.pool, state.native
-        tables = None
+        tables, put = None, False
         if not state.native:
             sizes = max_sizes(state.layout.sizes(), *([self.sizes] if self.sizes else []))
             tables = self._layout(state, sizes)
-            if sizes != self.sizes:  # every member's layout padded to the new sizes; a free slot's: a copy
+            put = sizes == self.sizes  # else every member's layout padded to the new sizes, this slot's too
+            if not put:  # (a free slot's: a copy of the joining member's), in one transfer
                 per = [tables if s is None else self._layout(s, sizes) for s in self.members]
-                self.tables = jax.device_put(jax.tree.map(lambda *a: np.stack(a), *per))  # one transfer
+                self.tables = jax.device_put(jax.tree.map(lambda *a: np.stack(a), *per))
                 self.sizes = sizes
             tables = jax.device_put(tables)
         one = {}
@@ -115,7 +116,7 @@ class DecodeBatch:
             self.layers[i] = jax.tree.map(lambda s, sh: _fit(s, (self.slots,) + sh), self.layers[i], shapes)
             one[i] = jax.tree.map(_fit, v, shapes)
         self.layers = _put(self.layers, one, jnp.int32(slot))
-        if tables is not None:
+        if put:
             self.tables = _put(self.tables, tables, jnp.int32(slot))
         state.layers, state.batch, state.stepped = {}, self, True
         self.members[slot] = state
