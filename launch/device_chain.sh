@@ -27,7 +27,7 @@ step() {  # name, then the command's arguments after `python`
   echo "== $name rc=$? $(date +%T)" >> $R/chain.log
 }
 
-b10_profile() {  # the server's wheels (.whl/) and the Flash profile at tail 0, a 10 % budget (`qps` steps)
+qps_setup() {  # the `qps` steps': the server's wheels (.whl/), the Flash profile at tail 0 and a 10 % budget
   pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl >> $R/chain.log 2>&1
   python -c "import dataclasses, json; from redknot_jax.reuse.profile import flash_profile as f
 p = dataclasses.replace(f(), name='flash-tail0-b10', tail_rows=0, budget_override=0.1)
@@ -102,8 +102,8 @@ run_steps() {
     ttft32) step $s launch/bench_ttft.py --lengths 32768 --repeats 2 --layer-times --op-profile 2,20,21,40 \
       --profiles tail0-b10-omit-fp4,tail0-b10-restore-fp4,fp4 --out $R/ttft_32k_fp4_${d}_$today.json ;;
     qps)  # issue #46's command F at 1 / 4 / 16 clients, served with the Flash profile at tail 0 and a 10 % budget
-      # (the preset's 32K tail protects every row of a 32K request: RedKnot would be the Recomputed arm)
-      b10_profile
+      # (the preset's 32K tail protects every row of a 32K request: RedKnot would do the prefix arm's work)
+      qps_setup
       PYTHONPATH=/tmp/site:$PWD step $s launch/bench_qps.py --serve-args "--preset flash-shaped --dtype bfloat16 \
 --profile /tmp/flash_tail0_b10.json --max-model-len 33280 --arena-rows 65536 --max-tokens-limit 64 \
 --prefill-chunk 8192 --max-batched-tokens 8192" --arms redknot,prefix,recompute \
@@ -113,7 +113,7 @@ run_steps() {
     qps_h100)  # command F within an H100's 80 GB (its arena of 65,536 rows did not fit beside the weights): the
       # 4 documents every request cites (in a seeded random order) in an arena of 32,768 rows, batches of 2; the
       # Flash profile at tail 0 and a 10 % budget (its 32K tail protects every row of a 32K request)
-      b10_profile
+      qps_setup
       PYTHONPATH=/tmp/site:$PWD step $s launch/bench_qps.py --serve-args "--preset flash-shaped --dtype bfloat16 \
 --profile /tmp/flash_tail0_b10.json --max-model-len 33280 --arena-rows 32768 --reuse-batch 2 --max-tokens-limit 64 \
 --prefill-chunk 8192 --max-batched-tokens 8192" --arms redknot,prefix,recompute \

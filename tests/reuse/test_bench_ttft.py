@@ -132,6 +132,7 @@ def test_headline_rows_are_the_presets_own_profile():
     (["--op-profile", "99"], r"--op-profile: layer indices must lie in \[0, 6\)"),
     (["--op-profile", "a"], "--op-profile: expected comma-separated layer indices"),
     (["--decode-steps", "-1"], "--decode-steps: expected >= 0, got -1"),
+    (["--stacks-every", "-1"], "--stacks-every: expected seconds >= 0, got -1.0"),
     (["--decode-batch", "2"], "--decode-batch: expected >= 0, with --decode-steps, got 2"),
     (["--query-block", "96"], "--query-block: expected 0 or a power of two, got 96"),
     (["--shape-buckets", "3"], "--shape-buckets: Buckets: per_octave must be 0 or a power of two, got 3"),
