@@ -24,7 +24,11 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     _cache = tempfile.mkdtemp(prefix="redknot-test-jax-cache-")
     os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache
     atexit.register(shutil.rmtree, _cache, True)
-os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
+# Every program is cached, the eager ops' too: a test file compiles ~1900 programs, most of them
+# one primitive at ~17 ms each, which every module (after its jax.clear_caches()) and both workers
+# would otherwise compile again (three reuse files in one process, cold: 448 s at a 0.2 s
+# threshold, 360 s at 0; 2-core CPU, 2026-12-07).
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 
 import jax  # noqa: E402
 
