@@ -41,7 +41,7 @@ run_steps() {
   local steps=${1:-}
   if [ -z "$steps" ]; then  # what docs/benchmarks.md still lists as not measured, by device
     if [ $d = h200 ]; then steps=ttft64,ttft128,qps,break_even,ttft256build,ttft256,model64,decode_batch,pass_a,mhc
-    else steps=ttft64omit,buckets32,ops32,pass_a,decode_batch16,model32; fi  # command F (qps) exceeds an H100's 80 GB
+    else steps=buckets32,ops32,pass_a,decode_batch16,model32; fi  # command F (qps) exceeds an H100's 80 GB
   fi
   for s in ${steps//,/ }; do case $s in
     ttft64) step $s launch/bench_ttft.py --lengths 65536 --repeats 2 --layer-times --op-profile 2,20,21,40 \
@@ -51,8 +51,8 @@ run_steps() {
       --out $R/ttft_64k_head_${d}_$today.json --headline $R/ttft_headline_64k_${d}_$today.json ;;  # ttft64 less its
       # profiles and restore variant: the headline's 64K row in one call of a short budget
     ttft64omit) step $s launch/bench_ttft.py --lengths 65536 --repeats 2 --layer-times --profiles tail0-b10-omit-fp4 \
-      --out $R/ttft_64k_omit_fp4_${d}_$today.json ;;  # 64K within an H100's 80 GB? One profile, `omit`: its fp4 pool
-      # holds no FFN outputs (~14 GB against 19.8 GB with `restore`'s, when the Recomputed warm-up ran out of memory)
+      --out $R/ttft_64k_omit_fp4_${d}_$today.json ;;  # 64K within an H100's 80 GB: one profile, `omit`, whose fp4
+      # pool holds no FFN outputs (14.2 GB; 19.8 GB with `restore`'s, when the Recomputed warm-up ran out of memory)
     pass_a) step $s launch/bench_pass_a.py --length 131072 --doc 16384 --call-rows 8192 --span-rows 2048 \
       --span-chunks 2048 --hca-rows 8192 --json $R/pass_a_128k_doc16384_${d}_$today.json ;;  # the kernel-vs-chunks
       # table's last gap (docs/kernels.md; layer.SPAN_DOC_ROWS)
