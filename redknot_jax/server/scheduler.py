@@ -321,15 +321,25 @@ class Scheduler:
                 prefixes.clear()
                 prefixes.stats.update(prefix_stats)
 
+    @contextlib.contextmanager
+    def _timed(self, what: str):
+        """Log how long a part of the warm-up took and how many programs it lowered: a warm-up that
+        overruns a caller's patience (a benchmark's start-up timeout) shows where it stands."""
+        t0, p0 = time.perf_counter(), compiled_programs()
+        yield
+        log.info("warm-up: %s in %.1fs (%d programs)", what, time.perf_counter() - t0, compiled_programs() - p0)
+
     def _warmup(self, lengths) -> None:
         vocab = self.eng.cfg.vocab_size
         for n in self.warmup_lengths if lengths is None else lengths:
             if self._stopping:  # shut down while warming: the rest would be thrown away
                 break
-            self._prefill_slot([int(t) for t in np.arange(n) % vocab], 0)
+            with self._timed(f"a {n}-token prompt prefilled (chunks of {self.prefill_chunk} rows)"):
+                self._prefill_slot([int(t) for t in np.arange(n) % vocab], 0)
             toks, active = np.zeros(self.slots_n, np.int32), np.zeros(self.slots_n, np.int32)
             active[0] = 1
-            np.asarray(self._decode_batch(toks, active))
+            with self._timed(f"a decode step of {self.slots_n} slots"):
+                np.asarray(self._decode_batch(toks, active))
             if lengths is None:
                 self.warmup_done += 1
         for spec in self.warmup_documents if lengths is None else ():
@@ -360,9 +370,10 @@ class Scheduler:
                         sampling=Sampling(max_tokens=2), arm=arm)
                 j.emit = lambda *ev: events.append(ev)
                 jobs.append(j)
-            self._start_reuse(jobs)
-            while self._active():
-                self._step()
+            with self._timed(f"document requests ({n_docs} x {tokens} tokens + {prompt}, {arm}, batch of {size})"):
+                self._start_reuse(jobs)
+                while self._active():
+                    self._step()
             bad = [e for e in events if e[0] == "error"]
             if bad:
                 raise RuntimeError(f"document warm-up ({n_docs} x {tokens} tokens + {prompt}, {arm}, batch of "

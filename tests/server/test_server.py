@@ -854,13 +854,14 @@ def warm_state():
     return dc.replace(st, keys={})  # no auth, whatever $REDKNOT_API_KEYS holds
 
 
-def test_healthz_is_503_warming_until_the_warmup_ends_and_the_warmed_length_compiles_nothing(warm_state):
+def test_healthz_is_503_warming_until_the_warmup_ends_and_the_warmed_length_compiles_nothing(warm_state, caplog):
     """The socket answers while the model worker warms (held on an event here): /healthz 503
     "warming" with Retry-After, model routes 503 `warming_up` with Retry-After, other routes
     answer; once warm, /healthz 200 and a prompt of the warmed length lowers no program
     (redknot_compiled_programs_total unchanged), while a prompt of several chunks, which the
-    one-chunk warm-up did not cover, does (the counter sees request-time compiles). Runs before
-    any other in-process prefill of this module (the negative control needs its programs new)."""
+    one-chunk warm-up did not cover, does (the counter sees request-time compiles). The log times each
+    part of the warm-up. Runs before any other in-process prefill of this module (the negative control
+    needs its programs new)."""
     sched = warm_state.scheduler
     assert sched.phase == "warming" and sched.warmup_lengths == (5,)
     entered, gate = threading.Event(), threading.Event()
@@ -872,7 +873,7 @@ def test_healthz_is_503_warming_until_the_warmup_ends_and_the_warmed_length_comp
         real(lengths)
 
     sched.warmup = held
-    with _Serving(warm_state) as srv:
+    with caplog.at_level("INFO", logger="redknot.server"), _Serving(warm_state) as srv:
         assert entered.wait(120), "the worker never started its warm-up"
         st, hdr, body = _get(srv, "/healthz")
         assert st == 503 and body["status"] == "warming" and hdr.get("retry-after") == "5", (st, hdr, body)
@@ -890,6 +891,10 @@ def test_healthz_is_503_warming_until_the_warmup_ends_and_the_warmed_length_comp
         st, hdr, body = _get(srv, "/healthz")
         assert st == 200 and body["status"] == "ok" and "retry-after" not in hdr, body
         assert body["warmup"]["done"] == 1 and body["warmup"]["programs"] > 0 and body["warmup"]["seconds"] > 0
+        parts = [r.getMessage() for r in caplog.records if r.getMessage().startswith("warm-up: ")]
+        assert [re.sub(r"in [\d.]+s \(\d+ programs\)$", "", m) for m in parts] == [
+            f"warm-up: a 5-token prompt prefilled (chunks of {sched.prefill_chunk} rows) ",
+            f"warm-up: a decode step of {sched.slots_n} slots "], parts
 
         def lowered(prompt_len):
             before = srv.metric("redknot_compiled_programs_total")
