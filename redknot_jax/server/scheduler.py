@@ -370,14 +370,14 @@ class Scheduler:
                         sampling=Sampling(max_tokens=2), arm=arm)
                 j.emit = lambda *ev: events.append(ev)
                 jobs.append(j)
-            with self._timed(f"document requests ({n_docs} x {tokens} tokens + {prompt}, {arm}, batch of {size})"):
+            what = f"document requests ({n_docs} x {tokens} tokens + {prompt}, {arm}, batch of {size})"
+            with self._timed(what):
                 self._start_reuse(jobs)
                 while self._active():
                     self._step()
             bad = [e for e in events if e[0] == "error"]
             if bad:
-                raise RuntimeError(f"document warm-up ({n_docs} x {tokens} tokens + {prompt}, {arm}, batch of "
-                                   f"{size}): {bad[0][2]}")
+                raise RuntimeError(f"warm-up of {what}: {bad[0][2]}")
         self.arena.evict([d.artifact for d in docs])
 
     def _warm(self) -> bool:
