@@ -137,6 +137,9 @@ BAD_FLAGS = [  # (script, command line, the error line's text): checks added wit
     ("profile_layers", ["--chunk", "8192", "--contexts", "8448,8000"],
      r"--contexts \[8000\]: each must hold the --chunk \(8192\) rows and 256 more"),
     ("bench_gmm_probe", ["--rows", "100", "--experts", "16"], r"--rows: expected a multiple of --experts \(16\), got 100"),
+    ("bench_compile", ["--parts", "layer,mhc"], r"--parts: \['mhc'\]: expected a comma list of layer, mhc_pre"),
+    ("bench_compile", ["--slots", "0"], "--slots: expected a positive integer, got 0"),
+    ("bench_compile", ["--preset", "tiny3"], "--preset: unknown 'tiny3'"),
     ("trace_tp_bf16", ["--preset", "tiny3"], "argument --preset: invalid choice: 'tiny3'"),
     ("qa_diagnose", ["--checkpoint", str(ROOT / "redknot_jax" / "assets" / "qa_model"), "--sizes", "2x1x3"],
      "--sizes: expected DOCSxPEOPLE_PER_DOC pairs of positive integers, e.g. 2x1,9x8, got '2x1x3'"),
@@ -214,3 +217,18 @@ def test_build_artifacts_demo_resumes_and_prints_its_summary(tmp_path, capsys):
     lines = [json.loads(x) for x in (tmp_path / "store" / "demo.manifest.jsonl").read_text().splitlines()]
     assert [x["name"] for x in lines] == ["demo-0", "demo-1"] and all(x["built"] for x in lines)
     assert all(x["tokens"] == 24 for x in lines)
+
+
+def test_bench_compile_times_each_part_in_a_child_and_cuts_a_straggler(tmp_path, capsys):
+    """bench_compile.py on the tiny preset: a line and a JSON row per part, compiled in child
+    processes; a part still compiling at --timeout is cut and reported, not waited for."""
+    bench = _load("bench_compile")
+    out = tmp_path / "c.json"
+    rows = bench.main(["--preset", "tiny", "--layer", "2", "--slots", "2", "--capacity", "256",
+                       "--parts", "sinkhorn,hc_post", "--sinkhorn", "loop", "--out", str(out)])
+    assert [r["part"] for r in rows] == ["sinkhorn", "hc_post"] and all(r["compile_s"] > 0 for r in rows)
+    saved = json.loads(out.read_text())
+    assert saved["parts"] == rows and saved["device"] and "--sinkhorn loop" in saved["command"]
+    assert re.search(r"^sinkhorn  lowered [0-9.]+s, compiled [0-9.]+s$", capsys.readouterr().out, re.M)
+    cut = bench.main(["--preset", "tiny", "--parts", "layer", "--capacity", "256", "--timeout", "1"])
+    assert cut == [{"part": "layer", "compile_s": None, "note": "> 1 s (cut)"}]
