@@ -106,7 +106,7 @@ run_steps() {
       qps_setup
       PYTHONPATH=/tmp/site:$PWD step $s launch/bench_qps.py --serve-args "--preset flash-shaped --dtype bfloat16 \
 --profile /tmp/flash_tail0_b10.json --max-model-len 33280 --arena-rows 65536 --max-tokens-limit 64 \
---prefill-chunk 8192 --max-batched-tokens 8192" --arms redknot,prefix,recompute \
+--prefill-chunk 8192 --max-batched-tokens 8192 --compile-threads 8" --arms redknot,prefix,recompute \
       --concurrency 1,4,16 --duration-s 30 --warmup-requests 1 --warmup-max-rounds 3 --docs 8 --docs-per-request 4 \
       --doc-chars 8192 --prompt-chars 32 --output-len 64 --startup-timeout-s 600 \
       --headline $R/qps_headline_${d}_$today.json --out $R/qps_flash_${d}_$today.json ;;
@@ -116,7 +116,7 @@ run_steps() {
       qps_setup
       PYTHONPATH=/tmp/site:$PWD step $s launch/bench_qps.py --serve-args "--preset flash-shaped --dtype bfloat16 \
 --profile /tmp/flash_tail0_b10.json --max-model-len 33280 --arena-rows 32768 --reuse-batch 2 --max-tokens-limit 64 \
---prefill-chunk 8192 --max-batched-tokens 8192" --arms redknot,prefix,recompute \
+--prefill-chunk 8192 --max-batched-tokens 8192 --compile-threads 8" --arms redknot,prefix,recompute \
       --concurrency 1,4,16 --duration-s 30 --warmup-requests 1 --warmup-max-rounds 3 --docs 4 --docs-per-request 4 \
       --doc-chars 8192 --prompt-chars 32 --output-len 64 --startup-timeout-s 600 \
       --headline $R/qps_headline_docs4_${d}_$today.json --out $R/qps_flash_docs4_${d}_$today.json ;;

@@ -71,6 +71,10 @@ def main(argv=None):
     ap.add_argument("--prefill-chunk", type=int, default=2048,
                     help="rows per chunk of the plain path's batch-1 prefill (rounded down to a power of two, "
                          "at most the cache): one compiled program, long prompts in few calls")
+    ap.add_argument("--compile-threads", type=int, default=0,
+                    help="threads that compile a call's distinct layer programs side by side before its first call "
+                         "(plain prefill chunks and decode steps, each document-request arm): a shorter warm-up at "
+                         "model scale; 0: each compiles when its layer is reached")
     ap.add_argument("--max-body-bytes", type=int, default=1 << 20)
     ap.add_argument("--shutdown-grace-s", type=float, default=10.0)
     ap.add_argument("--no-warmup", action="store_true",
@@ -143,7 +147,8 @@ def main(argv=None):
                          shape_buckets=args.shape_buckets, arena_rows=args.arena_rows, arena_docs=args.arena_docs,
                          prefix_docs=args.prefix_docs,
                          break_even=args.break_even, reuse_batch=args.reuse_batch,
-                         max_batched_tokens=args.max_batched_tokens, artifact_codec=args.artifact_codec)
+                         max_batched_tokens=args.max_batched_tokens, artifact_codec=args.artifact_codec,
+                         compile_threads=args.compile_threads)
     except ValueError as e:  # a flag's value the config refuses: named by its flag, as argparse names its own
         field, sep, rest = str(e).partition(":")
         ap.error(f"--{field.replace('_', '-')}:{rest}" if sep and field in ServeConfig.__dataclass_fields__ else str(e))

@@ -21,6 +21,7 @@ import jax.numpy as jnp
 
 from redknot_jax.model import Model, block_jit, embed_jit, logits_jit, output_block, split, top_split
 from redknot_jax.pallas import resolve_kernels
+from redknot_jax.ahead import AheadCompiler
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,13 +110,16 @@ class Prefill:
 class Engine:
     """Jitted batch prefill / decode for one model (the notebook-facing API)."""
 
-    def __init__(self, model: Model, capacity: int = 4096, block: int = 256, kernels: str = "auto"):
+    def __init__(self, model: Model, capacity: int = 4096, block: int = 256, kernels: str = "auto",
+                 compile_threads: int = 0):
         """kernels: the Mosaic GPU kernels prefill chunks run (`redknot_jax.pallas.resolve_kernels`:
         "auto" = on a GPU those measured faster than XLA that the model allows, i.e. the indexer
         scores, the MoE's grouped matmul and the CSA layers' gathered-key attention; "xla"; or a
         comma list), resolved here into
         `self.kernels`. Decode steps (one row per sequence) run XLA: the kernels are measured on
-        prefill shapes only."""
+        prefill shapes only. compile_threads: the first chunk of each shape submits its distinct
+        layer programs to an `AheadCompiler` of that many threads, so they compile side by side
+        instead of each when its layer is reached (0: in turn)."""
         cfg = model.cfg
         step = math.lcm(cfg.csa_rate, cfg.hca_rate)
         self.capacity = -(-capacity // step) * step
@@ -123,6 +127,7 @@ class Engine:
         self.kernels = resolve_kernels(kernels, model)
         self.top_def, self.top_state = top_split(model)
         self.layer_defs = [split(blk) for blk in model.layers]
+        self.ahead = AheadCompiler(compile_threads)
 
     def _chunk(self, ids, pos0, n_new, rows, cache, kernels: str):
         """`Model.forward` of a chunk, one jitted program per distinct layer structure
@@ -137,9 +142,19 @@ class Engine:
         x = embed_jit(self.top_state, ids, graphdef=self.top_def)
         layers, last = [], len(self.layer_defs) - 1
         row0, out = output_block(rows, t, block)
-        for i, (gd, st) in enumerate(self.layer_defs):
-            x, c = block_jit(st, x, ids, pos0, n_new, cache["layers"][i], row0 if i == last else 0, graphdef=gd,
-                             freqs=self.model.freqs(i), block=block, kernels=kernels, rows=out if i == last else 0)
+
+        def call(i, x):
+            gd, st = self.layer_defs[i]
+            return (st, x, ids, pos0, n_new, cache["layers"][i], row0 if i == last else 0), dict(
+                graphdef=gd, freqs=self.model.freqs(i), block=block, kernels=kernels, rows=out if i == last else 0)
+
+        if self.ahead.first((ids.shape, kernels, out, tuple(a.shape for a in jax.tree.leaves(cache["layers"][0])))):
+            # every layer's input; a placement only where the call's will be committed to one (AheadCompiler)
+            spec = jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding if x.committed else None)
+            for i in range(last + 1):
+                self.ahead.submit(block_jit, *call(i, spec))
+        for i in range(last + 1):
+            x, c = self.ahead(block_jit, *call(i, x))
             layers.append(c)
         logits = logits_jit(self.top_state, x, jnp.asarray(rows - row0, jnp.int32), graphdef=self.top_def)
         return logits, {"length": pos0 + n_new, "layers": layers}

@@ -137,6 +137,7 @@ BAD_FLAGS = [  # (script, command line, the error line's text): checks added wit
     ("profile_layers", ["--chunk", "8192", "--contexts", "8448,8000"],
      r"--contexts \[8000\]: each must hold the --chunk \(8192\) rows and 256 more"),
     ("bench_gmm_probe", ["--rows", "100", "--experts", "16"], r"--rows: expected a multiple of --experts \(16\), got 100"),
+    ("serve", ["--compile-threads", "-1"], r"--compile-threads: expected an int >= 0 \(0: compile in turn\), got -1"),
     ("bench_compile", ["--parts", "layer,mhc"], r"--parts: \['mhc'\]: expected a comma list of layer, mhc_pre"),
     ("bench_compile", ["--slots", "0"], "--slots: expected a positive integer, got 0"),
     ("bench_compile", ["--preset", "tiny3"], "--preset: unknown 'tiny3'"),

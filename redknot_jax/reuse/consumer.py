@@ -34,6 +34,7 @@ import numpy as np
 import jax
 import jax.numpy as jnp
 
+from redknot_jax.ahead import AheadCompiler
 from redknot_jax.config import CSA, HCA
 from redknot_jax.indexer import TOPK_STAGES
 from redknot_jax.model import block_jit, embed_jit, logits_jit, output_block, split, top_split
@@ -47,7 +48,7 @@ from redknot_jax.reuse.layout import NEVER, build_layout, common_sizes, frame_ro
 from redknot_jax.reuse.planner import Plan, concentration, fill_itop, row_risk
 from redknot_jax.reuse.pool import ENTRY_PAD, Buckets, DocPool, HostPool, ceil_to
 from redknot_jax.reuse.prefix import PrefixCache, native_cache, prefix_check
-from redknot_jax.reuse.programs import (AheadCompiler, controller_jit, decode_entries_jit, deviation_jit,
+from redknot_jax.reuse.programs import (controller_jit, decode_entries_jit, deviation_jit,
                                         native_jit, reusable_batch_jit, reusable_jit, reusable_keys_jit,
                                         reusable_step_jit)
 

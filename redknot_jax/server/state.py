@@ -68,6 +68,7 @@ class ServeConfig:
     prefix_docs: int = 4  # the exact prefix's device cache, both arms (reuse.prefix.PrefixCache): documents; 0: none
     break_even: str | None = None  # a break-even table (reuse.break_even): "auto" requests run the faster arm
     reuse_batch: int = 4  # document requests waiting together that prefill in one batch, at most
+    compile_threads: int = 0  # threads compiling a call's distinct layer programs side by side (0: in turn)
 
     def __post_init__(self):
         if self.profile not in PROFILE_NAMES and not os.path.isfile(self.profile):
@@ -82,6 +83,8 @@ class ServeConfig:
                 raise ValueError(f"break_even: {e}") from None
         if not isinstance(self.prefix_docs, int) or self.prefix_docs < 0:
             raise ValueError(f"prefix_docs: expected an int >= 0 (0: no prefix cache), got {self.prefix_docs!r}")
+        if not isinstance(self.compile_threads, int) or self.compile_threads < 0:
+            raise ValueError(f"compile_threads: expected an int >= 0 (0: compile in turn), got {self.compile_threads!r}")
         if not isinstance(self.arena_rows, int) or self.arena_rows < 0:
             raise ValueError(f"arena_rows: expected an int >= 0 (0: 8 x max_model_len), got {self.arena_rows!r}")
         for f in ("slots", "max_queue", "max_model_len", "max_tokens_limit", "max_body_bytes", "prefill_chunk",
@@ -224,8 +227,9 @@ def build_state(sc: ServeConfig) -> ServerState:
     prof = make_profile(sc.profile, cfg, ckpt)
     if sc.artifact_codec is not None:
         prof = dataclasses.replace(prof, artifact_codec=sc.artifact_codec)
-    rt = ReuseRuntime(model, prof, fp, kernels=sc.kernels, buckets=sc.shape_buckets, prefix_cache=sc.prefix_docs)
-    eng = Engine(model, capacity=sc.max_model_len, kernels=sc.kernels)
+    rt = ReuseRuntime(model, prof, fp, kernels=sc.kernels, buckets=sc.shape_buckets, prefix_cache=sc.prefix_docs,
+                      compile_threads=sc.compile_threads)
+    eng = Engine(model, capacity=sc.max_model_len, kernels=sc.kernels, compile_threads=sc.compile_threads)
     metrics = Metrics(rt.counters)
     # artifacts persist in per-tenant artifact stores under the registry's directory
     store_root = os.path.join(sc.artifact_store, "artifacts") if sc.artifact_store else None
