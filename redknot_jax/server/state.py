@@ -84,7 +84,8 @@ class ServeConfig:
         if not isinstance(self.prefix_docs, int) or self.prefix_docs < 0:
             raise ValueError(f"prefix_docs: expected an int >= 0 (0: no prefix cache), got {self.prefix_docs!r}")
         if not isinstance(self.compile_threads, int) or self.compile_threads < 0:
-            raise ValueError(f"compile_threads: expected an int >= 0 (0: compile in turn), got {self.compile_threads!r}")
+            raise ValueError(f"compile_threads: expected an int >= 0 (0: compile in turn), "
+                             f"got {self.compile_threads!r}")
         if not isinstance(self.arena_rows, int) or self.arena_rows < 0:
             raise ValueError(f"arena_rows: expected an int >= 0 (0: 8 x max_model_len), got {self.arena_rows!r}")
         for f in ("slots", "max_queue", "max_model_len", "max_tokens_limit", "max_body_bytes", "prefill_chunk",
