@@ -17,7 +17,8 @@ part by part (its programs: `Engine._chunk`, one `model.block_jit` per distinct 
   ffn       `Block.ffn_residual`: mHC pre, the MoE, mHC post
 
 `--sinkhorn loop` compiles the Sinkhorn iterations as a `fori_loop` (what training runs)
-instead of unrolled, to compare. Prints one line per part; `--out` writes them as JSON.
+instead of unrolled, `--sinkhorn barrier` unrolled with the output materialised behind an
+optimization barrier (not fused into its consumers), to compare. Prints one line per part; `--out` writes them as JSON.
 """
 
 from __future__ import annotations
@@ -55,7 +56,8 @@ def compile_part(preset: str, part: str, layer: int, slots: int, rows: int, capa
     cache = jax.eval_shape(lambda: model.init_cache(slots, capacity))["layers"][layer]
     blk = model.layers[layer]
     for site in (blk.hc_attn, blk.hc_ffn):
-        site.unroll_sinkhorn = sinkhorn == "unrolled"
+        site.unroll_sinkhorn = sinkhorn != "loop"
+        site.barrier_sinkhorn = sinkhorn == "barrier"
     gd, state = nnx.split(blk)
     n, d, freqs, block = cfg.hc_mult, cfg.hidden_size, model.freqs(layer), min(256, rows)
     sds = jax.ShapeDtypeStruct
@@ -67,7 +69,7 @@ def compile_part(preset: str, part: str, layer: int, slots: int, rows: int, capa
         "layer": lambda b, a: b(a["x"], a["ids"], a["pos"], a["pos"], a["cache"], freqs, block),
         "mhc_pre": lambda b, a: b.hc_attn.pre(a["x"]),
         "mix": lambda b, a: mhc.mix_logits(a["x"], b.hc_attn.fn[...], site.norm_eps),
-        "sinkhorn": lambda b, a: mhc.sinkhorn(a["comb"], site.iters, site.hc_eps, site.unroll_sinkhorn),
+        "sinkhorn": lambda b, a: mhc.sinkhorn(a["comb"], site.iters, site.hc_eps, site.unroll_sinkhorn),  # alone
         "hc_post": lambda b, a: mhc.HyperConnection.post(a["x"], a["u"], a["post"], a["comb"]),
         "attn": lambda b, a: b.attn(a["u"], a["pos"], a["pos"], a["cache"], freqs, block, kernels="xla", sparse="xla"),
         "moe": lambda b, a: b.ffn(a["u"], a["ids"]),
@@ -91,7 +93,9 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--rows", type=int, default=1, help="rows per sequence: 1 is a decode step, more a prefill chunk")
     ap.add_argument("--capacity", type=int, default=33280, help="cache positions per sequence")
     ap.add_argument("--parts", default=",".join(PARTS), help=f"comma list of {', '.join(PARTS)}")
-    ap.add_argument("--sinkhorn", default="unrolled", choices=["unrolled", "loop"])
+    ap.add_argument("--sinkhorn", default="unrolled", choices=["unrolled", "loop", "barrier"],
+                    help="the mHC sites' Sinkhorn: unrolled (served), a fori_loop (training's), or unrolled with "
+                         "its output behind an optimization barrier (HyperConnection.barrier_sinkhorn)")
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds a part may compile before it is cut")
     ap.add_argument("--out", help="write the lines as JSON here")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)  # one part, in this process

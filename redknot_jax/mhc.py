@@ -65,6 +65,10 @@ class HyperConnection(nnx.Module):
         self.scale = nnx.Param(jnp.ones((3,), jnp.float32))
         self.n, self.iters, self.hc_eps, self.norm_eps = n, sinkhorn_iters, hc_eps, norm_eps
         self.unroll_sinkhorn = True  # static; training sets False (see `sinkhorn`)
+        # static: the Sinkhorn output materialised behind an optimization barrier, so XLA cannot fuse
+        # (and recompute) the iterations into its consumers; a candidate for the flash-shaped decode
+        # step's slow GPU compile (`launch/bench_compile.py --sinkhorn barrier`), off until measured
+        self.barrier_sinkhorn = False
 
     def pre(self, x: jax.Array):
         """x [b, t, n, d] -> (u [b, t, d] block input, post [b, t, n], comb [b, t, n, n])."""
@@ -75,6 +79,8 @@ class HyperConnection(nnx.Module):
         post = 2.0 * jax.nn.sigmoid(m[..., n:2 * n] * scale[1] + base[n:2 * n])
         comb_logits = m[..., 2 * n:].reshape(*m.shape[:-1], n, n) * scale[2] + base[2 * n:].reshape(n, n)
         comb = sinkhorn(comb_logits, self.iters, self.hc_eps, self.unroll_sinkhorn)
+        if self.barrier_sinkhorn:
+            comb = jax.lax.optimization_barrier(comb)
         u = jnp.einsum("btn,btnd->btd", pre, x.astype(jnp.float32)).astype(x.dtype)
         return u, post, comb
 
