@@ -4,8 +4,8 @@ Nothing is allocated: the model's weights and caches are shapes (`nnx.eval_shape
 is lowered and compiled for the default device (`jax.jit(...).lower(...).compile()`), never run.
 Each part compiles in its own child process (JAX's persistent cache off), all at once, so one
 slow compile does not hold the others and `--timeout` cuts a straggler (reported as `> T s`).
-What a server's warm-up waits on,
-part by part (its programs: `Engine._chunk`, one `model.block_jit` per distinct layer):
+What a server's warm-up waits on, part by part (its programs: `Engine._chunk`, one
+`model.block_jit` per distinct layer):
 
   layer     the whole `Block` (what `block_jit` compiles; XLA for every part, as a decode step)
   mhc_pre   `HyperConnection.pre` of the attention site: mix_logits, Sinkhorn, the block input
@@ -18,7 +18,8 @@ part by part (its programs: `Engine._chunk`, one `model.block_jit` per distinct 
 
 `--sinkhorn loop` compiles the Sinkhorn iterations as a `fori_loop` (what training runs)
 instead of unrolled, `--sinkhorn barrier` unrolled with the output materialised behind an
-optimization barrier (not fused into its consumers), to compare. Prints one line per part; `--out` writes them as JSON.
+optimization barrier (not fused into its consumers), to compare. Prints one line per part;
+`--out` writes them as JSON.
 """
 
 from __future__ import annotations

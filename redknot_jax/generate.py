@@ -19,9 +19,9 @@ import numpy as np
 import jax
 import jax.numpy as jnp
 
+from redknot_jax.ahead import AheadCompiler
 from redknot_jax.model import Model, block_jit, embed_jit, logits_jit, output_block, split, top_split
 from redknot_jax.pallas import resolve_kernels
-from redknot_jax.ahead import AheadCompiler
 
 
 @dataclasses.dataclass(frozen=True)
@@ -148,7 +148,8 @@ class Engine:
             return (st, x, ids, pos0, n_new, cache["layers"][i], row0 if i == last else 0), dict(
                 graphdef=gd, freqs=self.model.freqs(i), block=block, kernels=kernels, rows=out if i == last else 0)
 
-        if self.ahead.first((ids.shape, kernels, out, tuple(a.shape for a in jax.tree.leaves(cache["layers"][0])))):
+        if self.ahead.pool is not None and self.ahead.first(
+                (ids.shape, kernels, out, tuple(a.shape for a in jax.tree.leaves(cache["layers"][0])))):
             # every layer's input; a placement only where the call's will be committed to one (AheadCompiler)
             spec = jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding if x.committed else None)
             for i in range(last + 1):

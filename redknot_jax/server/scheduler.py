@@ -38,8 +38,9 @@ nothing. Until it ends `phase` is "warming" and `submit` raises `NotReady` (HTTP
 Retry-After: a readiness probe keeps traffic away meanwhile, and a request that still arrives
 is told when to come back instead of holding a connection through minutes of compiling); a
 failure is logged and leaves `phase` "failed" with `warmup_error`, every submission refused.
-Document requests (RedKnot arm) are not warmed: their programs follow the number of cited
-documents and each one's length and the prompt's (padded by `Buckets`), not one length.
+Document requests are warmed only for the shapes `warmup_documents` lists (`_warm_documents`):
+their programs follow the number of cited documents, each one's length and the prompt's
+(padded by `Buckets`), not one length.
 
 Back-pressure: `submit` raises `QueueFull` when `max_queue` jobs wait (HTTP 429). Cancellation:
 a job's `cancelled` event (set when the client goes away) frees its slot before the next step.
