@@ -17,9 +17,8 @@ What a server's warm-up waits on, part by part (its programs: `Engine._chunk`, o
   ffn       `Block.ffn_residual`: mHC pre, the MoE, mHC post
 
 `--sinkhorn loop` compiles the Sinkhorn iterations as a `fori_loop` (what training runs)
-instead of unrolled, `--sinkhorn barrier` unrolled with the output materialised behind an
-optimization barrier (not fused into its consumers), to compare. Prints one line per part;
-`--out` writes them as JSON.
+instead of unrolled, `--sinkhorn reduce` unrolled with its sums and max as reduce ops (the form
+before `mhc.fold`), to compare. Prints one line per part; `--out` writes them as JSON.
 """
 
 from __future__ import annotations
@@ -58,7 +57,8 @@ def compile_part(preset: str, part: str, layer: int, slots: int, rows: int, capa
     blk = model.layers[layer]
     for site in (blk.hc_attn, blk.hc_ffn):
         site.unroll_sinkhorn = sinkhorn != "loop"
-        site.barrier_sinkhorn = sinkhorn == "barrier"
+    if sinkhorn == "reduce":  # this process only: mhc.sinkhorn's folds as the reduce ops they replace
+        mhc.fold = lambda op, x, axis: (jnp.sum if op is jnp.add else jnp.max)(x, axis=axis, keepdims=True)
     gd, state = nnx.split(blk)
     n, d, freqs, block = cfg.hc_mult, cfg.hidden_size, model.freqs(layer), min(256, rows)
     sds = jax.ShapeDtypeStruct
@@ -94,9 +94,9 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--rows", type=int, default=1, help="rows per sequence: 1 is a decode step, more a prefill chunk")
     ap.add_argument("--capacity", type=int, default=33280, help="cache positions per sequence")
     ap.add_argument("--parts", default=",".join(PARTS), help=f"comma list of {', '.join(PARTS)}")
-    ap.add_argument("--sinkhorn", default="unrolled", choices=["unrolled", "loop", "barrier"],
+    ap.add_argument("--sinkhorn", default="unrolled", choices=["unrolled", "loop", "reduce"],
                     help="the mHC sites' Sinkhorn: unrolled (served), a fori_loop (training's), or unrolled with "
-                         "its output behind an optimization barrier (HyperConnection.barrier_sinkhorn)")
+                         "its sums and max as reduce ops (mhc.fold's replaced form)")
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds a part may compile before it is cut")
     ap.add_argument("--out", help="write the lines as JSON here")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)  # one part, in this process

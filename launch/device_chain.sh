@@ -121,9 +121,9 @@ run_steps() {
       --concurrency 1,4,16 --duration-s 30 --warmup-requests 1 --warmup-max-rounds 3 --docs 4 --docs-per-request 4 \
       --doc-chars 8192 --prompt-chars 32 --output-len 64 --startup-timeout-s 600 \
       --headline $R/qps_headline_docs4_${d}_$today.json --out $R/qps_flash_docs4_${d}_$today.json ;;
-    compile0)  # the flash-shaped decode step's layer-0 parts, compiled alone (the server's decode warm-up: minutes
-      # on an H100, 2026-12-07; docs/serving.md), the Sinkhorn unrolled, as a loop, and behind a barrier
-      for sk in unrolled loop barrier; do step ${s}_$sk launch/bench_compile.py --preset flash-shaped --layer 0 --slots 8 \
+    compile0)  # the flash-shaped decode step's layer-0 parts, compiled alone (the server's decode warm-up;
+      # docs/serving.md): the Sinkhorn's sums as folds (served) and as reduce ops (the form before), side by side
+      for sk in unrolled reduce; do step ${s}_$sk launch/bench_compile.py --preset flash-shaped --layer 0 --slots 8 \
         --capacity 33280 --parts layer,mhc_pre,mix,sinkhorn,hc_post,attn,moe,ffn --sinkhorn $sk --timeout 150 \
         --out $R/compile_decode_layer0_${sk}_${d}_$today.json; done ;;
     *) echo "== $s: no such step" >> $R/chain.log ;;

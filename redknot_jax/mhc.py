@@ -35,19 +35,34 @@ def mix_logits(x: jax.Array, fn: jax.Array, eps: float) -> jax.Array:
     return m * jax.lax.rsqrt(sq + eps)
 
 
-def sinkhorn(logits: jax.Array, iters: int, eps: float, unroll: bool = True) -> jax.Array:
-    """Row softmax + eps, then column-normalise, then (iters - 1) x (row, column).
+def fold(op, x: jax.Array, axis: int) -> jax.Array:
+    """`op` (jnp.add, jnp.maximum) folded over a short static axis of x slice by slice, the axis
+    kept: elementwise ops only, which XLA fuses with their neighbours, where a reduce op per step
+    is a fusion of its own (on the GPU each reduce-then-divide becomes a normalisation fusion,
+    compiled and autotuned on its own; `launch/bench_compile.py --sinkhorn reduce`)."""
+    parts = [jax.lax.slice_in_dim(x, j, j + 1, axis=axis) for j in range(x.shape[axis])]
+    out = parts[0]
+    for p in parts[1:]:
+        out = op(out, p)
+    return out
 
-    unroll=True (inference): straight-line code that XLA fuses into one kernel per site.
+
+def sinkhorn(logits: jax.Array, iters: int, eps: float, unroll: bool = True) -> jax.Array:
+    """Row softmax + eps, then column-normalise, then (iters - 1) x (row, column), over [..., n, n]
+    with a small n (4): the sums and the max are `fold`s, so the whole of it is one elementwise
+    fusion.
+
+    unroll=True (inference): straight-line code.
     unroll=False (training): a `fori_loop`, so the program (and its gradient) stays small: 20
     unrolled iterations at 2 sites x 12 layers, twice over for the backward pass, made the QA
     model's train step ~70K StableHLO lines, most of XLA:GPU's compile time."""
-    c = jax.nn.softmax(logits, axis=-1) + eps
-    c = c / (jnp.sum(c, axis=-2, keepdims=True) + eps)
+    e = jnp.exp(logits - fold(jnp.maximum, logits, -1))
+    c = e / fold(jnp.add, e, -1) + eps
+    c = c / (fold(jnp.add, c, -2) + eps)
 
     def body(_, c):
-        c = c / (jnp.sum(c, axis=-1, keepdims=True) + eps)
-        return c / (jnp.sum(c, axis=-2, keepdims=True) + eps)
+        c = c / (fold(jnp.add, c, -1) + eps)
+        return c / (fold(jnp.add, c, -2) + eps)
 
     if unroll:
         for i in range(iters - 1):
@@ -65,10 +80,6 @@ class HyperConnection(nnx.Module):
         self.scale = nnx.Param(jnp.ones((3,), jnp.float32))
         self.n, self.iters, self.hc_eps, self.norm_eps = n, sinkhorn_iters, hc_eps, norm_eps
         self.unroll_sinkhorn = True  # static; training sets False (see `sinkhorn`)
-        # static: the Sinkhorn output materialised behind an optimization barrier, so XLA cannot fuse
-        # (and recompute) the iterations into its consumers; a candidate for the flash-shaped decode
-        # step's slow GPU compile (`launch/bench_compile.py --sinkhorn barrier`), off until measured
-        self.barrier_sinkhorn = False
 
     def pre(self, x: jax.Array):
         """x [b, t, n, d] -> (u [b, t, d] block input, post [b, t, n], comb [b, t, n, n])."""
@@ -79,8 +90,6 @@ class HyperConnection(nnx.Module):
         post = 2.0 * jax.nn.sigmoid(m[..., n:2 * n] * scale[1] + base[n:2 * n])
         comb_logits = m[..., 2 * n:].reshape(*m.shape[:-1], n, n) * scale[2] + base[2 * n:].reshape(n, n)
         comb = sinkhorn(comb_logits, self.iters, self.hc_eps, self.unroll_sinkhorn)
-        if self.barrier_sinkhorn:
-            comb = jax.lax.optimization_barrier(comb)
         u = jnp.einsum("btn,btnd->btd", pre, x.astype(jnp.float32)).astype(x.dtype)
         return u, post, comb
 

@@ -226,10 +226,10 @@ def test_bench_compile_times_each_part_in_a_child_and_cuts_a_straggler(tmp_path,
     bench = _load("bench_compile")
     out = tmp_path / "c.json"
     rows = bench.main(["--preset", "tiny", "--layer", "2", "--slots", "2", "--capacity", "256",
-                       "--parts", "sinkhorn,mhc_pre", "--sinkhorn", "barrier", "--out", str(out)])
+                       "--parts", "sinkhorn,mhc_pre", "--sinkhorn", "reduce", "--out", str(out)])
     assert [r["part"] for r in rows] == ["sinkhorn", "mhc_pre"] and all(r["compile_s"] > 0 for r in rows)
     saved = json.loads(out.read_text())
-    assert saved["parts"] == rows and saved["device"] and "--sinkhorn barrier" in saved["command"]
+    assert saved["parts"] == rows and saved["device"] and "--sinkhorn reduce" in saved["command"]
     assert re.search(r"^sinkhorn  lowered [0-9.]+s, compiled [0-9.]+s$", capsys.readouterr().out, re.M)
     cut = bench.main(["--preset", "tiny", "--parts", "layer", "--capacity", "256", "--timeout", "1"])
     assert cut == [{"part": "layer", "compile_s": None, "note": "> 1 s (cut)"}]
