@@ -137,6 +137,8 @@ class Metrics:
                                     buckets=(1, 2, 3, 4, 6, 8, 12, 16, 32, 64), registry=r)
         self.documents = Gauge("redknot_documents", "Documents registered (all tenants)", registry=r)
         self.rejected = Counter("redknot_rejected", "Requests refused by back-pressure (429)", registry=r)
+        self.deferred = Counter("redknot_deferred_out_of_memory", "Document prefills that ran out of device memory "
+                                "beside other sequences in flight, deferred until fewer were", registry=r)
         self.cancelled = Counter("redknot_cancelled", "Generations stopped because the client went away",
                                  registry=r)
         self.head_row_last = Gauge("redknot_head_row_saving_last",

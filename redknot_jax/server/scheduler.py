@@ -42,7 +42,12 @@ Document requests are warmed only for the shapes `warmup_documents` lists (`_war
 their programs follow the number of cited documents, each one's length and the prompt's
 (padded by `Buckets`), not one length.
 
-Back-pressure: `submit` raises `QueueFull` when `max_queue` jobs wait (HTTP 429). Cancellation:
+Back-pressure: `submit` raises `QueueFull` when `max_queue` jobs wait (HTTP 429). Device
+memory: a document prefill that runs out of it (`out_of_memory`) while other sequences are in
+flight is deferred, its documents still pinned, and prefills again once fewer are in flight (as
+vLLM preempts a request when its KV blocks run out); meanwhile no other document request starts,
+so the queue fills and clients get 429s, not 5xx. Only a request alone on the device that still
+does not fit fails, with 503. Cancellation:
 a job's `cancelled` event (set when the client goes away) frees its slot before the next step.
 Shutdown: `stop(grace_s)` refuses new jobs, fails queued ones (`ShuttingDown`), lets running
 sequences finish for up to `grace_s` seconds, then fails whatever is left, explicitly.
@@ -96,6 +101,11 @@ class NotReady(RuntimeError):
 
 
 WARMING_RETRY_AFTER_S = 5  # what 503s during the warm-up tell clients (Retry-After)
+
+
+def out_of_memory(e: Exception) -> bool:
+    """Whether `e` is the device running out of memory (XLA's RESOURCE_EXHAUSTED)."""
+    return isinstance(e, jax.errors.JaxRuntimeError) and "RESOURCE_EXHAUSTED" in str(e)
 
 
 @dataclasses.dataclass
@@ -230,6 +240,9 @@ class Scheduler:
         self._slots: list[_Slot | _Filling | None] = [None] * slots
         self._prefilling: list[_Prefilling] = []  # document requests prefilling, oldest first
         self._reuse: list[_Reuse] = []  # document requests decoding, oldest first
+        # document requests whose prefill ran out of device memory beside others in flight, oldest first, each with
+        # that number of others: restarted once fewer are in flight (`_resume_deferred`)
+        self._deferred: list[tuple[dict, int]] = []
         self._stopping = False
         self._deadline = None
         self._thread: threading.Thread | None = None
@@ -437,7 +450,12 @@ class Scheduler:
 
     # ------------------------------------------------------------------ worker
     def _active(self) -> int:
-        """Sequences in flight: slots held (decoding or prefilling) and document requests generating."""
+        """Sequences in flight: slots held (decoding or prefilling), document requests generating,
+        and those deferred (`_deferred`)."""
+        return self._in_flight() + len(self._deferred)
+
+    def _in_flight(self) -> int:
+        """Sequences holding device memory: slots held and document requests prefilling or decoding."""
         return (sum(s is not None for s in self._slots) + len(self._reuse)
                 + sum(len(g.preps) - len(g.dropped) for g in self._prefilling))
 
@@ -463,6 +481,8 @@ class Scheduler:
                             if len(admit) >= len(free):
                                 break
                             admit.append(self._pending.popleft())
+                        elif j.kind == "reuse" and self._deferred:
+                            break  # none starts while one waits for device memory: the queue fills, then 429
                         else:  # after the plain jobs ahead of it: FIFO
                             special = [self._pending.popleft()]
                             while (special[0].kind == "reuse" and self._pending and len(special) < self.reuse_batch
@@ -497,6 +517,10 @@ class Scheduler:
                         p["job"].emit("error", 503, "server is shutting down; generation stopped")
                         self.arena.release(p["arts"])
             self._prefilling.clear()
+            for p, _ in self._deferred:
+                p["job"].emit("error", 503, "server is shutting down; request not started")
+                self.arena.release(p["arts"])
+            self._deferred.clear()
             with self._cond:
                 while self._pending:
                     self._pending.popleft().emit("error", 503, "server is shutting down; request not started")
@@ -523,6 +547,7 @@ class Scheduler:
                 ran += 1
             if budget < self.prefill_chunk:
                 break
+        self._resume_deferred()
         for g in list(self._prefilling):
             while g in self._prefilling and (ran == 0 or budget >= g.cost):
                 self._prefill_layer(g)
@@ -535,8 +560,26 @@ class Scheduler:
         try:
             fn(*args)
         except Exception as e:  # one bad job fails itself, not the server
-            log.error("job failed:\n%s", traceback.format_exc())
-            job.emit("error", 500, f"internal error: {type(e).__name__}: {e}")
+            self._fail(job, e)
+
+    def _resume_deferred(self) -> None:
+        """The oldest deferred document request prefills again once fewer sequences are in flight
+        than when its prefill ran out of device memory (one a step); a cancelled one leaves,
+        unpinning its documents; past the shutdown grace each fails with 503."""
+        with self._cond:
+            late = self._stopping and time.perf_counter() > self._deadline
+        for p, others in list(self._deferred):
+            if late:
+                p["job"].emit("error", 503, "server is shutting down; request not started")
+            elif p["job"].cancelled.is_set():
+                self._count_cancel(p["job"])
+            else:
+                continue
+            self._deferred.remove((p, others))
+            self.arena.release(p["arts"])
+        if self._deferred and self._in_flight() < self._deferred[0][1]:
+            p, _ = self._deferred.pop(0)
+            self._prefilling.insert(0, self._prefill_group([p]))
 
     def _count_cancel(self, job: Job) -> None:
         if not job.by_stop:
@@ -785,8 +828,16 @@ class Scheduler:
                 self._prefilling[at:at + 1] = [self._prefill_group([p]) for p in g.preps if p["job"] not in g.dropped]
             else:
                 del self._prefilling[at]
-                self._fail(g.preps[0]["job"], e)
-                self.arena.release(g.preps[0]["arts"])
+                g.steps.close()
+                p, others = g.preps[0], self._in_flight()
+                if out_of_memory(e) and others:  # retried when fewer are in flight, as a preempted vLLM request is
+                    log.warning("document prefill ran out of device memory beside %d sequences in flight; deferred "
+                                "until fewer are: %s", others, str(e).splitlines()[0][:200])
+                    self._deferred.append((p, others))
+                    self.metrics.deferred.inc()
+                else:
+                    self._fail(p["job"], e)
+                    self.arena.release(p["arts"])
             return
         self._prefilling.remove(g)
         if len(g.preps) > 1:
@@ -858,8 +909,14 @@ class Scheduler:
         self.arena.release(r.arts)
 
     def _fail(self, job: Job, e: Exception) -> None:
+        """A failed job: 503 when the device ran out of memory for it (nothing else that could
+        free memory in flight), else 500."""
         log.error("job failed:\n%s", traceback.format_exc())
-        job.emit("error", 500, f"internal error: {type(e).__name__}: {e}")
+        if out_of_memory(e):
+            job.emit("error", 503, "the device ran out of memory for this request with no other in flight: a shorter "
+                                   f"prompt or fewer documents may fit ({str(e).splitlines()[0][:200]})")
+        else:
+            job.emit("error", 500, f"internal error: {type(e).__name__}: {e}")
 
     def _engine_cache(self, st) -> dict:
         """A native decode state's caches as the plain batch's cache of one sequence: each array

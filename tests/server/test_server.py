@@ -1094,6 +1094,69 @@ def test_a_document_request_cancelled_mid_prefill_leaves_its_batch_and_unpins():
     assert s.arena._res[doc_key(doc.artifact)].pins == 0 and s.metrics.cancelled._value.get() == 2
 
 
+def test_a_document_prefill_out_of_device_memory_waits_for_fewer_in_flight():
+    """A document prefill that runs out of device memory (XLA's RESOURCE_EXHAUSTED, injected here)
+    while another request is in flight is deferred, counted, its documents still pinned; once the
+    other request ends it prefills again and gets the tokens it gets alone. A request alone on the
+    device that does not fit fails with 503, its documents unpinned."""
+    import asyncio
+
+    import jax
+    import numpy as np
+
+    from redknot_jax.generate import Engine
+    from redknot_jax.reuse.arena import doc_key
+    from redknot_jax.reuse.artifact import build_artifact
+    from redknot_jax.server.metrics import Metrics
+    from redknot_jax.server.scheduler import Job, Sampling, Scheduler
+
+    cfg, model, rt = _tiny_runtime()  # the worker-steps test's documents and prompts: its programs
+    toks = np.random.default_rng(0).integers(2, cfg.vocab_size, 40).astype(np.int32)
+    doc = _Doc("a" * 64, "t", toks, build_artifact(model, rt.profile, toks, checkpoint_fingerprint="fp-test"))
+    sched = lambda: Scheduler(Engine(model, capacity=64), rt, Metrics(rt.counters), slots=2, max_batched_tokens=1,
+                              checkpoint_fingerprint="fp-test")
+
+    def job(prompt):
+        j = Job("reuse", asyncio.new_event_loop(), tokens=prompt, docs=[doc], sampling=Sampling(max_tokens=4),
+                arm="redknot")
+        j.events = []
+        j.emit = lambda *ev: j.events.append(ev)
+        return j
+
+    tokens = lambda j: [e[1] for e in j.events if e[0] == "token"]
+    alone = {p: job(p) for p in ((5, 6, 7), (7, 6, 5))}
+    for j in alone.values():
+        _run_reuse(sched(), [j])
+    real, ooms = rt.prefill_steps, []
+
+    def oom(*args, **kw):  # the next prefill fails at its first layer
+        ooms.pop()
+        raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 3.33GiB")
+        yield
+
+    s = sched()
+    s.rt.prefill_steps = lambda *a, **k: (oom if ooms else real)(*a, **k)
+    c, d = job([5, 6, 7]), job([7, 6, 5])
+    s._start_reuse([c])
+    s._step()
+    ooms.append(1)
+    s._start_reuse([d])
+    for _ in range(4 * cfg.num_layers):  # c's prefill, then d's first layer
+        if s._deferred or d.events:
+            break
+        s._step()
+    assert s.metrics.deferred._value.get() == 1 and s._deferred[0][1] == 1 and not d.events
+    assert s.arena._res[doc_key(doc.artifact)].pins == 2
+    while s._active():
+        s._step()
+    assert tokens(c) == tokens(alone[(5, 6, 7)]) and tokens(d) == tokens(alone[(7, 6, 5)]) and d.events[-1][0] == "done"
+    e = job([5, 6, 7])
+    ooms.append(1)
+    _run_reuse(s, [e])
+    assert e.events[-1][:2] == ("error", 503) and "ran out of memory" in e.events[-1][2]
+    assert s.arena._res[doc_key(doc.artifact)].pins == 0 and s.metrics.deferred._value.get() == 1
+
+
 # ------------------------------------------------------------------ document warm-up (in-process)
 def test_warmed_document_requests_compile_nothing():
     """--warmup-documents: after warming requests of 2 documents of 24 tokens and a 3-token prompt,
