@@ -45,8 +45,8 @@ their programs follow the number of cited documents, each one's length and the p
 Back-pressure: `submit` raises `QueueFull` when `max_queue` jobs wait (HTTP 429). Device
 memory: a document prefill that runs out of it (`out_of_memory`) while other sequences are in
 flight is deferred, its documents still pinned, and prefills again once fewer are in flight (as
-vLLM preempts a request when its KV blocks run out); meanwhile no other document request starts,
-so the queue fills and clients get 429s, not 5xx. Only a request alone on the device that still
+vLLM preempts a request when its KV blocks run out); meanwhile no other request starts, so what
+is in flight only ends, the queue fills and clients get 429s, not 5xx. Only a request alone on the device that still
 does not fit fails, with 503. Cancellation:
 a job's `cancelled` event (set when the client goes away) frees its slot before the next step.
 Shutdown: `stop(grace_s)` refuses new jobs, fails queued ones (`ShuttingDown`), lets running
@@ -475,14 +475,13 @@ class Scheduler:
                     if self._stopping and (not self._active() or time.perf_counter() > self._deadline):
                         break
                     free = [i for i, s in enumerate(self._slots) if s is None]
-                    while self._pending:
+                    while self._pending and not self._deferred:  # none starts while one waits for device
+                        # memory (it is older): what is in flight only ends, and the queue fills (then 429)
                         j = self._pending[0]
                         if j.kind == "plain":
                             if len(admit) >= len(free):
                                 break
                             admit.append(self._pending.popleft())
-                        elif j.kind == "reuse" and self._deferred:
-                            break  # none starts while one waits for device memory: the queue fills, then 429
                         else:  # after the plain jobs ahead of it: FIFO
                             special = [self._pending.popleft()]
                             while (special[0].kind == "reuse" and self._pending and len(special) < self.reuse_batch
