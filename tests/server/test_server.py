@@ -1027,20 +1027,16 @@ def test_long_prompts_prefill_between_decode_steps_and_document_requests_decode_
         assert [e[2] for e in log if e[1] == "token"] == together[j.name], j.name
 
 
-def test_a_document_request_cancelled_mid_prefill_leaves_its_batch_and_unpins():
-    """Document prefills run a layer per step (a budget of one token: one layer a step). A request
-    cancelled between two layers of a batched prefill gets no token and unpins its documents;
-    the other request of its batch finishes with the tokens it gets alone. A prefix-arm request
-    decodes as a row of the plain batch. A lone request cancelled mid-prefill stops prefilling
-    at once."""
+def _one_layer_steps():
+    """The tiny runtime, one 40-token document, a scheduler maker whose steps run one layer of a
+    document prefill each (a budget of one token), and a maker of RedKnot jobs citing the document
+    that record their events: (rt, doc, sched, job)."""
     import asyncio
 
     import numpy as np
 
     from redknot_jax.generate import Engine
-    from redknot_jax.reuse.arena import doc_key
     from redknot_jax.reuse.artifact import build_artifact
-    from redknot_jax.reuse.planner import Request, Segment
     from redknot_jax.server.metrics import Metrics
     from redknot_jax.server.scheduler import Job, Sampling, Scheduler
 
@@ -1056,6 +1052,22 @@ def test_a_document_request_cancelled_mid_prefill_leaves_its_batch_and_unpins():
         j.events = []
         j.emit = lambda *ev: j.events.append(ev)
         return j
+
+    return rt, doc, sched, job
+
+
+def test_a_document_request_cancelled_mid_prefill_leaves_its_batch_and_unpins():
+    """Document prefills run a layer per step (a budget of one token: one layer a step). A request
+    cancelled between two layers of a batched prefill gets no token and unpins its documents;
+    the other request of its batch finishes with the tokens it gets alone. A prefix-arm request
+    decodes as a row of the plain batch. A lone request cancelled mid-prefill stops prefilling
+    at once."""
+    import numpy as np
+
+    from redknot_jax.reuse.arena import doc_key
+    from redknot_jax.reuse.planner import Request, Segment
+
+    rt, doc, sched, job = _one_layer_steps()
 
     s = sched()
     c, d = job([5, 6, 7]), job([7, 6, 5])
@@ -1081,7 +1093,7 @@ def test_a_document_request_cancelled_mid_prefill_leaves_its_batch_and_unpins():
     s._decode_batch = lambda t, active: (rows.append([sl.job for sl in s._slots if sl is not None]), real(t, active))[1]
     _run_reuse(s, [p])
     assert rows and all(r == [p] for r in rows), rows
-    want, first = rt.generate(Request([Segment(toks, doc.artifact), Segment(np.asarray([5, 6, 7], np.int32))]), 4,
+    want, first = rt.generate(Request([Segment(doc.tokens, doc.artifact), Segment(np.asarray([5, 6, 7], np.int32))]), 4,
                               "prefix")
     assert first.arm == "prefix" and [e[1] for e in p.events if e[0] == "token"] == want
     assert p.events[-1][0] == "done" and p.events[-1][2]["cached_tokens"] == 40 and p.events[-1][2]["arm"] == "prefix"
@@ -1099,29 +1111,11 @@ def test_a_document_prefill_out_of_device_memory_waits_for_fewer_in_flight():
     while another request is in flight is deferred, counted, its documents still pinned; once the
     other request ends it prefills again and gets the tokens it gets alone. A request alone on the
     device that does not fit fails with 503, its documents unpinned."""
-    import asyncio
-
     import jax
-    import numpy as np
 
-    from redknot_jax.generate import Engine
     from redknot_jax.reuse.arena import doc_key
-    from redknot_jax.reuse.artifact import build_artifact
-    from redknot_jax.server.metrics import Metrics
-    from redknot_jax.server.scheduler import Job, Sampling, Scheduler
 
-    cfg, model, rt = _tiny_runtime()  # the worker-steps test's documents and prompts: its programs
-    toks = np.random.default_rng(0).integers(2, cfg.vocab_size, 40).astype(np.int32)
-    doc = _Doc("a" * 64, "t", toks, build_artifact(model, rt.profile, toks, checkpoint_fingerprint="fp-test"))
-    sched = lambda: Scheduler(Engine(model, capacity=64), rt, Metrics(rt.counters), slots=2, max_batched_tokens=1,
-                              checkpoint_fingerprint="fp-test")
-
-    def job(prompt):
-        j = Job("reuse", asyncio.new_event_loop(), tokens=prompt, docs=[doc], sampling=Sampling(max_tokens=4),
-                arm="redknot")
-        j.events = []
-        j.emit = lambda *ev: j.events.append(ev)
-        return j
+    rt, doc, sched, job = _one_layer_steps()
 
     tokens = lambda j: [e[1] for e in j.events if e[0] == "token"]
     alone = {p: job(p) for p in ((5, 6, 7), (7, 6, 5))}
@@ -1141,7 +1135,7 @@ def test_a_document_prefill_out_of_device_memory_waits_for_fewer_in_flight():
     s._step()
     ooms.append(1)
     s._start_reuse([d])
-    for _ in range(4 * cfg.num_layers):  # c's prefill, then d's first layer
+    for _ in range(4 * rt.cfg.num_layers):  # c's prefill, then d's first layer
         if s._deferred or d.events:
             break
         s._step()
