@@ -37,9 +37,9 @@ def mix_logits(x: jax.Array, fn: jax.Array, eps: float) -> jax.Array:
 
 def fold(op, x: jax.Array, axis: int) -> jax.Array:
     """`op` (jnp.add, jnp.maximum) folded over a short static axis of x slice by slice, the axis
-    kept: elementwise ops only, which XLA fuses with their neighbours, where a reduce op per step
-    is a fusion of its own (on the GPU each reduce-then-divide becomes a normalisation fusion,
-    compiled and autotuned on its own; `launch/bench_compile.py --sinkhorn reduce`)."""
+    kept: elementwise ops only, which XLA fuses with their neighbours, where each reduce op is a
+    fusion of its own. XLA:GPU compiled the flash-shaped decode step's Sinkhorn in 23.8 s with
+    reduce ops, 1.4 s folded (one H100, `launch/bench_compile.py --sinkhorn reduce`, docs/serving.md)."""
     parts = [jax.lax.slice_in_dim(x, j, j + 1, axis=axis) for j in range(x.shape[axis])]
     out = parts[0]
     for p in parts[1:]:
