@@ -20,10 +20,11 @@ cd "$(dirname "$0")/.."
 R=/tmp/res
 mkdir -p "$R"
 
-step() {  # name, then the command's arguments after `python`
+step() {  # name, then the command's arguments after `python`; STEP_TIMEOUT=S (default 7200) interrupts it
+  # after S seconds (SIGINT: Python prints where it was), so the queue goes on to the next step
   local name=$1; shift
   echo "== $name start $(date +%T)" >> $R/chain.log
-  python "$@" > $R/$name.log 2>&1
+  timeout -s INT -k 30 "${STEP_TIMEOUT:-7200}" python "$@" > $R/$name.log 2>&1
   echo "== $name rc=$? $(date +%T)" >> $R/chain.log
 }
 
@@ -56,11 +57,12 @@ run_steps() {
     pass_a) step $s launch/bench_pass_a.py --length 131072 --doc 16384 --call-rows 8192 --span-rows 2048 \
       --span-chunks 2048 --hca-rows 8192 --json $R/pass_a_128k_doc16384_${d}_$today.json ;;  # the kernel-vs-chunks
       # table's last gap (docs/kernels.md; layer.SPAN_DOC_ROWS)
-    ttft128) TF_CPP_MIN_LOG_LEVEL=0 TF_CPP_VMODULE=hlo_pass_pipeline=1 step $s launch/bench_ttft.py --lengths 131072 \
-      --repeats 2 --profiles default,tail0-b10-omit --stacks-every 120 --out $R/ttft_128k_${d}_$today.json \
-      --headline $R/ttft_headline_128k_${d}_$today.json ;;  # 2026-12-06 on an H200: the prefix arm's warm-up had not
+    ttft128) STEP_TIMEOUT=1200 TF_CPP_MIN_LOG_LEVEL=0 TF_CPP_VMODULE=hlo_pass_pipeline=1 step $s launch/bench_ttft.py \
+      --lengths 131072 --repeats 2 --profiles default,tail0-b10-omit --stacks-every 120 \
+      --out $R/ttft_128k_${d}_$today.json --headline $R/ttft_headline_128k_${d}_$today.json ;;  # 2026-12-06 on an H200: the prefix arm's warm-up had not
       # ended 10 minutes after the Recomputed arm's (102.6 s); the log names each warm-up's end, Python's stacks every
-      # 2 minutes say where it stalls, and XLA logs each compiler pass as it starts (compiling or running)
+      # 2 minutes say where it stalls, and XLA logs each compiler pass as it starts (compiling or running); cut
+      # after 20 minutes, so the queue goes on
     ttft128np) step $s launch/bench_ttft.py --lengths 131072 --repeats 2 --profiles default,tail0-b10-omit \
       --no-prefix-arm --out $R/ttft_128k_noprefix_${d}_$today.json \
       --headline $R/ttft_headline_128k_noprefix_${d}_$today.json ;;  # ttft128 less the prefix arm
