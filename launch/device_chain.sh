@@ -59,10 +59,10 @@ run_steps() {
       # table's last gap (docs/kernels.md; layer.SPAN_DOC_ROWS)
     ttft128) STEP_TIMEOUT=1200 TF_CPP_MIN_LOG_LEVEL=0 TF_CPP_VMODULE=hlo_pass_pipeline=1 step $s launch/bench_ttft.py \
       --lengths 131072 --repeats 2 --profiles default,tail0-b10-omit --stacks-every 120 \
-      --out $R/ttft_128k_${d}_$today.json --headline $R/ttft_headline_128k_${d}_$today.json ;;  # 2026-12-06 on an H200: the prefix arm's warm-up had not
-      # ended 10 minutes after the Recomputed arm's (102.6 s); the log names each warm-up's end, Python's stacks every
-      # 2 minutes say where it stalls, and XLA logs each compiler pass as it starts (compiling or running); cut
-      # after 20 minutes, so the queue goes on
+      --out $R/ttft_128k_${d}_$today.json --headline $R/ttft_headline_128k_${d}_$today.json ;;
+      # 2026-12-06 on an H200: the prefix arm's warm-up had not ended 10 minutes after the Recomputed arm's (102.6 s);
+      # the log names each warm-up's end, Python's stacks every 2 minutes say where it stalls, and XLA logs each
+      # compiler pass as it starts (compiling or running); cut after 20 minutes, so the queue goes on
     ttft128np) step $s launch/bench_ttft.py --lengths 131072 --repeats 2 --profiles default,tail0-b10-omit \
       --no-prefix-arm --out $R/ttft_128k_noprefix_${d}_$today.json \
       --headline $R/ttft_headline_128k_noprefix_${d}_$today.json ;;  # ttft128 less the prefix arm
