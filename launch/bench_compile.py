@@ -122,10 +122,9 @@ def main(argv=None) -> list[dict]:
     # a compile, not a persistent-cache read; no child preallocates the device's memory (they run side by side), and
     # jax 0.11.2's allocator partitioning is off (with it two H100 runs died in `BFCAllocator::InsertFreeChunk`:
     # "spatial partitioning expects one central gap", while the autotuner allocated, 2026-12-07)
-    flags = (os.environ.get("XLA_FLAGS", "") + " --xla_gpu_enable_allocator_spatial_partitioning=false").strip()
-    env = {**os.environ, "JAX_ENABLE_COMPILATION_CACHE": "false", "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
-    if "cuda" in os.environ.get("JAX_PLATFORMS", "cuda"):
-        env["XLA_FLAGS"] = flags
+    flags = os.environ.get("XLA_FLAGS", "") + " --xla_gpu_enable_allocator_spatial_partitioning=false"
+    env = {**os.environ, "JAX_ENABLE_COMPILATION_CACHE": "false", "XLA_PYTHON_CLIENT_PREALLOCATE": "false",
+           "XLA_FLAGS": flags.strip()}
     procs = {p: subprocess.Popen(base + ["--parts", p], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                  env=env) for p in parts}
     t0, rows = time.perf_counter(), []
@@ -139,7 +138,8 @@ def main(argv=None) -> list[dict]:
         else:
             if proc.returncode:  # reported, and the other parts still are
                 why = [ln for ln in err.splitlines() if "Check failed" in ln or "Error" in ln] or err.splitlines()[-1:]
-                res = {"part": p, "compile_s": None, "note": f"failed (exit {proc.returncode}): {why[-1].strip()[:300]}"}
+                why = why[-1].strip()[:300] if why else "no error output"
+                res = {"part": p, "compile_s": None, "note": f"failed (exit {proc.returncode}): {why}"}
             else:
                 res = json.loads(out.strip().splitlines()[-1])
         rows.append(res)

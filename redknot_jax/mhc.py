@@ -6,6 +6,8 @@ Per site, from the flattened, RMS-normalised streams f in R^{N*D} (fp32 througho
   block input u = sum_i pre_i X_i;   update X'[k] = post_k * y + sum_j C[j, k] X[j]   (C^T X).
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -40,11 +42,7 @@ def fold(op, x: jax.Array, axis: int) -> jax.Array:
     kept: elementwise ops only, which XLA fuses with their neighbours, where each reduce op is a
     fusion of its own. XLA:GPU compiled the flash-shaped decode step's Sinkhorn in 23.8 s with
     reduce ops, 1.4 s folded (one H100, `launch/bench_compile.py --sinkhorn reduce`, docs/serving.md)."""
-    parts = [jax.lax.slice_in_dim(x, j, j + 1, axis=axis) for j in range(x.shape[axis])]
-    out = parts[0]
-    for p in parts[1:]:
-        out = op(out, p)
-    return out
+    return functools.reduce(op, [jax.lax.slice_in_dim(x, j, j + 1, axis=axis) for j in range(x.shape[axis])])
 
 
 def sinkhorn(logits: jax.Array, iters: int, eps: float, unroll: bool = True) -> jax.Array:

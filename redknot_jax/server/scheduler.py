@@ -46,9 +46,9 @@ Back-pressure: `submit` raises `QueueFull` when `max_queue` jobs wait (HTTP 429)
 memory: a document prefill that runs out of it (`out_of_memory`) while other sequences are in
 flight is deferred, its documents still pinned, and prefills again once fewer are in flight (as
 vLLM preempts a request when its KV blocks run out); meanwhile no other request starts, so what
-is in flight only ends, the queue fills and clients get 429s, not 5xx. Only a request alone on the device that still
-does not fit fails, with 503. Cancellation:
-a job's `cancelled` event (set when the client goes away) frees its slot before the next step.
+is in flight only ends, the queue fills and clients get 429s, not 5xx. A request that runs out
+of device memory otherwise (alone on the device, or on the plain path) fails with 503.
+Cancellation: a job's `cancelled` event (set when the client goes away) frees its slot before the next step.
 Shutdown: `stop(grace_s)` refuses new jobs, fails queued ones (`ShuttingDown`), lets running
 sequences finish for up to `grace_s` seconds, then fails whatever is left, explicitly.
 """
@@ -908,12 +908,11 @@ class Scheduler:
         self.arena.release(r.arts)
 
     def _fail(self, job: Job, e: Exception) -> None:
-        """A failed job: 503 when the device ran out of memory for it (nothing else that could
-        free memory in flight), else 500."""
+        """A failed job: 503 when the device ran out of memory for it, else 500."""
         log.error("job failed:\n%s", traceback.format_exc())
         if out_of_memory(e):
-            job.emit("error", 503, "the device ran out of memory for this request with no other in flight: a shorter "
-                                   f"prompt or fewer documents may fit ({str(e).splitlines()[0][:200]})")
+            job.emit("error", 503, "the device ran out of memory for this request: a shorter prompt, fewer documents "
+                                   f"or a later retry may fit ({str(e).splitlines()[0][:200]})")
         else:
             job.emit("error", 500, f"internal error: {type(e).__name__}: {e}")
 
