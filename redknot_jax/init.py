@@ -18,32 +18,39 @@ from redknot_jax.config import ModelConfig
 from redknot_jax.model import Model
 
 
+def rule(name: str, shape) -> tuple[str, float, float]:
+    """How leaf `name` of `shape` is drawn: ("normal", std, mean), ("uniform", low, width), or
+    ("experts", 0, 0) (`tid2eid`: distinct experts per token). One table for every drawer (the
+    jitted one below; the numpy one of the sharding tests)."""
+    if name == "tid2eid":
+        return "experts", 0.0, 0.0
+    if name == "weight":  # every RMSNorm weight
+        return "normal", 0.1, 1.0
+    if name in ("fn", "hc_fn"):
+        return "normal", 0.02, 0.0
+    if name in ("base", "hc_base", "attn_sink", "ape"):
+        return "normal", 0.5, 0.0
+    if name in ("scale", "hc_scale"):
+        return "uniform", 0.5, 1.0
+    if name == "bias":
+        return "normal", 0.1, 0.0
+    if name == "embed":
+        return "normal", 1.0, 0.0
+    if name in ("w1", "w3", "w2") or len(shape) == 2:  # [e, in, out] and [out, in]
+        return "normal", shape[1] ** -0.5, 0.0
+    raise ValueError(f"{name}: no random-initialisation rule for shape {shape}")
+
+
 @functools.partial(jax.jit, static_argnames=("name", "shape", "dtype", "n_experts"))
 def _draw(key, name: str, shape, dtype, n_experts: int):
     """One leaf; jitted per (rule, shape) so a 43-layer model compiles a handful of kernels."""
-    normal = lambda std, mean=0.0: (jax.random.normal(key, shape, jnp.float32) * std + mean).astype(dtype)
-    if name == "tid2eid":
+    kind, a, b = rule(name, shape)
+    if kind == "experts":
         order = jnp.argsort(jax.random.uniform(key, (shape[0], n_experts)), axis=-1)
         return order[:, : shape[1]].astype(dtype)
-    if name == "weight":  # every RMSNorm weight
-        return normal(0.1, 1.0)
-    if name in ("fn", "hc_fn"):
-        return normal(0.02)
-    if name in ("base", "hc_base"):
-        return normal(0.5)
-    if name in ("scale", "hc_scale"):
-        return (0.5 + jax.random.uniform(key, shape)).astype(dtype)
-    if name in ("attn_sink", "ape"):
-        return normal(0.5)
-    if name == "bias":
-        return normal(0.1)
-    if name == "embed":
-        return normal(1.0)
-    if name in ("w1", "w3", "w2"):  # [e, in, out]
-        return normal(shape[1] ** -0.5)
-    if len(shape) == 2:  # [out, in]
-        return normal(shape[1] ** -0.5)
-    raise ValueError(f"{name}: no random-initialisation rule for shape {shape}")
+    if kind == "uniform":
+        return (a + b * jax.random.uniform(key, shape)).astype(dtype)
+    return (jax.random.normal(key, shape, jnp.float32) * a + b).astype(dtype)
 
 
 def random_model(cfg: ModelConfig, seed: int = 0, dtype=jnp.bfloat16, shardings=None) -> Model:

@@ -1,8 +1,8 @@
 """Shared pieces of the sharding tests: the tiny model every TP test runs, its inputs, and the
 single-process reference run (computed once per pytest process, reused by the multi-host test).
 
-The model is drawn with numpy following `redknot_jax.init`'s scale rules: `init.random_model`
-jit-compiles one kernel per parameter shape (about 20 s for this 2-layer model on the shared
+The model is drawn with numpy by the scale rules random models use (`redknot_jax.init.rule`):
+`init.random_model` jit-compiles one kernel per parameter shape (about 20 s for this 2-layer model on the shared
 2-core CI box), a numpy draw takes milliseconds, and the multi-host worker processes rebuild
 the identical model from the seed.
 """
@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from redknot_jax import config
+from redknot_jax import config, init
 from redknot_jax.config import CSA, HASH_MOE, HCA, MOE
 from redknot_jax.model import Model
 
@@ -34,28 +34,12 @@ COMPILER_OPTIONS = {"xla_backend_optimization_level": 0}
 
 
 def _draw(rng, name: str, shape, n_experts: int) -> np.ndarray:
-    normal = lambda std, mean=0.0: rng.normal(mean, std, shape)
-    if name == "tid2eid":
+    kind, a, b = init.rule(name, shape)
+    if kind == "experts":
         return np.argsort(rng.random((shape[0], n_experts)), axis=-1)[:, : shape[1]]
-    if name == "weight":
-        return normal(0.1, 1.0)
-    if name in ("fn", "hc_fn"):
-        return normal(0.02)
-    if name in ("base", "hc_base"):
-        return normal(0.5)
-    if name in ("scale", "hc_scale"):
-        return 0.5 + rng.random(shape)
-    if name in ("attn_sink", "ape"):
-        return normal(0.5)
-    if name == "bias":
-        return normal(0.1)
-    if name == "embed":
-        return normal(1.0)
-    if name in ("w1", "w3", "w2"):
-        return normal(shape[1] ** -0.5)
-    if len(shape) == 2:
-        return normal(shape[1] ** -0.5)
-    raise ValueError(f"{name}: no random-initialisation rule for shape {shape}")
+    if kind == "uniform":
+        return a + b * rng.random(shape)
+    return rng.normal(b, a, shape)
 
 
 def tiny_model(cfg=CFG, seed: int = SEED, dtype=jnp.float32) -> Model:
