@@ -60,7 +60,8 @@ of the resampled ratios. It treats requests as independent, so it reflects the s
 per-request service time in this run, not run-to-run or machine-to-machine variation.
 
 Output: --out JSON (command, date, host, server command and device, policies, workload, per
-cell the summary, the server's counter deltas from /metrics and the raw records), a markdown
+cell the summary, the server's counter deltas from /metrics, its memory at the start and the
+end of the measured window (resident set; device bytes in use and peak) and the raw records), a markdown
 table on stdout, and with --headline the issue's one-row-per-point file ({"device", "date",
 "command", "rows": [{"arm", "concurrency", "requests_per_s", "ci", "ttft_p50_s", "ttft_p90_s",
 "tokens_per_s", "date", "command"}]}), merged into the file's earlier rows from the same device
@@ -242,6 +243,19 @@ class Client:
         if self.conn is not None:
             self.conn.close()
             self.conn = None
+
+
+def parse_memory(text: str) -> dict[str, float | None]:
+    """The server's memory in MB from a Prometheus text page: its resident set (`server_rss`) and
+    its devices' bytes in use and peak (`device_in_use`, `device_peak`); None where not reported
+    (no device statistics on CPU)."""
+    def sample(pattern):
+        m = re.search(rf"^{pattern} ([0-9.eE+-]+)$", text, re.M)
+        return round(float(m.group(1)) / 2**20, 1) if m else None
+
+    return {"server_rss": sample("process_resident_memory_bytes"),
+            "device_in_use": sample(r'redknot_device_memory_bytes\{stat="in_use"\}'),
+            "device_peak": sample(r'redknot_device_memory_bytes\{stat="peak"\}')}
 
 
 def parse_counters(text: str) -> dict[str, float]:
@@ -430,7 +444,7 @@ def run_cell(url, api_key, model, doc_ids, prompts, arm, level, args) -> dict:
     if warm and all(r["status"] != 200 for r in warm):
         raise SystemExit(f"bench_qps: every warm-up request of arm {arm}, concurrency {level} failed; "
                          f"first: status {warm[0]['status']}: {warm[0].get('error')}")
-    before = compiled_programs(metrics)
+    before, mem0 = compiled_programs(metrics, memory=True)
 
     records: list[dict] = []
     go = threading.Event()
@@ -460,19 +474,22 @@ def run_cell(url, api_key, model, doc_ids, prompts, arm, level, args) -> dict:
     for c in clients:
         c.close()
     records.sort(key=lambda r: (r["start_s"], r["client"]))
-    after = compiled_programs(metrics)
+    after, mem1 = compiled_programs(metrics, memory=True)
     metrics.close()
     return {"arm": arm, "concurrency": level, "t0_unix": box["t0_unix"], "records": records,
             "warmup_records": sorted(warm, key=lambda r: r["start_s"]), "warmup_round_programs": rounds,
-            "programs_compiled_in_window": None if before is None or after is None else after - before}
+            "programs_compiled_in_window": None if before is None or after is None else after - before,
+            "memory_mb": {k: [mem0[k], mem1[k]] for k in mem0}}  # the window's first and last: flat under load?
 
 
-def compiled_programs(client: Client) -> float | None:
-    """The server's `redknot_compiled_programs_total` (programs it lowered so far), or None."""
+def compiled_programs(client: Client, memory: bool = False):
+    """The server's `redknot_compiled_programs_total` (programs it lowered so far), or None; with
+    `memory`, (that, `parse_memory` of the same page)."""
     st, text = client.request("GET", "/metrics")
-    m = re.search(r"^redknot_compiled_programs_total ([0-9.eE+-]+)$", text if st == 200 and isinstance(text, str)
-                  else "", re.M)
-    return float(m.group(1)) if m else None
+    text = text if st == 200 and isinstance(text, str) else ""
+    m = re.search(r"^redknot_compiled_programs_total ([0-9.eE+-]+)$", text, re.M)
+    programs = float(m.group(1)) if m else None
+    return (programs, parse_memory(text)) if memory else programs
 
 
 # ---------------------------------------------------------------------------------- CLI
@@ -555,17 +572,20 @@ def table(cells: list[dict]) -> str:
         return f"{v:{fmt}} [{c[0]:{fmt}}, {c[1]:{fmt}}]" if c else f"{v:{fmt}}"
 
     rows = ["| arm | clients | completed | errors | fallbacks | window s | requests/s [95% CI] | "
-            "output tok/s [95% CI] | latency mean / p50 / p90 s | TTFT p50 / p90 s |",
-            "|---|---:|---:|---:|---:|---:|---|---|---|---|"]
+            "output tok/s [95% CI] | latency mean / p50 / p90 s | TTFT p50 / p90 s | server RSS MB | device MB |",
+            "|---|---:|---:|---:|---:|---:|---|---|---|---|---|---|"]
     for c in cells:
         s = c["summary"]
         lat = s["latency_s"]
         lat_s = f"{lat['mean']:.3f} / {lat['p50']:.3f} / {lat['p90']:.3f}" if lat else "-"
         tt = s.get("ttft_s")
         ttft_s = f"{tt['p50']:.3f} / {tt['p90']:.3f}" if tt else "-"
+        mem = c.get("memory_mb", {})
+        span = lambda k: " -> ".join("-" if v is None else f"{v:.0f}" for v in mem.get(k, [None, None]))
         rows.append(f"| {c['arm']} | {c['concurrency']} | {s['completed']} | {s['errors']} | {s['fallbacks']} | "
                     f"{s['window_s']:.2f} | {ci(s['requests_per_s'], s['requests_per_s_ci95'], '.2f')} | "
-                    f"{ci(s['output_tokens_per_s'], s['output_tokens_per_s_ci95'], '.1f')} | {lat_s} | {ttft_s} |")
+                    f"{ci(s['output_tokens_per_s'], s['output_tokens_per_s_ci95'], '.1f')} | {lat_s} | {ttft_s} | "
+                    f"{span('server_rss')} | {span('device_in_use')} |")
     return "\n".join(rows)
 
 
@@ -581,7 +601,7 @@ def headline(out: dict) -> dict:
         rows.append({"arm": c["arm"], "concurrency": c["concurrency"], "requests_per_s": s["requests_per_s"],
                      "ci": s["requests_per_s_ci95"], "ttft_p50_s": tt.get("p50"), "ttft_p90_s": tt.get("p90"),
                      "tokens_per_s": s["output_tokens_per_s"], "completed": s["completed"], "errors": s["errors"],
-                     "date": out["date"], "command": shlex.join(out["command"])})
+                     "memory_mb": c.get("memory_mb"), "date": out["date"], "command": shlex.join(out["command"])})
     return {"device": device, "date": out["date"], "command": shlex.join(out["command"]), "rows": rows}
 
 

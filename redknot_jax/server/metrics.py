@@ -14,6 +14,9 @@ tests can build several apps in one process).
   `_pinned_documents`, `_bytes`, `redknot_arena_admissions_total`, `redknot_arena_evictions_total`;
 * the exact prefix's device cache (both arms): `redknot_prefix_cache_documents`, `_bytes`,
   `redknot_prefix_cache_hits_total`, `_misses_total`, `_evictions_total`;
+* memory: the process's (prometheus_client's `process_resident_memory_bytes` and the rest of its
+  `process_*` family) and the devices' (`redknot_device_memory_bytes{stat}`: `in_use`, `peak`
+  and `limit`, summed over this process's devices; absent where the backend does not say, as on CPU);
 * `redknot_compiled_programs_total`: XLA programs this process lowered (jit cache misses, each
   then compiled or read from the persistent compilation cache), counted through
   `jax.monitoring`: after the start-up warm-up it grows only for request shapes the warm-up
@@ -24,8 +27,9 @@ from __future__ import annotations
 
 import threading
 
+import jax
 import jax.monitoring
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Summary, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, Summary, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 LAT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
@@ -67,6 +71,20 @@ class _CompileCollector:
                                 "misses: compiled, or read from the persistent compilation cache); growth after "
                                 "the warm-up means a request shape it did not cover")
         m.add_metric([], compiled_programs())
+        yield m
+
+
+class _DeviceMemoryCollector:
+    STATS = (("in_use", "bytes_in_use"), ("peak", "peak_bytes_in_use"), ("limit", "bytes_limit"))
+
+    def collect(self):
+        per_device = [d.memory_stats() for d in jax.local_devices()]
+        if not all(per_device):  # the backend keeps no statistics (CPU)
+            return
+        m = GaugeMetricFamily("redknot_device_memory_bytes", "Device memory of this process's devices (summed): "
+                              "in use now, the peak in use since start, the allocator's limit", labels=["stat"])
+        for label, key in self.STATS:
+            m.add_metric([label], sum(st.get(key, 0) for st in per_device))
         yield m
 
 
@@ -167,6 +185,8 @@ class Metrics:
         r.register(_CertCollector(cert_counters))
         count_compiled_programs()
         r.register(_CompileCollector())
+        ProcessCollector(registry=r)
+        r.register(_DeviceMemoryCollector())
         self._arena, self._prefixes = _SnapshotCollector(*ARENA), _SnapshotCollector(*PREFIX_CACHE)
         r.register(self._arena)
         r.register(self._prefixes)

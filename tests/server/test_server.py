@@ -607,6 +607,27 @@ def test_host_sampling_greedy_and_nucleus():
     assert {1, 2} <= draws
 
 
+def test_memory_metrics_process_and_devices(monkeypatch):
+    """/metrics reports the process's resident set, and its devices' memory summed where the
+    backend keeps statistics (GPUs; fake devices here), nothing where one does not (CPU)."""
+    from types import SimpleNamespace
+
+    from redknot_jax.reuse.certificate import CertCounters
+    from redknot_jax.server import metrics
+
+    def page(*stats):
+        monkeypatch.setattr(metrics.jax, "local_devices", lambda: [SimpleNamespace(memory_stats=lambda s=s: s)
+                                                                   for s in stats])
+        return metrics.Metrics(CertCounters()).render().decode()
+
+    gpu = {"bytes_in_use": 3 << 30, "peak_bytes_in_use": 5 << 30, "bytes_limit": 70 << 30}
+    text = page(gpu, dict(gpu, bytes_in_use=1 << 30))
+    got = dict(re.findall(r'^redknot_device_memory_bytes\{stat="(\w+)"\} (\S+)$', text, re.M))
+    assert {k: float(v) for k, v in got.items()} == {"in_use": 4 << 30, "peak": 10 << 30, "limit": 140 << 30}
+    assert "process_resident_memory_bytes" in text
+    assert "redknot_device_memory_bytes" not in page(None)
+
+
 def test_byte_tokenizer_and_tenant_salted_ids(tmp_path):
     from redknot_jax.server.documents import DocumentRegistry, valid_id
     from redknot_jax.server.tokenizer import ByteTokenizer
