@@ -16,7 +16,11 @@ class AheadCompiler:
     arguments, or `jax.ShapeDtypeStruct`s, with a sharding only where the call's arrays will be
     committed to one: else the lowering differs), `__call__(fn, args, kw)` to run
     a program, waiting for its compilation first (a program compiled once: XLA's compilation
-    cache serves the call; a compile error raises here). threads=0: calls only. `first(sig)`:
+    cache serves the call). A compilation that fails ahead leaves the program to the call, which
+    compiles it again (a compile error then raises there, in the caller's thread): the thread
+    keeps no exception, whose traceback would hold the call's arguments (device arrays) for the
+    life of the process, and a transient failure (XLA's autotuner finding no device memory beside
+    the requests in flight) is not repeated for every later call. threads=0: calls only. `first(sig)`:
     whether a request of this signature (its arm and shapes) is the first, so that later ones
     spend no host time on submitting (a signature that misses a shape only leaves that program
     to compile at its call)."""
@@ -51,7 +55,10 @@ class AheadCompiler:
         key = self._key(fn, args, kw)
         if key not in self.jobs:
             def compile_only():  # the executable is kept by XLA's compilation cache, not here
-                fn.lower(*args, **kw).compile()
+                try:
+                    fn.lower(*args, **kw).compile()
+                except Exception:  # nothing kept (see the class doc): the call compiles it
+                    pass
             self.jobs[key] = self.pool.submit(compile_only)
             self.pending = True
 
