@@ -53,7 +53,8 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from redknot_jax.server import documents as docmod
-from redknot_jax.server.scheduler import Job, QueueFull, Sampling, ShuttingDown
+from redknot_jax.server.jobs import Job, Sampling
+from redknot_jax.server.scheduler import QueueFull, ShuttingDown
 from redknot_jax.server.warmup import WARMING_RETRY_AFTER_S, NotReady
 from redknot_jax.server.tokenizer import chat_prompt
 

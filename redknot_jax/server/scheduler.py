@@ -46,7 +46,6 @@ sequences finish for up to `grace_s` seconds, then fails whatever is left, expli
 
 from __future__ import annotations
 
-import asyncio
 import collections
 import dataclasses
 import hashlib
@@ -67,6 +66,7 @@ from redknot_jax.reuse.break_even import request_tier
 from redknot_jax.reuse.certificate import FallbackReason
 from redknot_jax.reuse.planner import Request, Segment
 from redknot_jax.reuse.runtime import ReuseRuntime, sub_batches
+from redknot_jax.server.jobs import Job, sample_host
 from redknot_jax.server.warmup import WarmUp
 
 log = logging.getLogger("redknot.server")
@@ -83,56 +83,6 @@ class ShuttingDown(RuntimeError):
 def out_of_memory(e: Exception) -> bool:
     """Whether `e` is the device running out of memory (XLA's RESOURCE_EXHAUSTED)."""
     return isinstance(e, jax.errors.JaxRuntimeError) and "RESOURCE_EXHAUSTED" in str(e)
-
-
-@dataclasses.dataclass
-class Sampling:
-    temperature: float = 0.0
-    top_p: float = 1.0
-    max_tokens: int = 16
-    seed: int | None = None
-
-
-@dataclasses.dataclass(eq=False)
-class Job:
-    """kind: "plain" (tokens), "reuse" (segments: [(tokens, Document)] + prompt tokens), "build" (doc)."""
-
-    kind: str
-    loop: asyncio.AbstractEventLoop
-    tokens: list[int] | None = None
-    docs: list | None = None
-    doc: object = None
-    sampling: Sampling = dataclasses.field(default_factory=Sampling)
-    arm: str = "engine"
-    stop_ids: frozenset = frozenset()
-    out: asyncio.Queue = dataclasses.field(default_factory=asyncio.Queue)
-    cancelled: threading.Event = dataclasses.field(default_factory=threading.Event)
-    t_submit: float = dataclasses.field(default_factory=time.perf_counter)
-    by_stop: bool = False  # cancelled because a stop string matched, not because the client left
-    ttft_s: float | None = None  # from submission to its first token's emission (queue wait included)
-
-    def emit(self, *ev) -> None:
-        try:
-            self.loop.call_soon_threadsafe(self.out.put_nowait, ev)
-        except RuntimeError:  # the event loop is gone (shutdown): nobody is listening
-            pass
-
-
-def sample_host(logits: np.ndarray, s: Sampling, rng: np.random.Generator) -> int:
-    """Greedy (temperature 0) or temperature + nucleus (top_p) sampling of one row."""
-    if s.temperature == 0.0:
-        return int(np.argmax(logits))
-    lg = logits.astype(np.float64) / s.temperature
-    p = np.exp(lg - lg.max())
-    p /= p.sum()
-    if s.top_p < 1.0:
-        order = np.argsort(-p, kind="stable")
-        ps = p[order]
-        keep = (np.cumsum(ps) - ps) < s.top_p  # preceding mass below top_p; the top token always kept
-        q = np.zeros_like(p)
-        q[order[keep]] = ps[keep]
-        p = q / q.sum()
-    return int(rng.choice(p.shape[0], p=p))
 
 
 @dataclasses.dataclass

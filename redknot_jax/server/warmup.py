@@ -29,6 +29,7 @@ import numpy as np
 from redknot_jax.reuse.artifact import build_artifact
 from redknot_jax.reuse.certificate import CertCounters
 from redknot_jax.server.documents import Document
+from redknot_jax.server.jobs import Job, Sampling
 from redknot_jax.server.metrics import Metrics, compiled_programs
 
 log = logging.getLogger("redknot.server")
@@ -171,8 +172,6 @@ class WarmUp:
         padded batch size (prefill, decode batch), a prefix-arm one (its prefill, the splice into
         the plain batch); then the documents leave the arena. A request whose plan differs (another
         number of protected rows, documents or lengths) may still compile."""
-        from redknot_jax.server.scheduler import Job, Sampling  # (scheduler.py imports this module)
-
         rt, vocab = self.rt, self.eng.cfg.vocab_size
         rng = np.random.default_rng([n_docs, tokens, prompt])
         docs = []

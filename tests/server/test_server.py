@@ -545,7 +545,8 @@ def _sched(max_queue):
 
 
 def test_queue_full_is_backpressure_and_shutdown_fails_queued_jobs():
-    from redknot_jax.server.scheduler import Job, QueueFull, ShuttingDown
+    from redknot_jax.server.jobs import Job
+    from redknot_jax.server.scheduler import QueueFull, ShuttingDown
 
     loop = asyncio.new_event_loop()
     try:
@@ -596,7 +597,7 @@ def test_prefill_chunk_is_one_power_of_two_within_the_cache():
 def test_host_sampling_greedy_and_nucleus():
     import numpy as np
 
-    from redknot_jax.server.scheduler import Sampling, sample_host
+    from redknot_jax.server.jobs import Sampling, sample_host
 
     lg = np.array([0.0, 3.0, 2.9, -5.0])
     rng = np.random.default_rng(0)
@@ -708,7 +709,7 @@ def test_artifacts_persist_in_per_tenant_stores(tmp_path):
     import asyncio
 
     from redknot_jax.reuse.certificate import FallbackReason
-    from redknot_jax.server.scheduler import Job, Sampling
+    from redknot_jax.server.jobs import Job, Sampling
 
     small = Scheduler(Engine(model, capacity=64), rt, Metrics(rt.counters), slots=1, checkpoint_fingerprint="fp-test",
                       arena_rows=cfg.hca_rate)
@@ -971,7 +972,8 @@ def test_long_prompts_prefill_between_decode_steps_and_document_requests_decode_
     from redknot_jax.generate import Engine
     from redknot_jax.reuse.artifact import build_artifact
     from redknot_jax.server.metrics import Metrics
-    from redknot_jax.server.scheduler import Job, Sampling, Scheduler
+    from redknot_jax.server.jobs import Job, Sampling
+    from redknot_jax.server.scheduler import Scheduler
     from redknot_jax.server.state import ServeConfig
 
     cfg, model, rt = _tiny_runtime()
@@ -1059,7 +1061,8 @@ def _one_layer_steps():
     from redknot_jax.generate import Engine
     from redknot_jax.reuse.artifact import build_artifact
     from redknot_jax.server.metrics import Metrics
-    from redknot_jax.server.scheduler import Job, Sampling, Scheduler
+    from redknot_jax.server.jobs import Job, Sampling
+    from redknot_jax.server.scheduler import Scheduler
 
     cfg, model, rt = _tiny_runtime()  # the worker-steps test's documents and prompts: its programs
     toks = np.random.default_rng(0).integers(2, cfg.vocab_size, 40).astype(np.int32)
@@ -1185,7 +1188,8 @@ def test_warmed_document_requests_compile_nothing():
     from redknot_jax.generate import Engine
     from redknot_jax.reuse.artifact import build_artifact
     from redknot_jax.server.metrics import Metrics, compiled_programs
-    from redknot_jax.server.scheduler import Job, Sampling, Scheduler
+    from redknot_jax.server.jobs import Job, Sampling
+    from redknot_jax.server.scheduler import Scheduler
     from redknot_jax.server.state import ServeConfig, parse_warmup_documents
 
     assert parse_warmup_documents("4x8192+32, 1x16+2") == ((4, 8192, 32), (1, 16, 2))
@@ -1197,9 +1201,9 @@ def test_warmed_document_requests_compile_nothing():
     cfg, model, rt = _tiny_runtime()
     sched = Scheduler(Engine(model, capacity=128), rt, Metrics(rt.counters), slots=2, prefill_chunk=16, warmup=(5,),
                       warmup_documents=((2, 24, 3),), max_new_tokens=4, checkpoint_fingerprint="fp-test")
-    def scrape():  # /metrics but what the warm-up is for: programs compiled, the arena's arrays allocated
+    def scrape():  # /metrics but what the warm-up is for: programs compiled, the arena's arrays allocated, memory
         return [ln for ln in sched.metrics.render().decode().splitlines()
-                if "compiled_programs" not in ln and "arena_bytes" not in ln]
+                if not any(k in ln for k in ("compiled_programs", "arena_bytes", "process_", "device_memory"))]
 
     scraped = scrape()
     sched.warmup()
