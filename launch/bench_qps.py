@@ -444,7 +444,7 @@ def run_cell(url, api_key, model, doc_ids, prompts, arm, level, args) -> dict:
     if warm and all(r["status"] != 200 for r in warm):
         raise SystemExit(f"bench_qps: every warm-up request of arm {arm}, concurrency {level} failed; "
                          f"first: status {warm[0]['status']}: {warm[0].get('error')}")
-    before, mem0 = compiled_programs(metrics, memory=True)
+    before, mem0 = scrape(metrics)
 
     records: list[dict] = []
     go = threading.Event()
@@ -474,7 +474,7 @@ def run_cell(url, api_key, model, doc_ids, prompts, arm, level, args) -> dict:
     for c in clients:
         c.close()
     records.sort(key=lambda r: (r["start_s"], r["client"]))
-    after, mem1 = compiled_programs(metrics, memory=True)
+    after, mem1 = scrape(metrics)
     metrics.close()
     return {"arm": arm, "concurrency": level, "t0_unix": box["t0_unix"], "records": records,
             "warmup_records": sorted(warm, key=lambda r: r["start_s"]), "warmup_round_programs": rounds,
@@ -482,14 +482,17 @@ def run_cell(url, api_key, model, doc_ids, prompts, arm, level, args) -> dict:
             "memory_mb": {k: [mem0[k], mem1[k]] for k in mem0}}  # the window's first and last: flat under load?
 
 
-def compiled_programs(client: Client, memory: bool = False):
-    """The server's `redknot_compiled_programs_total` (programs it lowered so far), or None; with
-    `memory`, (that, `parse_memory` of the same page)."""
+def scrape(client: Client) -> tuple[float | None, dict]:
+    """From one /metrics page: the server's `redknot_compiled_programs_total` (programs it lowered
+    so far; None if it does not say) and its memory (`parse_memory`)."""
     st, text = client.request("GET", "/metrics")
     text = text if st == 200 and isinstance(text, str) else ""
     m = re.search(r"^redknot_compiled_programs_total ([0-9.eE+-]+)$", text, re.M)
-    programs = float(m.group(1)) if m else None
-    return (programs, parse_memory(text)) if memory else programs
+    return (float(m.group(1)) if m else None), parse_memory(text)
+
+
+def compiled_programs(client: Client) -> float | None:
+    return scrape(client)[0]
 
 
 # ---------------------------------------------------------------------------------- CLI
