@@ -246,7 +246,7 @@ class Client:
 
 
 def parse_memory(text: str) -> dict[str, float | None]:
-    """The server's memory in MB from a Prometheus text page: its resident set (`server_rss`) and
+    """The server's memory in MiB from a Prometheus text page: its resident set (`server_rss`) and
     its devices' bytes in use and peak (`device_in_use`, `device_peak`); None where not reported
     (no device statistics on CPU)."""
     def sample(pattern):
@@ -479,7 +479,7 @@ def run_cell(url, api_key, model, doc_ids, prompts, arm, level, args) -> dict:
     return {"arm": arm, "concurrency": level, "t0_unix": box["t0_unix"], "records": records,
             "warmup_records": sorted(warm, key=lambda r: r["start_s"]), "warmup_round_programs": rounds,
             "programs_compiled_in_window": None if before is None or after is None else after - before,
-            "memory_mb": {k: [mem0[k], mem1[k]] for k in mem0}}  # the window's first and last: flat under load?
+            "memory_mib": {k: [mem0[k], mem1[k]] for k in mem0}}  # the window's first and last: flat under load?
 
 
 def scrape(client: Client) -> tuple[float | None, dict]:
@@ -575,7 +575,7 @@ def table(cells: list[dict]) -> str:
         return f"{v:{fmt}} [{c[0]:{fmt}}, {c[1]:{fmt}}]" if c else f"{v:{fmt}}"
 
     rows = ["| arm | clients | completed | errors | fallbacks | window s | requests/s [95% CI] | "
-            "output tok/s [95% CI] | latency mean / p50 / p90 s | TTFT p50 / p90 s | server RSS MB | device MB |",
+            "output tok/s [95% CI] | latency mean / p50 / p90 s | TTFT p50 / p90 s | server RSS MiB | device MiB |",
             "|---|---:|---:|---:|---:|---:|---|---|---|---|---|---|"]
     for c in cells:
         s = c["summary"]
@@ -583,7 +583,7 @@ def table(cells: list[dict]) -> str:
         lat_s = f"{lat['mean']:.3f} / {lat['p50']:.3f} / {lat['p90']:.3f}" if lat else "-"
         tt = s.get("ttft_s")
         ttft_s = f"{tt['p50']:.3f} / {tt['p90']:.3f}" if tt else "-"
-        mem = c.get("memory_mb", {})
+        mem = c.get("memory_mib", {})
         span = lambda k: " -> ".join("-" if v is None else f"{v:.0f}" for v in mem.get(k, [None, None]))
         rows.append(f"| {c['arm']} | {c['concurrency']} | {s['completed']} | {s['errors']} | {s['fallbacks']} | "
                     f"{s['window_s']:.2f} | {ci(s['requests_per_s'], s['requests_per_s_ci95'], '.2f')} | "
@@ -604,7 +604,7 @@ def headline(out: dict) -> dict:
         rows.append({"arm": c["arm"], "concurrency": c["concurrency"], "requests_per_s": s["requests_per_s"],
                      "ci": s["requests_per_s_ci95"], "ttft_p50_s": tt.get("p50"), "ttft_p90_s": tt.get("p90"),
                      "tokens_per_s": s["output_tokens_per_s"], "completed": s["completed"], "errors": s["errors"],
-                     "memory_mb": c.get("memory_mb"), "date": out["date"], "command": shlex.join(out["command"])})
+                     "memory_mib": c.get("memory_mib"), "date": out["date"], "command": shlex.join(out["command"])})
     return {"device": device, "date": out["date"], "command": shlex.join(out["command"]), "rows": rows}
 
 

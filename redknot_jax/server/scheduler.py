@@ -133,10 +133,10 @@ class Scheduler(WarmUp):
                  checkpoint_fingerprint: str = "", store_root: str | None = None, prefill_chunk: int = 2048,
                  warmup=None, arena_rows: int = 16384, arena_docs: int = 64, break_even=None, reuse_batch: int = 4,
                  max_batched_tokens: int = 2048, warmup_documents=(), max_new_tokens: int | None = None):
-        """warmup, warmup_documents: `WarmUp._init_warmup`'s. max_batched_tokens: a worker step's token budget (decode rows + prefill chunk rows; at
-        least one chunk runs). max_new_tokens: the most tokens a request may ask for; document
-        requests' decode states are made for that many (one set of shapes, whatever a request
-        asks), else (None) for each request's own."""
+        """warmup, warmup_documents: `WarmUp._init_warmup`'s. max_batched_tokens: a worker step's
+        token budget (decode rows + prefill chunk rows; at least one chunk runs). max_new_tokens:
+        the most tokens a request may ask for; document requests' decode states are made for that
+        many (one set of shapes, whatever a request asks), else (None) for each request's own."""
         self.eng, self.rt, self.metrics = engine, runtime, metrics
         # one compiled prefill program: prompts run in chunks of this many rows (the last one
         # padded), the largest power of two within both the flag and the cache's capacity
@@ -322,17 +322,11 @@ class Scheduler(WarmUp):
         """The oldest deferred document request prefills again once fewer sequences are in flight
         than when its prefill ran out of device memory (one a step); a cancelled one leaves,
         unpinning its documents; past the shutdown grace each fails with 503."""
-        with self._cond:
-            late = self._stopping and time.perf_counter() > self._deadline
+        late = self._past_grace()
         for p, others in list(self._deferred):
-            if late:
-                p["job"].emit("error", 503, "server is shutting down; request not started")
-            elif p["job"].cancelled.is_set():
-                self._count_cancel(p["job"])
-            else:
-                continue
-            self._deferred.remove((p, others))
-            self.arena.release(p["arts"])
+            if self._leaves(p["job"], late, "request not started"):
+                self._deferred.remove((p, others))
+                self.arena.release(p["arts"])
         if self._deferred and self._in_flight() < self._deferred[0][1]:
             p, _ = self._deferred.pop(0)
             self._prefilling.insert(0, self._prefill_group([p]))
@@ -340,6 +334,22 @@ class Scheduler(WarmUp):
     def _count_cancel(self, job: Job) -> None:
         if not job.by_stop:
             self.metrics.cancelled.inc()
+
+    def _past_grace(self) -> bool:
+        """Whether the shutdown's grace period is over (`stop`): what is still running fails."""
+        with self._cond:
+            return self._stopping and time.perf_counter() > self._deadline
+
+    def _leaves(self, job: Job, late: bool, what: str) -> bool:
+        """Whether a document request leaves now: its client went away (counted), or `late` (past
+        the shutdown grace: a 503 saying `what` of it)."""
+        if job.cancelled.is_set():
+            self._count_cancel(job)
+            return True
+        if late:
+            job.emit("error", 503, f"server is shutting down; {what}")
+            return True
+        return False
 
     def _token(self, job: Job, tok: int, n: int, t_prev: float | None, arm: str) -> str | None:
         """Emit one token; return the finish reason if the sequence ends here."""
@@ -555,19 +565,11 @@ class Scheduler(WarmUp):
         first token (`_generation`) and decodes from the next step. A cancelled request leaves
         the group (a group left empty stops); past the shutdown grace every request fails with
         503; a failure fails the request, or splits a batch into requests prefilling alone."""
-        with self._cond:
-            late = self._stopping and time.perf_counter() > self._deadline
+        late = self._past_grace()
         for p in g.preps:
-            if p["job"] in g.dropped:
-                continue
-            if late:
-                p["job"].emit("error", 503, "server is shutting down; generation stopped")
-            elif p["job"].cancelled.is_set():
-                self._count_cancel(p["job"])
-            else:
-                continue
-            g.dropped.add(p["job"])
-            self.arena.release(p["arts"])
+            if p["job"] not in g.dropped and self._leaves(p["job"], late, "generation stopped"):
+                g.dropped.add(p["job"])
+                self.arena.release(p["arts"])
         if len(g.dropped) == len(g.preps):
             g.steps.close()
             self._prefilling.remove(g)
@@ -611,14 +613,9 @@ class Scheduler(WarmUp):
         batched step, the others each on its own. One that ends (done, cancelled, failed, or past
         the shutdown grace) leaves the batch and unpins its documents. A failed batched step fails
         its members (their rows were in it), not the others."""
-        with self._cond:
-            late = self._stopping and time.perf_counter() > self._deadline
+        late = self._past_grace()
         for r in list(self._reuse):
-            if r.job.cancelled.is_set():
-                self._count_cancel(r.job)
-                self._end(r)
-            elif late:
-                r.job.emit("error", 503, "server is shutting down; generation stopped")
+            if self._leaves(r.job, late, "generation stopped"):
                 self._end(r)
         old = list(self._reuse)
         members = [r for r in old if r.slot is not None]

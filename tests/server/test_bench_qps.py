@@ -122,7 +122,7 @@ def test_bench_against_real_server(tmp_path, monkeypatch, capsys):
         s, recs = cell["summary"], cell["records"]
         assert s["completed"] > 0 and s["errors"] == 0 and cell["warmup_errors"] == 0, s
         assert s["clients"] == cell["concurrency"] and s["fallbacks"] == 0
-        mem = cell["memory_mb"]  # the server's resident set before and after; no device statistics on CPU
+        mem = cell["memory_mib"]  # the server's resident set before and after; no device statistics on CPU
         assert all(v > 100 for v in mem["server_rss"]) and mem["device_in_use"] == [None, None], mem
         assert s["arm_ran"] == [cell["arm"]]  # the RedKnot arm really ran, and recompute ran natively
         # raw records kept: one per request sent in the window, every client at least once

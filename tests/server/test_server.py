@@ -9,6 +9,12 @@ isolation (404 for another tenant's id, same as unknown; shared publication); ev
 of the issue gets its 4xx JSON error naming the field and the server still answers; the queue's
 back-pressure and explicit shutdown failures (in-process, stub engine); client disconnect stops
 generation; a bounded load test (zero 5xx, RSS growth bound); graceful shutdown on SIGTERM.
+
+Sections, in this order (each under a `# ----` rule): the socket tests above (fixture `server`);
+in-process scheduler units (queue, prefill chunk, sampling, memory metrics, per-tenant stores,
+kernels flag); the start-up warm-up (uvicorn on a thread, fixture `warm_state`); worker steps
+(chunked prompts, document prefills a layer a step, cancellation, out-of-memory deferral); the
+document warm-up. The scheduler's warm-up is `server/warmup.py`, its jobs `server/jobs.py`.
 """
 
 from __future__ import annotations
