@@ -11,7 +11,7 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 # Lower XLA's CPU backend (LLVM) effort for every test program, as tests/sharding/helpers.py
 # already did for its own: the suite is compile-bound (about 30 % less compile time), and a
 # program's semantics (fp32, highest matmul precision) are unchanged. Server subprocesses
-# started by tests/server/test_server.py get only this flag (FAST_COMPILE) and one device;
+# started by tests/server/sockets.py get only this flag (FAST_COMPILE) and one device;
 # test_bench_qps.py's server keeps XLA's default (it is bound by running, not compiling).
 if "xla_backend_optimization_level" not in os.environ["XLA_FLAGS"]:
     os.environ["XLA_FLAGS"] += " --xla_backend_optimization_level=0"
@@ -78,6 +78,7 @@ HEAVY_FIRST = (
     "tests/server/test_shipped_model.py",  # ~250 s, 1 test
     "tests/sharding/test_consumer_tp.py",
     "tests/server/test_server.py",
+    "tests/server/test_scheduler.py",
     "tests/pallas/test_restore.py",
     "tests/pallas/test_sparse_attention.py",  # ~95 s (the kernel in interpret mode, in a model)
     "tests/pallas/test_ragged_dot.py",  # ~70 s

@@ -11,7 +11,7 @@ import signal
 import numpy as np
 import pytest
 
-from tests.server.test_server import ROOT, _free_port
+from tests.server.sockets import ROOT, free_port
 
 _spec = importlib.util.spec_from_file_location("bench_qps", ROOT / "launch" / "bench_qps.py")
 bench_qps = importlib.util.module_from_spec(_spec)
@@ -73,7 +73,7 @@ def test_a_failed_warmup_stops_the_wait_at_once(tmp_path):
     import sys
     import time
 
-    port = _free_port()
+    port = free_port()
     srv = bench_qps.SpawnedServer([], port, str(tmp_path / "server.log"), startup_timeout_s=600)
     srv.cmd = [sys.executable, "-c", f"""
 import http.server, json
@@ -97,7 +97,7 @@ def test_bench_against_real_server(tmp_path, monkeypatch, capsys):
     out_file, head_file = tmp_path / "qps.json", tmp_path / "qps_headline.json"
     dur = 3.0
     res = bench_qps.main(["--serve-args", "--preset tiny --profile tiny-exact --max-model-len 512 --log-level warning",
-                          "--port", str(_free_port()), "--concurrency", "1,2", "--arms", "redknot,prefix,recompute",
+                          "--port", str(free_port()), "--concurrency", "1,2", "--arms", "redknot,prefix,recompute",
                           "--duration-s", str(dur), "--warmup-requests", "1", "--warmup-max-rounds", "3", "--docs", "4",
                           "--docs-per-request", "2", "--doc-chars", "48", "--prompt-chars", "16",
                           "--output-len", "4", "--bootstrap", "500", "--out", str(out_file),

@@ -30,7 +30,7 @@ from redknot_jax.quality.model_config import profile_of, qa_profile
 from redknot_jax.quality.train import load_model
 from redknot_jax.reuse.planner import Request, Segment
 from redknot_jax.reuse.runtime import ReuseRuntime
-from tests.server.test_server import start_server, stop_server
+from tests.server.sockets import start_server, stop_server
 
 SEED = 4  # the test world (test split)
 # a request's wait: the first request of each arm compiles the 12-layer model's programs in the

@@ -6,7 +6,6 @@ cross-rank agreements in which only one process's rank failed (no deadlock)."""
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -14,17 +13,12 @@ from pathlib import Path
 
 import numpy as np
 
+from tests.server.sockets import free_port
 from tests.sharding.helpers import DECODE_STEPS, reference_run
 from tests.tolerances import TOL, rel_err
 
 ROOT = Path(__file__).resolve().parents[2]
 NPROC, LOCAL_DEVICES, TIMEOUT_S = 2, 4, 300
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _tail(path: Path, n: int = 3000) -> str:
@@ -36,7 +30,7 @@ def _logs(logs) -> str:
 
 
 def test_two_processes_dp_x_tp_equal_single_process(tmp_path):
-    port = _free_port()
+    port = free_port()
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT),
                XLA_FLAGS=f"--xla_force_host_platform_device_count={LOCAL_DEVICES}")
     procs, logs, handles = [], [], []
