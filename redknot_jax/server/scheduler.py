@@ -81,7 +81,8 @@ class ShuttingDown(RuntimeError):
 
 
 def out_of_memory(e: Exception) -> bool:
-    """Whether `e` is the device running out of memory (XLA's RESOURCE_EXHAUSTED)."""
+    """Whether `e` is the device running out of memory (XLA's RESOURCE_EXHAUSTED, also where it is
+    one of the failures another error lists: the autotuner's "All configs failed during profiling")."""
     return isinstance(e, jax.errors.JaxRuntimeError) and "RESOURCE_EXHAUSTED" in str(e)
 
 
