@@ -30,9 +30,6 @@ step() {  # name, then the command's arguments after `python`; STEP_TIMEOUT=S (d
 
 qps_setup() {  # the `qps` steps': the server's wheels (.whl/), the Flash profile at tail 0 and a 10 % budget
   pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl >> $R/chain.log 2>&1
-  # the controller program's buffers as XLA assigns them on the GPU: on an H100 at 4 clients it asked for
-  # 3.33 GiB (2026-12-07) where its CPU memory analysis says 33 MB of temporaries
-  export XLA_FLAGS="${XLA_FLAGS:-} --xla_dump_to=$R/hlo --xla_dump_hlo_module_re=.*controller.*"
   python -c "import dataclasses, json; from redknot_jax.reuse.profile import flash_profile as f
 p = dataclasses.replace(f(), name='flash-tail0-b10', tail_rows=0, budget_override=0.1)
 json.dump(p.to_dict(), open('/tmp/flash_tail0_b10.json', 'w'))"
@@ -146,7 +143,7 @@ if [ ! -f $R/started ]; then
   setsid nohup bash "$0" --queue "${2:-}" > $R/queue.out 2>&1 < /dev/null &
 fi
 end=$((SECONDS + ${1:-540}))
-save() { cp $R/*.json $R/*.md $R/*.log $R/hlo/*buffer-assignment.txt "${OUT:-/tmp}"/ 2>/dev/null; }
+save() { cp $R/*.json $R/*.md $R/*.log "${OUT:-/tmp}"/ 2>/dev/null; }
 while [ ! -f $R/done ] && [ $SECONDS -lt $end ]; do sleep 10; save; echo "t=$SECONDS $(tail -1 $R/chain.log)"; done
 save
 cat $R/chain.log

@@ -5,7 +5,7 @@ them. XLA's compilation releases the GIL, so the threads compile in parallel."""
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 
 import jax
 
@@ -20,7 +20,8 @@ class AheadCompiler:
     compiles it again (a compile error then raises there, in the caller's thread): the thread
     keeps no exception, whose traceback would hold the call's arguments (device arrays) for the
     life of the process, and a transient failure (XLA's autotuner finding no device memory beside
-    the requests in flight) is not repeated for every later call. threads=0: calls only. `first(sig)`:
+    the requests in flight) is not repeated for every later call. `drain()` waits for every
+    compilation submitted (the autotuner's device memory returned). threads=0: calls only. `first(sig)`:
     whether a request of this signature (its arm and shapes) is the first, so that later ones
     spend no host time on submitting (a signature that misses a shape only leaves that program
     to compile at its call)."""
@@ -69,3 +70,7 @@ class AheadCompiler:
                 job.result()
             self.pending = not all(j.done() for j in self.jobs.values())
         return fn(*args, **kw)
+
+    def drain(self) -> None:
+        wait(list(self.jobs.values()))
+        self.pending = False

@@ -1,6 +1,8 @@
-"""`ahead.AheadCompiler`: a compilation that fails on its thread is left to the call."""
+"""`ahead.AheadCompiler`: a compilation that fails on its thread is left to the call; `drain` waits
+for every compilation submitted."""
 
 import gc
+import threading
 import weakref
 
 import jax.numpy as jnp
@@ -29,3 +31,26 @@ def test_a_failed_ahead_compile_is_left_to_the_call_and_keeps_no_argument():
     del x
     gc.collect()
     assert held() is None  # no exception's traceback holds the call's arrays
+
+
+class _Slow(_Program):
+    """A program whose ahead compilation ends when `go` is set."""
+
+    def __init__(self):
+        self.go, self.compiled = threading.Event(), False
+
+    def lower(self, *args, **kw):
+        self.go.wait(10)
+        self.compiled = True
+        return self
+
+    def compile(self):
+        return self
+
+
+def test_drain_waits_for_every_submitted_compilation():
+    ahead, program = AheadCompiler(threads=1), _Slow()
+    ahead.submit(program, (jnp.zeros(2),), {"k": 1})
+    threading.Timer(0.2, program.go.set).start()
+    ahead.drain()
+    assert program.compiled and not ahead.pending

@@ -165,10 +165,9 @@ class Scheduler(WarmUp):
             lambda b, o: jax.lax.dynamic_update_index_in_dim(b, o[0], i, 0), big, one), donate_argnums=(0,))
         self.alive = False
         self.break_even = break_even  # reuse.break_even.BreakEven: picks the arm of "auto" requests, or None
-        self.reuse_batch = reuse_batch  # document requests waiting together that prefill in one batch, at most
-        # the sizes such a batch runs in (powers of two, and reuse_batch; runtime.sub_batches): few compiled programs
-        self.batch_sizes = tuple(sorted({1 << k for k in range(1, reuse_batch.bit_length()) if 1 << k < reuse_batch}
-                                        | {reuse_batch}))
+        self.set_reuse_batch(reuse_batch)
+        # batched document prefills that failed and ran one at a time instead, by (batch size, out of device memory)
+        self.split_batches: collections.Counter = collections.Counter()
         # the hot tier: one device arena of documents for every document request (reuse/arena.py)
         self.arena = runtime.consumer.arena(arena_rows, arena_docs) if runtime is not None else None
         if self.arena is not None:
@@ -176,6 +175,12 @@ class Scheduler(WarmUp):
             metrics.watch_prefix_cache(runtime.prefix_cache)
         # document requests in the RedKnot arm decode as rows of one batch of `slots` (reuse/decode_batch.py)
         self.decoding = runtime.consumer.decode_batch(slots) if runtime is not None else None
+
+    def set_reuse_batch(self, n: int) -> None:
+        """At most `n` document requests waiting together prefill in one batch, in the sizes
+        `batch_sizes` (powers of two, and n; runtime.sub_batches): few compiled programs."""
+        self.reuse_batch = n
+        self.batch_sizes = tuple(sorted({1 << k for k in range(1, n.bit_length()) if 1 << k < n} | {n}))
 
     # ------------------------------------------------------------------ event-loop side
     def submit(self, job: Job) -> None:
@@ -584,6 +589,7 @@ class Scheduler(WarmUp):
             at = self._prefilling.index(g)
             if len(g.preps) > 1:  # each then prefills on its own (and fails alone if it must)
                 log.error("batched document prefill failed; prefilling one at a time:\n%s", traceback.format_exc())
+                self.split_batches[len(g.preps), out_of_memory(e)] += 1
                 self._prefilling[at:at + 1] = [self._prefill_group([p]) for p in g.preps if p["job"] not in g.dropped]
             else:
                 del self._prefilling[at]

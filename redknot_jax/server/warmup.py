@@ -9,11 +9,17 @@ is told when to come back instead of holding a connection through minutes of com
 failure is logged and leaves `phase` "failed" with `warmup_error`, every submission refused.
 Document requests are warmed only for the shapes `warmup_documents` lists (`_warm_documents`):
 their programs follow the number of cited documents, each one's length and the prompt's
-(padded by `Buckets`), not one length.
+(padded by `Buckets`), not one length. A batch size whose prefill runs out of device memory there
+caps the document batches at the largest size that ran (logged; `/healthz` reports it), as
+vLLM's start-up profiling sizes its KV cache: the server then serves smaller batches instead of
+deferring or failing every batch of that size. Each part of the warm-up waits for the programs
+its compile-ahead threads still compile (their autotuning takes device memory the next part
+would need), so its logged time includes them.
 
 `WarmUp` runs on the scheduler's own parts: the engine (`eng`), the plain path's admission and
 decode step (`_prefill_slot`, `_decode_batch`), the document path (`rt`, `arena`, `_start_reuse`,
-`_step`, `_active`, `batch_sizes`), its metrics and `_stopping`.
+`_step`, `_active`, `batch_sizes`, `reuse_batch`, `set_reuse_batch`, `split_batches`), its metrics
+and `_stopping`.
 """
 
 from __future__ import annotations
@@ -94,6 +100,7 @@ class WarmUp:
             elapsed, programs = time.perf_counter() - self._warm_t0, compiled_programs() - self._warm_p0
         return {"lengths": list(self.warmup_lengths), "documents": [list(d) for d in self.warmup_documents],
                 "done": self.warmup_done, "total": len(self.warmup_lengths) + len(self.warmup_documents),
+                "reuse_batch": self.reuse_batch,
                 "programs": programs, "seconds": None if elapsed is None else round(elapsed, 3)}
 
     def check_ready(self) -> None:
@@ -144,6 +151,9 @@ class WarmUp:
         overruns a caller's patience (a benchmark's start-up timeout) shows where it stands."""
         t0, p0 = time.perf_counter(), compiled_programs()
         yield
+        self.eng.ahead.drain()
+        if self.rt is not None:
+            self.rt.consumer.ahead.drain()
         log.info("warm-up: %s in %.1fs (%d programs)", what, time.perf_counter() - t0, compiled_programs() - p0)
 
     def _warmup(self, lengths) -> None:
@@ -179,9 +189,11 @@ class WarmUp:
             toks = rng.integers(2, vocab, tokens).astype(np.int32)
             docs.append(Document(f"warmup-{k}", "", toks, shared=False, created=0, artifact=build_artifact(
                 rt.model, rt.profile, toks, checkpoint_fingerprint=self.fp, kernels=rt.consumer.kernels)))
-        events = []
+        fits = 1  # the largest batch whose prefill ran
         for arm, size in [("redknot", 1)] + [("redknot", b) for b in self.batch_sizes if b > 1] + [("prefix", 1)]:
-            jobs = []
+            if size > self.reuse_batch:  # capped below
+                continue
+            jobs, events, split = [], [], self.split_batches.copy()
             for _ in range(size):
                 j = Job("reuse", None, tokens=rng.integers(2, vocab, prompt).tolist(), docs=docs,
                         sampling=Sampling(max_tokens=2), arm=arm)
@@ -193,8 +205,18 @@ class WarmUp:
                 while self._active():
                     self._step()
             bad = [e for e in events if e[0] == "error"]
+            failed = self.split_batches - split  # the batch failed, then its requests ran one at a time
+            if failed:
+                if not all(oom for _, oom in failed) or any(e[1] != 503 for e in bad):
+                    raise RuntimeError(f"warm-up of {what}: the batched prefill failed (logged above)"
+                                       + (f"; then {bad[0][2]}" if bad else ""))
+                log.warning("warm-up: %s ran out of device memory; document batches capped at %d", what, fits)
+                self.set_reuse_batch(fits)
+                continue
             if bad:
                 raise RuntimeError(f"warm-up of {what}: {bad[0][2]}")
+            if arm == "redknot":
+                fits = size
         self.arena.evict([d.artifact for d in docs])
 
     def _warm(self) -> bool:

@@ -678,9 +678,11 @@ def test_warmed_document_requests_compile_nothing():
     """--warmup-documents: after warming requests of 2 documents of 24 tokens and a 3-token prompt,
     requests of that shape (other documents, other prompts, fewer tokens asked: decode states are
     made for --max-tokens-limit) compile no program, alone or batched; one citing 3 documents does.
+    A batch of 4 that runs out of device memory in the warm-up (injected) caps the batches at 2.
     The warm-up leaves /metrics as it found it. Its flag is parsed, or refused naming the item."""
     import asyncio
 
+    import jax
     import numpy as np
 
     from redknot_jax.generate import Engine
@@ -703,9 +705,21 @@ def test_warmed_document_requests_compile_nothing():
         return [ln for ln in sched.metrics.render().decode().splitlines()
                 if not any(k in ln for k in ("compiled_programs", "arena_bytes", "process_", "device_memory"))]
 
+    batched = rt.prefill_batch_steps
+
+    def out_of_memory_at_4(reqs, *args, **kw):
+        def oom():
+            raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 6.63GiB")
+            yield
+        return oom() if len(reqs) == 4 else batched(reqs, *args, **kw)
+
     scraped = scrape()
+    rt.prefill_batch_steps = out_of_memory_at_4
     sched.warmup()
+    del rt.prefill_batch_steps
     assert sched.warmup_status()["done"] == 2 and not sched.arena.snapshot()["docs"]  # warm-up documents gone
+    assert sched.warmup_status()["reuse_batch"] == 2 and sched.batch_sizes == (2,)
+    assert sched.split_batches == {(4, True): 1}
     # the warm-up's requests are no client's: no TTFT, ledger, certificate or arena admission recorded
     assert scrape() == scraped and not sched.arena.stats["admitted"]
     rng = np.random.default_rng(9)
