@@ -180,8 +180,9 @@ class WarmUp:
         `prompt` tokens run: seeded random documents, built (the builder's programs) and admitted
         to the arena, then requests through the worker's own path: RedKnot ones alone and in each
         padded batch size (prefill, decode batch), a prefix-arm one (its prefill, the splice into
-        the plain batch); then the documents leave the arena. A request whose plan differs (another
-        number of protected rows, documents or lengths) may still compile."""
+        the plain batch); then the documents leave the arena. A batch size whose prefill runs out of
+        device memory caps the batches at the largest size that ran (module doc). A request whose
+        plan differs (another number of protected rows, documents or lengths) may still compile."""
         rt, vocab = self.rt, self.eng.cfg.vocab_size
         rng = np.random.default_rng([n_docs, tokens, prompt])
         docs = []
