@@ -431,13 +431,13 @@ def run_cell(url, api_key, model, doc_ids, prompts, arm, level, args) -> dict:
                 warm.append(dict(r, round=rnd))
 
     while args.warmup_requests and len(rounds) < args.warmup_max_rounds:
-        before = compiled_programs(metrics)
+        before = scrape(metrics)[0]
         ts = [threading.Thread(target=warm_worker, args=(c, len(rounds))) for c in range(level)]
         for t in ts:
             t.start()
         for t in ts:
             t.join()
-        after = compiled_programs(metrics)
+        after = scrape(metrics)[0]
         rounds.append(None if before is None or after is None else after - before)
         if not rounds[-1]:  # nothing compiled (or the server does not say): warm
             break
@@ -489,10 +489,6 @@ def scrape(client: Client) -> tuple[float | None, dict]:
     text = text if st == 200 and isinstance(text, str) else ""
     m = re.search(r"^redknot_compiled_programs_total ([0-9.eE+-]+)$", text, re.M)
     return (float(m.group(1)) if m else None), parse_memory(text)
-
-
-def compiled_programs(client: Client) -> float | None:
-    return scrape(client)[0]
 
 
 # ---------------------------------------------------------------------------------- CLI
