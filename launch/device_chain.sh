@@ -117,12 +117,13 @@ run_steps() {
       # 4 documents every request cites (in a seeded random order) in an arena of 32,768 rows, batches of 2; the
       # Flash profile at tail 0 and a 10 % budget (its 32K tail protects every row of a 32K request). Both qps
       # steps warm F's document requests at start-up (alone, in batches, prefix arm): compiled mid-run, a batch
-      # shape's autotuning found no memory beside the requests in flight (2026-12-07, H100, 4 clients)
+      # shape's autotuning found no memory beside the requests in flight (2026-12-07, H100, 4 clients). QPS_LEVELS
+      # (default 1,4,16) and QPS_REUSE_BATCH (default 2) in the environment narrow it to a short device budget
       qps_setup
       PYTHONPATH=/tmp/site:$PWD step $s launch/bench_qps.py --serve-args "--preset flash-shaped --dtype bfloat16 \
---profile /tmp/flash_tail0_b10.json --max-model-len 33280 --arena-rows 32768 --reuse-batch 2 --max-tokens-limit 64 \
---prefill-chunk 8192 --max-batched-tokens 8192 --compile-threads 8 --warmup-documents 4x8192+32" --arms redknot,prefix,recompute \
-      --concurrency 1,4,16 --duration-s 30 --warmup-requests 1 --warmup-max-rounds 3 --docs 4 --docs-per-request 4 \
+--profile /tmp/flash_tail0_b10.json --max-model-len 33280 --arena-rows 32768 --reuse-batch ${QPS_REUSE_BATCH:-2} \
+--max-tokens-limit 64 --prefill-chunk 8192 --max-batched-tokens 8192 --compile-threads 8 --warmup-documents 4x8192+32" --arms redknot,prefix,recompute \
+      --concurrency ${QPS_LEVELS:-1,4,16} --duration-s 30 --warmup-requests 1 --warmup-max-rounds 3 --docs 4 --docs-per-request 4 \
       --doc-chars 8192 --prompt-chars 32 --output-len 64 --startup-timeout-s 600 \
       --headline $R/qps_headline_docs4_${d}_$today.json --out $R/qps_flash_docs4_${d}_$today.json ;;
     compile0)  # the flash-shaped decode step's layer-0 parts, compiled alone (the server's decode warm-up;
