@@ -59,6 +59,15 @@ replacement (numpy, seeded) and recomputes these ratios; the CI is the 2.5 / 97.
 of the resampled ratios. It treats requests as independent, so it reflects the spread of
 per-request service time in this run, not run-to-run or machine-to-machine variation.
 
+Overload (--overload FACTOR, issue #46 item 5): after the cells, each arm in turn is offered
+FACTOR times its best requests/s of the run (its sustainable rate under the closed loop), open
+loop: Poisson arrivals (seeded exponential gaps) for --duration-s, each request on a connection
+of its own whatever the server's state, every one waited for and kept (status, Retry-After of a
+refusal). Reported per arm: requests sent and completed per second, responses by status, 429s
+(and those without Retry-After), 5xx, transport errors, and the server's memory (resident set,
+device bytes in use) read every second: start, max, end. What a server under twice its
+sustainable rate should show: 429s with Retry-After, no 5xx, memory flat.
+
 Output: --out JSON (command, date, host, server command and device, policies, workload, per
 cell the summary, the server's counter deltas from /metrics, its memory at the start and the
 end of the measured window (resident set; device bytes in use and peak) and the raw records), a markdown
@@ -71,6 +80,7 @@ Client side: standard library + numpy only.
 
 from __future__ import annotations
 
+import collections
 import datetime
 import http.client
 import json
@@ -207,6 +217,7 @@ class Client:
         self.scheme, self.host, self.port = u.scheme, u.hostname, u.port or (443 if u.scheme == "https" else 80)
         self.prefix = u.path.rstrip("/")
         self.key, self.timeout, self.conn = api_key, timeout, None
+        self.headers: dict[str, str] = {}  # the last response's, names lower-cased
 
     def _connect(self):
         cls = http.client.HTTPSConnection if self.scheme == "https" else http.client.HTTPConnection
@@ -225,6 +236,7 @@ class Client:
                 self.conn.request(method, self.prefix + path, body=data, headers=headers)
                 r = self.conn.getresponse()
                 status, text = r.status, r.read().decode("utf-8", "replace")
+                self.headers = {k.lower(): v for k, v in r.getheaders()}
                 break
             except (http.client.RemoteDisconnected, BrokenPipeError, ConnectionResetError) as e:
                 self.close()
@@ -407,6 +419,7 @@ def one_request(client: Client, model: str, doc_ids: list[str], order: list[int]
     else:
         err = resp.get("error") if isinstance(resp, dict) else resp
         rec["error"] = (json.dumps(err) if not isinstance(err, str) else err)[:500]
+        rec["retry_after"] = client.headers.get("retry-after") if status else None
     return rec
 
 
@@ -482,6 +495,87 @@ def run_cell(url, api_key, model, doc_ids, prompts, arm, level, args) -> dict:
             "memory_mib": {k: [mem0[k], mem1[k]] for k in mem0}}  # the window's first and last: flat under load?
 
 
+OVERLOAD_MAX_OPEN = 1024  # requests in flight at once before the offered load stops (the client's limit)
+
+
+def run_overload(url, api_key, model, doc_ids, prompts, arm, rate, args) -> dict:
+    """Open-loop load on `arm`: requests arrive as a Poisson process of `rate` per second (seeded
+    exponential gaps) for --duration-s, each on a connection of its own, whatever the server's
+    state (issue #46: at twice the sustainable rate, 429 with Retry-After, never a 5xx, memory
+    flat); every request sent is waited for and kept. The server's memory is read every second."""
+    rng = np.random.default_rng([args.seed, 3, ARMS.index(arm)])
+    stream = request_stream(args.seed + 20_011, 0, 0, len(doc_ids), args.docs_per_request, prompts)
+    records, lock, threads = [], threading.Lock(), []
+    metrics = Client(url, None, args.request_timeout_s)
+    before, mem0 = scrape(metrics)
+    samples, done = [], threading.Event()
+    t0 = time.perf_counter()
+
+    def sample():  # the server's memory once a second (its own connection: /metrics answers between steps)
+        c = Client(url, None, args.request_timeout_s)
+        while not done.wait(1.0):
+            samples.append({"t_s": time.perf_counter() - t0, **scrape(c)[1]})
+        c.close()
+
+    def send(seq, order, prompt):
+        c = Client(url, api_key, args.request_timeout_s)
+        r = one_request(c, model, doc_ids, order, prompt, arm, args.output_len, t0, seq, seq)
+        c.close()
+        with lock:
+            records.append(r)
+
+    sampler = threading.Thread(target=sample)
+    sampler.start()
+    t_next, seq, stopped = float(rng.exponential(1 / rate)), 0, None
+    while t_next < args.duration_s:
+        time.sleep(max(0.0, t0 + t_next - time.perf_counter()))
+        if sum(t.is_alive() for t in threads) >= OVERLOAD_MAX_OPEN:
+            stopped = f"{OVERLOAD_MAX_OPEN} requests open at {t_next:.2f} s: the offered load stopped there"
+            break
+        order, prompt = next(stream)
+        threads.append(threading.Thread(target=send, args=(seq, order, prompt)))
+        threads[-1].start()
+        seq, t_next = seq + 1, t_next + float(rng.exponential(1 / rate))
+    for t in threads:
+        t.join()
+    done.set()
+    sampler.join()
+    after, mem1 = scrape(metrics)
+    metrics.close()
+    records.sort(key=lambda r: r["start_s"])
+    window = max([r["end_s"] for r in records] + [args.duration_s])
+    by_status = collections.Counter(str(r["status"]) for r in records)
+    refused = [r for r in records if r["status"] == 429]
+    ttft = np.array([r["ttft_s"] for r in records if r["status"] == 200 and r.get("ttft_s") is not None])
+    return {"arm": arm, "factor": args.overload, "offered_per_s": rate, "records": records,
+            "client_stopped": stopped, "memory_samples": samples,
+            "programs_compiled_in_window": None if before is None or after is None else after - before,
+            "summary": {"sent": len(records), "window_s": window, "completed": by_status.get("200", 0),
+                        "completed_per_s": by_status.get("200", 0) / window, "by_status": dict(by_status),
+                        "refused_429": len(refused),
+                        "refused_without_retry_after": sum(not r.get("retry_after") for r in refused),
+                        "server_errors_5xx": sum(r["status"] >= 500 for r in records),
+                        "transport_errors": by_status.get("0", 0),
+                        "ttft_p50_s": float(np.quantile(ttft, 0.5)) if ttft.size else None,
+                        "memory_mib": {k: {"start": mem0[k],  # start / max / end, the table's order
+                                           "max": max((m[k] for m in samples + [mem0, mem1] if m[k] is not None),
+                                                      default=None), "end": mem1[k]} for k in mem0}}}
+
+
+def overload_table(runs: list[dict]) -> str:
+    rows = ["| arm | offered req/s | sent | completed req/s | 429 (no Retry-After) | 5xx | transport errors | "
+            "server RSS MiB start / max / end | device MiB start / max / end |",
+            "|---|---:|---:|---:|---|---:|---:|---|---|"]
+    for o in runs:
+        s = o["summary"]
+        mem = lambda k: " / ".join("-" if v is None else f"{v:.0f}" for v in s["memory_mib"][k].values())
+        rows.append(f"| {o['arm']} | {o['offered_per_s']:.2f} ({o['factor']:g}x) | {s['sent']} | "
+                    f"{s['completed_per_s']:.2f} | {s['refused_429']} ({s['refused_without_retry_after']}) | "
+                    f"{s['server_errors_5xx']} | {s['transport_errors']} | {mem('server_rss')} | "
+                    f"{mem('device_in_use')} |")
+    return "\n".join(rows)
+
+
 def scrape(client: Client) -> tuple[float | None, dict]:
     """From one /metrics page: the server's `redknot_compiled_programs_total` (programs it lowered
     so far; None if it does not say) and its memory (`parse_memory`)."""
@@ -518,6 +612,9 @@ def parse_args(argv):
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-device-probe", action="store_true",
                     help="skip asking jax.devices() in the started server's environment")
+    ap.add_argument("--overload", type=float, default=0.0,
+                    help="after the cells, each arm offered FACTOR x its best requests/s of the run, open loop "
+                         "(Poisson arrivals) for --duration-s: 429s, 5xx and memory under overload (0: off)")
     ap.add_argument("--out", default="qps.json")
     ap.add_argument("--headline", default=None, help="also write the one-row-per-point summary here (JSON)")
     args = ap.parse_args(argv)
@@ -547,6 +644,8 @@ def parse_args(argv):
     need("--doc-chars", args.doc_chars >= 1, f"expected >= 1, got {args.doc_chars}")
     need("--prompt-chars", args.prompt_chars >= 1, f"expected >= 1, got {args.prompt_chars}")
     need("--output-len", args.output_len >= 1, f"expected >= 1, got {args.output_len}")
+    need("--overload", math.isfinite(args.overload) and args.overload >= 0,
+         f"expected a factor > 0 (0: off), got {args.overload}")
     need("--bootstrap", args.bootstrap >= 100, f"expected >= 100 resamples, got {args.bootstrap}")
     need("--request-timeout-s", args.request_timeout_s > 0, f"expected > 0, got {args.request_timeout_s}")
     need("--port", 0 <= args.port < 65536, f"expected 0..65535, got {args.port}")
@@ -601,14 +700,20 @@ def headline(out: dict) -> dict:
                      "ci": s["requests_per_s_ci95"], "ttft_p50_s": tt.get("p50"), "ttft_p90_s": tt.get("p90"),
                      "tokens_per_s": s["output_tokens_per_s"], "completed": s["completed"], "errors": s["errors"],
                      "memory_mib": c.get("memory_mib"), "date": out["date"], "command": shlex.join(out["command"])})
-    return {"device": device, "date": out["date"], "command": shlex.join(out["command"]), "rows": rows}
+    head = {"device": device, "date": out["date"], "command": shlex.join(out["command"]), "rows": rows}
+    if out.get("overload"):
+        head["overload"] = [{"arm": o["arm"], "factor": o["factor"], "offered_per_s": o["offered_per_s"],
+                             **{k: o["summary"][k] for k in ("sent", "completed_per_s", "by_status", "refused_429",
+                                                             "refused_without_retry_after", "server_errors_5xx",
+                                                             "memory_mib")}} for o in out["overload"]]
+    return head
 
 
 def merge_headline(old: dict | None, new: dict) -> dict:
     """`new`'s rows over an earlier run's file on the same device (a run split over several calls,
     e.g. a concurrency level each within a device's per-call time limit): a row of the same
     (arm, concurrency) is replaced, the others kept; each row keeps its own command and date,
-    the file's are the latest run's. A file from another device is refused, naming both."""
+    the file's are the latest run's (its `overload` too, when it has one). A file from another device is refused, naming both."""
     if old is None:
         return new
     if old.get("device") != new["device"]:
@@ -616,7 +721,8 @@ def merge_headline(old: dict | None, new: dict) -> dict:
                          f"{new['device']!r}: give another file")
     key = lambda r: (r["arm"], r["concurrency"])
     mine = {key(r) for r in new["rows"]}
-    return {**new, "rows": [r for r in old.get("rows", []) if key(r) not in mine] + new["rows"]}
+    keep = {"overload": old["overload"]} if "overload" in old else {}  # a later run's overload replaces it
+    return {**keep, **new, "rows": [r for r in old.get("rows", []) if key(r) not in mine] + new["rows"]}
 
 
 def main(argv=None) -> dict:
@@ -634,7 +740,7 @@ def main(argv=None) -> dict:
                         "endpoint": "/v1/completions", "duration_s": args.duration_s,
                         "warmup_requests": args.warmup_requests, "warmup_max_rounds": args.warmup_max_rounds,
                         "concurrency": args.concurrency_levels,
-                        "arms": args.arm_list, "bootstrap": args.bootstrap},
+                        "arms": args.arm_list, "bootstrap": args.bootstrap, "overload": args.overload},
            "cells": []}
     srv = None
     try:
@@ -710,6 +816,22 @@ def main(argv=None) -> dict:
                 bar.update()
                 save()
         bar.close()
+        if args.overload:
+            out["overload"] = []
+            for arm in args.arm_list:
+                best = max((c["summary"]["requests_per_s"] or 0 for c in out["cells"] if c["arm"] == arm), default=0)
+                if not best:
+                    print(f"bench_qps: overload of {arm} skipped: no request of it completed", file=sys.stderr)
+                    continue
+                o = run_overload(url, args.api_key, model, doc_ids, prompts, arm, args.overload * best, args)
+                out["overload"].append(o)
+                s = o["summary"]
+                print(f"bench_qps: overload {arm} at {o['offered_per_s']:.2f} req/s: {s['by_status']}", file=sys.stderr)
+                if s["server_errors_5xx"] or s["refused_without_retry_after"] or o["client_stopped"]:
+                    print(f"bench_qps: WARNING: overload {arm}: {s['server_errors_5xx']} 5xx, "
+                          f"{s['refused_without_retry_after']} 429s without Retry-After"
+                          + (f"; {o['client_stopped']}" if o["client_stopped"] else ""), file=sys.stderr)
+                save()
         admin.close()
     finally:
         if srv is not None:
@@ -718,6 +840,8 @@ def main(argv=None) -> dict:
     out["results"] = {arm: {str(c["concurrency"]): c["summary"] for c in out["cells"] if c["arm"] == arm}
                       for arm in args.arm_list}
     out["table_markdown"] = table(out["cells"])
+    if out.get("overload"):
+        out["table_markdown"] += "\n\nOverload (open loop):\n\n" + overload_table(out["overload"])
     out_path.parent.mkdir(parents=True, exist_ok=True)
     out_path.write_text(json.dumps(out, indent=1))
     if args.headline:

@@ -105,12 +105,14 @@ run_steps() {
     ttft32) step $s launch/bench_ttft.py --lengths 32768 --repeats 2 --layer-times --op-profile 2,20,21,40 \
       --profiles tail0-b10-omit-fp4,tail0-b10-restore-fp4,fp4 --out $R/ttft_32k_fp4_${d}_$today.json ;;
     qps)  # issue #46's command F at 1 / 4 / 16 clients, served with the Flash profile at tail 0 and a 10 % budget
-      # (the preset's 32K tail protects every row of a 32K request: RedKnot would do the prefix arm's work)
+      # (the preset's 32K tail protects every row of a 32K request: RedKnot would do the prefix arm's work); then
+      # each arm at twice its best rate, open loop (--overload): a queue of 16 (not 64) keeps each arm's drain short
       qps_setup
       PYTHONPATH=/tmp/site:$PWD step $s launch/bench_qps.py --serve-args "--preset flash-shaped --dtype bfloat16 \
 --profile /tmp/flash_tail0_b10.json --max-model-len 33280 --arena-rows 65536 --max-tokens-limit 64 \
---prefill-chunk 8192 --max-batched-tokens 8192 --compile-threads 8 --warmup-documents 4x8192+32" --arms redknot,prefix,recompute \
-      --concurrency 1,4,16 --duration-s 30 --warmup-requests 1 --warmup-max-rounds 3 --docs 8 --docs-per-request 4 \
+--prefill-chunk 8192 --max-batched-tokens 8192 --compile-threads 8 --warmup-documents 4x8192+32 --max-queue 16" \
+      --arms redknot,prefix,recompute --overload ${QPS_OVERLOAD:-2} --concurrency 1,4,16 --duration-s 30 \
+      --warmup-requests 1 --warmup-max-rounds 3 --docs 8 --docs-per-request 4 \
       --doc-chars 8192 --prompt-chars 32 --output-len 64 --startup-timeout-s 600 \
       --headline $R/qps_headline_${d}_$today.json --out $R/qps_flash_${d}_$today.json ;;
     qps_h100)  # command F within an H100's 80 GB (its arena of 65,536 rows did not fit beside the weights): the
@@ -118,12 +120,14 @@ run_steps() {
       # Flash profile at tail 0 and a 10 % budget (its 32K tail protects every row of a 32K request). Both qps
       # steps warm F's document requests at start-up (alone, in batches, prefix arm): compiled mid-run, a batch
       # shape's autotuning found no memory beside the requests in flight (2026-12-07, H100, 4 clients). QPS_LEVELS
-      # (default 1,4,16) and QPS_REUSE_BATCH (default 2) in the environment narrow it to a short device budget
+      # (default 1,4,16), QPS_REUSE_BATCH (default 2) and QPS_OVERLOAD (default 2; 0: none) in the environment
+      # narrow it to a short device budget
       qps_setup
       PYTHONPATH=/tmp/site:$PWD step $s launch/bench_qps.py --serve-args "--preset flash-shaped --dtype bfloat16 \
 --profile /tmp/flash_tail0_b10.json --max-model-len 33280 --arena-rows 32768 --reuse-batch ${QPS_REUSE_BATCH:-2} \
---max-tokens-limit 64 --prefill-chunk 8192 --max-batched-tokens 8192 --compile-threads 8 --warmup-documents 4x8192+32" --arms redknot,prefix,recompute \
-      --concurrency ${QPS_LEVELS:-1,4,16} --duration-s 30 --warmup-requests 1 --warmup-max-rounds 3 --docs 4 --docs-per-request 4 \
+--max-tokens-limit 64 --prefill-chunk 8192 --max-batched-tokens 8192 --compile-threads 8 --warmup-documents 4x8192+32 \
+--max-queue 16" --arms redknot,prefix,recompute --overload ${QPS_OVERLOAD:-2} --concurrency ${QPS_LEVELS:-1,4,16} \
+      --duration-s 30 --warmup-requests 1 --warmup-max-rounds 3 --docs 4 --docs-per-request 4 \
       --doc-chars 8192 --prompt-chars 32 --output-len 64 --startup-timeout-s 600 \
       --headline $R/qps_headline_docs4_${d}_$today.json --out $R/qps_flash_docs4_${d}_$today.json ;;
     compile0)  # the flash-shaped decode step's layer-0 parts, compiled alone (the server's decode warm-up;

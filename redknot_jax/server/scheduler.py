@@ -33,7 +33,9 @@ HTTP side only enqueues jobs and reads their events.
 
 Warm-up: `server/warmup.py` (`WarmUp`, which the scheduler is).
 
-Back-pressure: `submit` raises `QueueFull` when `max_queue` jobs wait (HTTP 429). Device
+Back-pressure: `submit` raises `QueueFull` when `max_queue` jobs wait (HTTP 429); document
+requests start only while fewer than `slots` of them are in flight (`_next_jobs`), so a rate
+beyond the device's fills the queue instead of slowing every running request. Device
 memory: a document prefill that runs out of it (`out_of_memory`) while other sequences are in
 flight is deferred, its documents still pinned, and prefills again once fewer are in flight (as
 vLLM preempts a request when its KV blocks run out); meanwhile no other request starts, so what
@@ -219,8 +221,16 @@ class Scheduler(WarmUp):
 
     def _in_flight(self) -> int:
         """Sequences holding device memory: slots held and document requests prefilling or decoding."""
-        return (sum(s is not None for s in self._slots) + len(self._reuse)
-                + sum(len(g.preps) - len(g.dropped) for g in self._prefilling))
+        return sum(s is not None for s in self._slots) + len(self._reuse) + self._prefill_requests()
+
+    def _documents_in_flight(self) -> int:
+        """Document requests prefilling, deferred, or decoding (in their batch, on their own, or as
+        rows of the plain batch: the prefix arm's and fallbacks')."""
+        return (len(self._reuse) + len(self._deferred) + self._prefill_requests()
+                + sum(s is not None and s.job.kind == "reuse" for s in self._slots))
+
+    def _prefill_requests(self) -> int:
+        return sum(len(g.preps) - len(g.dropped) for g in self._prefilling)
 
     def _run(self) -> None:
         try:
@@ -238,19 +248,7 @@ class Scheduler(WarmUp):
                     if self._stopping and (not self._active() or time.perf_counter() > self._deadline):
                         break
                     free = [i for i, s in enumerate(self._slots) if s is None]
-                    while self._pending and not self._deferred:  # none starts while one waits for device
-                        # memory (it is older): what is in flight only ends, and the queue fills (then 429)
-                        j = self._pending[0]
-                        if j.kind == "plain":
-                            if len(admit) >= len(free):
-                                break
-                            admit.append(self._pending.popleft())
-                        else:  # after the plain jobs ahead of it: FIFO
-                            special = [self._pending.popleft()]
-                            while (special[0].kind == "reuse" and self._pending and len(special) < self.reuse_batch
-                                   and self._pending[0].kind == "reuse"):  # document requests prefill together
-                                special.append(self._pending.popleft())
-                            break
+                    admit, special = self._next_jobs(len(free))
                     self.metrics.queue_depth.set(len(self._pending))
                 for job, slot in zip(admit, free):  # outside the lock: submissions are not held up
                     self._guard(job, self._admit, job, slot)
@@ -286,6 +284,33 @@ class Scheduler(WarmUp):
             with self._cond:
                 while self._pending:
                     self._pending.popleft().emit("error", 503, "server is shutting down; request not started")
+
+    def _next_jobs(self, free: int) -> tuple[list[Job], list[Job] | None]:
+        """The jobs the worker starts now, first in first out (called holding the lock): plain ones
+        into the `free` slots of the plain batch, up to the first other job, which starts alone
+        (an artifact build) or with the document requests queued behind it (up to `reuse_batch`,
+        prefilling together). Document requests in flight (prefilling, decoding, deferred) stay
+        within `slots`, the rows of their decode batch, as vLLM's `max_num_seqs` bounds running
+        sequences: at a rate the device cannot sustain, the queue fills and clients get 429s
+        rather than every request slowing down. None starts while one is deferred for device
+        memory (it is older): what is in flight only ends."""
+        admit, special = [], None
+        room = len(self._slots) - self._documents_in_flight()
+        while self._pending and not self._deferred:
+            j = self._pending[0]
+            if j.kind == "plain":
+                if len(admit) >= free:
+                    break
+                admit.append(self._pending.popleft())
+                continue
+            if j.kind == "reuse" and room < 1:
+                break
+            special = [self._pending.popleft()]
+            while (special[0].kind == "reuse" and self._pending and len(special) < min(self.reuse_batch, room)
+                   and self._pending[0].kind == "reuse"):
+                special.append(self._pending.popleft())
+            break
+        return admit, special
 
     def _step(self) -> None:
         """One worker step: the decode rows (a step of the plain batch, a token of each document

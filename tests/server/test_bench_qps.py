@@ -53,6 +53,7 @@ def test_cycles_tile_the_window():
     (["--concurrency", "1,-2"], "--concurrency: expected comma-separated positive integers, got '1,-2'"),
     (["--concurrency", "a"], "--concurrency: expected comma-separated positive integers, got 'a'"),
     (["--concurrency", "2,2"], "--concurrency: repeated level in '2,2'"),
+    (["--overload", "-1"], r"--overload: expected a factor > 0 \(0: off\), got -1.0"),
     (["--duration-s", "0"], "--duration-s: expected a positive number, got 0.0"),
     (["--arms", "redknot,native"],
      "--arms: expected a comma-separated subset of redknot,prefix,recompute, got 'redknot,native'"),
@@ -96,11 +97,12 @@ def test_bench_against_real_server(tmp_path, monkeypatch, capsys):
     monkeypatch.delenv("REDKNOT_API_KEYS", raising=False)
     out_file, head_file = tmp_path / "qps.json", tmp_path / "qps_headline.json"
     dur = 3.0
-    res = bench_qps.main(["--serve-args", "--preset tiny --profile tiny-exact --max-model-len 512 --log-level warning",
+    res = bench_qps.main(["--serve-args", "--preset tiny --profile tiny-exact --max-model-len 512 --log-level warning "
+                          "--max-queue 2 --reuse-batch 2",
                           "--port", str(free_port()), "--concurrency", "1,2", "--arms", "redknot,prefix,recompute",
                           "--duration-s", str(dur), "--warmup-requests", "1", "--warmup-max-rounds", "3", "--docs", "4",
                           "--docs-per-request", "2", "--doc-chars", "48", "--prompt-chars", "16",
-                          "--output-len", "4", "--bootstrap", "500", "--out", str(out_file),
+                          "--output-len", "4", "--bootstrap", "500", "--overload", "4", "--out", str(out_file),
                           "--headline", str(head_file)])
     printed = capsys.readouterr().out
     with capsys.disabled():
@@ -160,7 +162,20 @@ def test_bench_against_real_server(tmp_path, monkeypatch, capsys):
         a = {(r["client"], r["seq"]): r["docs"] for r in by["redknot", level]}
         b = {(r["client"], r["seq"]): r["docs"] for r in by["recompute", level]}
         assert all(a[k] == b[k] for k in a.keys() & b.keys())
+    # open loop at 4x each arm's best closed-loop rate (a 2-client rate, under the 8-slot decode batch's
+    # capacity): a queue of 2 refuses with 429 and Retry-After, never a 5xx
+    assert [o["arm"] for o in data["overload"]] == ["redknot", "prefix", "recompute"]
+    for o in data["overload"]:
+        s = o["summary"]
+        best = max(c["summary"]["requests_per_s"] for c in data["cells"] if c["arm"] == o["arm"])
+        assert o["offered_per_s"] == pytest.approx(4 * best) and o["client_stopped"] is None
+        assert s["sent"] == len(o["records"]) and s["completed"] > 0 and set(s["by_status"]) == {"200", "429"}, s
+        assert s["refused_429"] == s["by_status"]["429"] and s["refused_without_retry_after"] == 0
+        assert all(r["retry_after"] == "1" for r in o["records"] if r["status"] == 429)
+        assert s["memory_mib"]["server_rss"]["max"] >= s["memory_mib"]["server_rss"]["start"] > 100, s["memory_mib"]
+    assert "Overload (open loop)" in printed
     head = json.loads(head_file.read_text())  # issue #46's summary: one row per (arm, level)
+    assert [o["arm"] for o in head["overload"]] == ["redknot", "prefix", "recompute"]
     assert head["date"] == data["date"] and "bench_qps.py" in head["command"] and "cpu" in head["device"]
     assert [(r["arm"], r["concurrency"]) for r in head["rows"]] == [(c["arm"], c["concurrency"]) for c in data["cells"]]
     # a run split into calls: a later call's rows replace the same points, the others stay

@@ -72,6 +72,38 @@ def test_queue_full_is_backpressure_and_shutdown_fails_queued_jobs():
         loop.close()
 
 
+def test_document_requests_in_flight_stay_within_the_slots():
+    """The worker starts jobs first in first out: plain ones into free slots, document requests
+    together up to --reuse-batch, but only while fewer than `slots` of them are in flight
+    (prefilling, decoding, deferred); a blocked one holds back the jobs behind it."""
+    from types import SimpleNamespace
+
+    from redknot_jax.server.jobs import Job
+
+    loop = asyncio.new_event_loop()
+    try:
+        s = _sched(max_queue=8)  # 2 slots, batches of up to 4
+        r1, r2, r3, r4 = (Job("reuse", loop, tokens=[3], docs=[]) for _ in range(4))
+        p1 = Job("plain", loop, tokens=[3])
+        s._pending.extend([r1, r2, r3, p1, r4])
+        assert s._next_jobs(2) == ([], [r1, r2])  # the batch: as many as the 2 slots hold, not 4
+        s._reuse[:] = ["r1", "r2"]  # both decoding
+        assert s._next_jobs(2) == ([], None) and list(s._pending) == [r3, p1, r4]  # r3 waits, p1 behind it
+        s._reuse[:] = ["r1"]
+        assert s._next_jobs(2) == ([], [r3])
+        s._deferred[:] = []
+        s._reuse[:] = ["r1", "r3"]
+        assert s._next_jobs(1) == ([p1], None) and list(s._pending) == [r4]
+        s._reuse[:] = []
+        s._deferred[:] = [({"job": r1}, 1)]  # one deferred for device memory: nothing starts
+        assert s._next_jobs(2) == ([], None)
+        s._deferred[:] = []  # two prefix-arm requests decoding as rows of the plain batch: still in flight
+        s._slots[:] = [SimpleNamespace(job=r1), SimpleNamespace(job=r2)]
+        assert s._next_jobs(0) == ([], None) and list(s._pending) == [r4]
+    finally:
+        loop.close()
+
+
 def test_prefill_chunk_is_one_power_of_two_within_the_cache():
     """The plain path's prefill chunk: the largest power of two within --prefill-chunk and the
     cache (one compiled program); a bad flag is named."""
