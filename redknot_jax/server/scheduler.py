@@ -241,7 +241,6 @@ class Scheduler(WarmUp):
                 finally:
                     self.warmed.set()
             while True:
-                admit, special = [], None
                 with self._cond:
                     while not self._pending and not self._active() and not self._stopping:
                         self._cond.wait()
