@@ -24,7 +24,10 @@ never assumed. The arms differ only in `arm` ("redknot", "prefix": the first cit
 prefix cache would serve it, "recompute"); request i of client c at concurrency level L cites
 the same documents with the same prompt in every arm. Equal token lengths keep every request
 of an arm at few shapes; what still varies (document batch sizes up to the level, the rows a
-plan protects) compiles in the warm-up.
+plan protects) compiles in the warm-up rounds, or, since a round's batches depend on timing, in the
+window after a round that compiled nothing (tiny model, 4 clients, 2026-12-07: 51 programs in the
+RedKnot window): give the server `--warmup-documents` in --serve-args, which warms every batch size
+at start-up (then none did).
 
 Arrival policy: closed loop, zero think time. Each of the L clients (one thread, one keep-alive
 HTTP connection) sends its next request as soon as the previous one finished, from the window
