@@ -105,7 +105,7 @@ def main(argv=None):
                          "least recently used evicted (a prefix cache); 0: each prefix request reads its artifact")
     ap.add_argument("--reuse-batch", type=int, default=4,
                     help="document requests waiting together that prefill in one batch (one jitted call per layer), "
-                         "at most; 1: one at a time")
+                         "at most (and at most --slots: document requests in flight stay within it); 1: one at a time")
     ap.add_argument("--break-even", metavar="FILE", type=_cli.input_file,
                     help="a break-even table (launch/bench_break_even.py): a document request that names no arm "
                          "runs the one the table says reaches the first token sooner for its length and tier")
