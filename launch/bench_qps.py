@@ -25,9 +25,8 @@ prefix cache would serve it, "recompute"); request i of client c at concurrency 
 the same documents with the same prompt in every arm. Equal token lengths keep every request
 of an arm at few shapes; what still varies (document batch sizes up to the level, the rows a
 plan protects) compiles in the warm-up rounds, or, since a round's batches depend on timing, in the
-window after a round that compiled nothing (tiny model, 4 clients, 2026-12-07: 51 programs in the
-RedKnot window): give the server `--warmup-documents` in --serve-args, which warms every batch size
-at start-up (then none did).
+window after a round that compiled nothing (a cell's `programs_compiled_in_window` says so): give the
+server `--warmup-documents` in --serve-args, which warms every batch size at start-up.
 
 Arrival policy: closed loop, zero think time. Each of the L clients (one thread, one keep-alive
 HTTP connection) sends its next request as soon as the previous one finished, from the window
@@ -532,7 +531,9 @@ def run_overload(url, api_key, model, doc_ids, prompts, arm, rate, args) -> dict
     t_next, seq, stopped = float(rng.exponential(1 / rate)), 0, None
     while t_next < args.duration_s:
         time.sleep(max(0.0, t0 + t_next - time.perf_counter()))
-        if sum(t.is_alive() for t in threads) >= OVERLOAD_MAX_OPEN:
+        with lock:
+            open_now = len(threads) - len(records)  # sent, not yet answered
+        if open_now >= OVERLOAD_MAX_OPEN:
             stopped = f"{OVERLOAD_MAX_OPEN} requests open at {t_next:.2f} s: the offered load stopped there"
             break
         order, prompt = next(stream)
@@ -716,7 +717,8 @@ def merge_headline(old: dict | None, new: dict) -> dict:
     """`new`'s rows over an earlier run's file on the same device (a run split over several calls,
     e.g. a concurrency level each within a device's per-call time limit): a row of the same
     (arm, concurrency) is replaced, the others kept; each row keeps its own command and date,
-    the file's are the latest run's (its `overload` too, when it has one). A file from another device is refused, naming both."""
+    the file's are the latest run's (its `overload` too, when it has one). A file from another
+    device is refused, naming both."""
     if old is None:
         return new
     if old.get("device") != new["device"]:
