@@ -40,7 +40,9 @@ memory: a document prefill that runs out of it (`out_of_memory`) while other seq
 flight is deferred, its documents still pinned, and prefills again once fewer are in flight (as
 vLLM preempts a request when its KV blocks run out); meanwhile no other request starts, so what
 is in flight only ends, the queue fills and clients get 429s, not 5xx. A request that runs out
-of device memory otherwise (alone on the device, or on the plain path) fails with 503.
+of device memory otherwise (alone on the device, or on the plain path) fails with 503. A batched
+document prefill that fails runs its requests one at a time; one out of device memory alone on
+the device also caps later batches below its size (`_cap_reuse_batch`, as the warm-up does).
 Cancellation: a job's `cancelled` event (set when the client goes away) frees its slot before the next step.
 Shutdown: `stop(grace_s)` refuses new jobs, fails queued ones (`ShuttingDown`), lets running
 sequences finish for up to `grace_s` seconds, then fails whatever is left, explicitly.
@@ -230,7 +232,7 @@ class Scheduler(WarmUp):
                 + sum(s is not None and s.job.kind == "reuse" for s in self._slots))
 
     def _prefill_requests(self) -> int:
-        return sum(len(g.preps) - len(g.dropped) for g in self._prefilling)
+        return sum(self._prefill_requests_of(g) for g in self._prefilling)
 
     def _run(self) -> None:
         try:
@@ -585,6 +587,20 @@ class Scheduler(WarmUp):
         rows = sum(int(p["req"].tokens.size) for p in preps)
         return _Prefilling(preps, steps, max(1, rows // (self.rt.cfg.num_layers * parts)))
 
+    def _prefill_requests_of(self, g: _Prefilling) -> int:
+        return len(g.preps) - len(g.dropped)
+
+    def _cap_reuse_batch(self, n: int) -> None:
+        """A batch of `n` requests ran out of device memory with nothing else in flight: it never
+        fits, so later batches stay below its largest sub-batch (as the warm-up caps them) rather
+        than failing and splitting every time."""
+        top = sub_batches(n, self.batch_sizes)[0]
+        fits = max([b for b in self.batch_sizes if b < top], default=1)
+        if fits < self.reuse_batch:
+            log.warning("a batch of %d document requests ran out of device memory alone on the device; document "
+                        "batches capped at %d", n, fits)
+            self.set_reuse_batch(fits)
+
     def _decode_rows(self, max_tokens: int) -> int:
         """Rows a document request's decode state is made for: `max_new_tokens` - 1 when the
         server sets it (one set of shapes), else the request's own."""
@@ -614,6 +630,8 @@ class Scheduler(WarmUp):
             if len(g.preps) > 1:  # each then prefills on its own (and fails alone if it must)
                 log.error("batched document prefill failed; prefilling one at a time:\n%s", traceback.format_exc())
                 self.split_batches[len(g.preps), out_of_memory(e)] += 1
+                if out_of_memory(e) and self._in_flight() == self._prefill_requests_of(g):
+                    self._cap_reuse_batch(len(g.preps))
                 self._prefilling[at:at + 1] = [self._prefill_group([p]) for p in g.preps if p["job"] not in g.dropped]
             else:
                 del self._prefilling[at]

@@ -663,7 +663,8 @@ def test_a_document_prefill_out_of_device_memory_waits_for_fewer_in_flight():
     """A document prefill that runs out of device memory (XLA's RESOURCE_EXHAUSTED, injected here)
     while another request is in flight is deferred, counted, its documents still pinned; once the
     other request ends it prefills again and gets the tokens it gets alone. A request alone on the
-    device that does not fit fails with 503, its documents unpinned."""
+    device that does not fit fails with 503, its documents unpinned; a batch alone that does not fit
+    runs one request at a time, and caps the batches below its size."""
     import jax
 
     from redknot_jax.reuse.arena import doc_key
@@ -703,6 +704,16 @@ def test_a_document_prefill_out_of_device_memory_waits_for_fewer_in_flight():
     _run_reuse(s, [e])
     assert e.events[-1][:2] == ("error", 503) and "ran out of memory" in e.events[-1][2]
     assert s.arena._res[doc_key(doc.artifact)].pins == 0 and s.metrics.deferred._value.get() == 1
+    # a batch out of device memory alone on the device: its requests prefill one at a time, and later
+    # batches stay below its size (it would fail every time)
+    s.rt.prefill_batch_steps = lambda *a, **k: (ooms.append("RESOURCE_EXHAUSTED: Out of memory"), oom())[1]
+    f, g = job([5, 6, 7]), job([7, 6, 5])
+    _run_reuse(s, [f, g])
+    del s.rt.prefill_batch_steps
+    assert tokens(f) == tokens(alone[(5, 6, 7)]) and tokens(g) == tokens(alone[(7, 6, 5)])
+    assert s.split_batches == {(2, True): 1} and s.reuse_batch == 1 and s.batch_sizes == (1,)
+    s._pending.extend([f, g])
+    assert s._next_jobs(2) == ([], [f])
 
 
 # ------------------------------------------------------------------ document warm-up (in-process)
