@@ -91,6 +91,7 @@ import os
 import pathlib
 import platform
 import re
+import select
 import shlex
 import signal
 import socket
@@ -210,7 +211,7 @@ def summarize(records: list[dict], level: int, n_boot: int, seed: int, duration_
 
 # ---------------------------------------------------------------------------------- HTTP client
 class Client:
-    """One keep-alive connection (reopened after a transport error)."""
+    """One keep-alive connection (reopened after a transport error, or when the server closed it)."""
 
     def __init__(self, url: str, api_key: str | None, timeout: float):
         u = urllib.parse.urlsplit(url)
@@ -232,6 +233,8 @@ class Client:
         if self.key:
             headers["Authorization"] = f"Bearer {self.key}"
         for attempt in (0, 1):
+            if self.conn is not None and self._closed_by_server():
+                self.close()
             if self.conn is None:
                 self._connect()
             try:
@@ -252,6 +255,14 @@ class Client:
             return status, json.loads(text)
         except ValueError:
             return status, text
+
+    def _closed_by_server(self) -> bool:
+        """Whether the idle keep-alive connection reads as ready, i.e. the server closed it (uvicorn
+        does after 5 s idle) or sent what no request asked for: then it is not reused, as urllib3
+        checks a pooled connection before reusing it (a POST sent into it would fail, and is not
+        resent)."""
+        sock = self.conn.sock
+        return sock is not None and bool(select.select([sock], [], [], 0)[0])
 
     def close(self):
         if self.conn is not None:

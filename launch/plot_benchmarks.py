@@ -1,7 +1,7 @@
 """Plots of the committed benchmark results: PNGs under docs/plots/ (docs/benchmarks.md shows them
 and names the result files behind each).
 
-    python launch/plot_benchmarks.py --qps docs/results/qps_qa_h200.json   # docs/results/ttft_*_h200.json
+    python launch/plot_benchmarks.py --qps docs/results/qps_headline_docs4_h100.json   # + ttft_*_h200.json
     python launch/plot_benchmarks.py --ttft a.json b.json --qps qps.json --out /tmp/plots
 
 From `launch/bench_ttft.py` results (one or more files, each with rows per length), at the preset's
@@ -14,8 +14,9 @@ own profile:
 From rows with a per-layer profile (`--layer-times`): `layer_times_<length>.png`.
 From the newest result with `--profiles` variants: `ttft_by_profile_<length>.png` (every arm and
 profile of that run, seconds and ratio to the Recomputed arm).
-From a `launch/bench_qps.py` result: `qps_vs_concurrency.png` (requests/s of both arms per
-concurrency level with the bootstrap 95 % interval).
+From a `launch/bench_qps.py` result or its `--headline` file (rows of several runs):
+`qps_vs_concurrency.png` (requests/s of each arm per concurrency level with the bootstrap 95 %
+interval).
 
 Every figure's title is one line: what was measured, on which device, when. The result files
 behind a figure are named in docs/benchmarks.md, not in the figure (`sources(rows)` lists them).
@@ -322,28 +323,47 @@ def plot_profiles(runs, out: pathlib.Path, plt) -> list[pathlib.Path]:
     return files
 
 
-def plot_qps(path, out: pathlib.Path, plt) -> pathlib.Path:
+def qps_points(path) -> tuple[dict, list[dict], str]:
+    """A bench_qps.py result file, or its --headline file (rows from several runs): ({arm:
+    {clients: (requests/s, [lo, hi] or None)}}, the title's device and dates, the model served)."""
     d = json.loads(pathlib.Path(path).read_text())
+    points: dict = {}
+    if "rows" in d:  # the headline: one row per (arm, clients), each with its run's date
+        for r in d["rows"]:
+            points.setdefault(r["arm"], {})[int(r["concurrency"])] = (r["requests_per_s"], r.get("ci"))
+        device = d.get("device", "?").split(" (")[0].removeprefix("1 x ")
+        model = "flash-shaped" if "flash-shaped" in d.get("command", "") else "?"
+        return points, [{"device": device, "date": str(r.get("date", d.get("date", "?")))[:10]}
+                        for r in d["rows"]], model
     if "results" not in d:
-        raise SystemExit(f"--qps {path}: not a bench_qps.py result (no 'results')")
-    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+        raise SystemExit(f"--qps {path}: not a bench_qps.py result or headline (no 'results' or 'rows')")
     for arm, per in d["results"].items():
-        levels = sorted(per, key=int)
-        y = [per[c]["requests_per_s"] for c in levels]
-        ci = [per[c].get("requests_per_s_ci95") or [v, v] for c, v in zip(levels, y)]
-        err = [[v - lo for v, (lo, _) in zip(y, ci)], [hi - v for v, (_, hi) in zip(y, ci)]]
-        ax.errorbar([int(c) for c in levels], y, yerr=err, fmt="-o", capsize=3, color=COLORS.get(arm), label=arm)
-    ax.set_xlabel("concurrent clients (closed loop)")
-    ax.set_ylabel("completed requests / s (95 % bootstrap interval)")
-    ax.set_ylim(bottom=0, top=max(hi for per in d["results"].values() for c in per
-                                  for hi in [(per[c].get("requests_per_s_ci95") or [0, per[c]["requests_per_s"]])[1]]) * 1.15)
-    _legend_above(ax, 2)
+        points[arm] = {int(c): (v["requests_per_s"], v.get("requests_per_s_ci95")) for c, v in per.items()}
     server = d.get("server", {})
     dev = server.get("device", {})
-    device = dev.get("device_kind") or dev.get("backend", "?")
-    model = server.get("model", "?")
-    _title(ax, f"Throughput of both arms over the HTTP server, {model}",
-           [{"device": device, "date": str(d.get("date", "?"))[:10]}])
+    return points, [{"device": dev.get("device_kind") or dev.get("backend", "?"),
+                     "date": str(d.get("date", "?"))[:10]}], server.get("model", "?")
+
+
+def plot_qps(path, out: pathlib.Path, plt) -> pathlib.Path:
+    points, srcs, model = qps_points(path)
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    top = 0.0
+    for arm, per in points.items():
+        levels = sorted(per)
+        y = [per[c][0] for c in levels]
+        ci = [per[c][1] or [v, v] for c, v in zip(levels, y)]
+        err = [[v - lo for v, (lo, _) in zip(y, ci)], [hi - v for v, (_, hi) in zip(y, ci)]]
+        ax.errorbar(levels, y, yerr=err, fmt="-o", capsize=3, color=COLORS.get(arm), label=arm)
+        top = max([top] + [hi for _, hi in ci])
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(sorted({c for per in points.values() for c in per}))
+    ax.set_xticklabels([str(c) for c in ax.get_xticks()])
+    ax.set_xlabel("concurrent clients (closed loop)")
+    ax.set_ylabel("completed requests / s (95 % bootstrap interval)")
+    ax.set_ylim(bottom=0, top=top * 1.15)
+    _legend_above(ax, len(points))
+    _title(ax, f"Throughput of each arm over the HTTP server, {model}", srcs)
     return _save(fig, out / "qps_vs_concurrency.png", plt)
 
 
@@ -354,10 +374,11 @@ def _save(fig, path: pathlib.Path, plt) -> pathlib.Path:
 
 
 def main(argv=None):
-    ap = _cli.parser(__doc__, __file__, "python launch/plot_benchmarks.py --qps docs/results/qps_qa_h200.json")
+    ap = _cli.parser(__doc__, __file__,
+                     "python launch/plot_benchmarks.py --qps docs/results/qps_headline_docs4_h100.json")
     ap.add_argument("--ttft", nargs="*", type=_cli.input_file,
                     help="bench_ttft.py result files (default: docs/results/ttft_*_h200.json)")
-    ap.add_argument("--qps", type=_cli.input_file, help="a bench_qps.py result file")
+    ap.add_argument("--qps", type=_cli.input_file, help="a bench_qps.py result or --headline file")
     ap.add_argument("--out", default=str(ROOT / "docs" / "plots"), help="directory of the PNGs (default: docs/plots)")
     args = ap.parse_args(argv)
     import matplotlib

@@ -23,8 +23,15 @@ def test_plots_from_committed_results(tmp_path):
     names = sorted(f.name for f in files)
     assert names == ["layer_times_128K.png", "layer_times_64K.png", "ledgers_per_length.png", "qps_vs_concurrency.png",
                      "speedup_vs_length.png", "ttft_by_profile_64K.png", "ttft_vs_length.png"]
+    # the committed headline file (rows of several runs) plots too
+    import matplotlib.pyplot as plt
+
+    files.append(pb.plot_qps(ROOT / "docs" / "results" / "qps_headline_docs4_h100.json", tmp_path, plt))
     for f in files:
         assert f.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and f.stat().st_size > 5000
+    points, srcs, model = pb.qps_points(ROOT / "docs" / "results" / "qps_headline_docs4_h100.json")
+    assert sorted(points["redknot"]) == [1, 4, 16] and model == "flash-shaped"
+    assert {s["device"] for s in srcs} == {"NVIDIA H100 80GB HBM3"}
 
 
 def test_titles_are_one_line_naming_device_and_date(monkeypatch, tmp_path):

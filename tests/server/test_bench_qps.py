@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import signal
+import time
 
 import numpy as np
 import pytest
@@ -89,6 +90,42 @@ http.server.HTTPServer(("127.0.0.1", {port}), H).serve_forever()
     with pytest.raises(SystemExit, match=r"warm-up failed \(RuntimeError: injected\)"):
         srv.start()
     assert time.perf_counter() - t0 < 60 and srv.proc.poll() is not None  # stopped, not waited out
+
+
+def test_a_keep_alive_connection_the_server_closed_is_reopened():
+    """A server closes an idle keep-alive connection (uvicorn after 5 s, without a word to the
+    client): the client's next request, a POST it must not resend, opens a fresh connection
+    instead of failing with a broken pipe (on the H100 at 16 clients, 2026-12-07, the first
+    request of every client that had waited out the others' warm-up failed so)."""
+    import http.server
+    import threading
+
+    class H(http.server.BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def do_POST(self):
+            self.rfile.read(int(self.headers["Content-Length"]))
+            body = json.dumps({"ok": True}).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+            self.close_connection = True  # closed after answering, no "Connection: close" sent
+
+        def log_message(self, *args):
+            pass
+
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), H)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        c = bench_qps.Client(f"http://127.0.0.1:{srv.server_address[1]}", None, 10)
+        for _ in range(3):
+            assert c.request("POST", "/v1/completions", {"prompt": "x"}) == (200, {"ok": True})
+            time.sleep(0.2)  # the server's close reaches the client's socket
+        c.close()
+    finally:
+        srv.shutdown()
+        srv.server_close()
 
 
 def test_bench_against_real_server(tmp_path, monkeypatch, capsys):
