@@ -134,12 +134,30 @@ def grouped_matmul(x: jax.Array, w: jax.Array, sizes: jax.Array, tile: int = 512
     return out[:m]
 
 
+def _mgpu_ragged_dot():
+    """jax's Mosaic GPU grouped matmul. Its module imports `jax._src.test_util`, whose import
+    installs absl's failure signal handler for the whole process (SIGTERM among its signals): a
+    server would then print a crash-like stack trace on every ordinary stop. The handler is left
+    out of that import (jax 0.11.2: `util.install_failure_signal_handler`, called once at import)."""
+    import sys
+
+    if "jax._src.test_util" not in sys.modules:
+        from jax._src import util
+
+        install, util.install_failure_signal_handler = util.install_failure_signal_handler, lambda *a, **k: None
+        try:
+            import jax._src.test_util  # noqa: F401
+        finally:
+            util.install_failure_signal_handler = install
+    from jax.experimental.pallas.ops.gpu.ragged_dot_mgpu import ragged_dot as mgpu_ragged_dot
+    return mgpu_ragged_dot
+
+
 def ragged_dot(x, w, sizes, preferred_element_type=None, config: RaggedDotConfig | None = None):
     """Mosaic GPU grouped matmul; same signature and result as `ragged_dot_reference` (up to
     bf16 rounding of the output: the kernel accumulates in fp32 and writes bf16, which a wider
     `preferred_element_type` then widens). Unsupported shapes or dtypes raise ValueError."""
-    from jax.experimental.pallas.ops.gpu.ragged_dot_mgpu import ragged_dot as mgpu_ragged_dot
-
+    mgpu_ragged_dot = _mgpu_ragged_dot()
     _check(x, w, sizes)
     cfg = config or RaggedDotConfig()
     why = ragged_dot_unsupported(x.shape[1], w.shape[2], x.dtype if x.dtype == w.dtype else "mixed dtypes", cfg)

@@ -81,6 +81,31 @@ def test_kernel_lowers_for_cuda(m):
     assert "mosaic_gpu" in text
 
 
+def test_loading_the_kernel_leaves_sigterm_to_the_process():
+    """jax's kernel module imports jax's test utilities, which install absl's failure signal
+    handler at import; loaded through `_mgpu_ragged_dot`, a SIGTERM (a server's ordinary stop)
+    reaches the process's own handler and prints no stack trace."""
+    import os
+    import pathlib
+    import subprocess
+    import sys
+
+    script = """import os, signal, time
+got = []
+signal.signal(signal.SIGTERM, lambda *a: got.append(1))
+from redknot_jax.pallas.ragged_dot import _mgpu_ragged_dot
+_mgpu_ragged_dot()
+os.kill(os.getpid(), signal.SIGTERM)
+time.sleep(0.1)
+print("handled", got)
+"""
+    root = pathlib.Path(__file__).resolve().parents[2]
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, cwd=root,
+                       env=dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(root)))
+    assert r.returncode == 0 and r.stdout.strip() == "handled [1]", (r.stdout, r.stderr[-2000:])
+    assert "SIGTERM received" not in r.stderr
+
+
 def test_moe_refuses_unknown_kernel_mode():
     from redknot_jax import config
     from redknot_jax.init import random_model
