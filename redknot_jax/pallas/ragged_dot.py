@@ -139,6 +139,7 @@ def _mgpu_ragged_dot():
     installs absl's failure signal handler for the whole process (SIGTERM among its signals): a
     server would then print a crash-like stack trace on every ordinary stop. The handler is left
     out of that import (jax 0.11.2: `util.install_failure_signal_handler`, called once at import)."""
+    import importlib
     import sys
 
     if "jax._src.test_util" not in sys.modules:
@@ -146,7 +147,7 @@ def _mgpu_ragged_dot():
 
         install, util.install_failure_signal_handler = util.install_failure_signal_handler, lambda *a, **k: None
         try:
-            import jax._src.test_util  # noqa: F401
+            importlib.import_module("jax._src.test_util")
         finally:
             util.install_failure_signal_handler = install
     from jax.experimental.pallas.ops.gpu.ragged_dot_mgpu import ragged_dot as mgpu_ragged_dot
