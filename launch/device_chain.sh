@@ -106,12 +106,13 @@ run_steps() {
       --profiles tail0-b10-omit-fp4,tail0-b10-restore-fp4,fp4 --out $R/ttft_32k_fp4_${d}_$today.json ;;
     qps)  # issue #46's command F at 1 / 4 / 16 clients, served with the Flash profile at tail 0 and a 10 % budget
       # (the preset's 32K tail protects every row of a 32K request: RedKnot would do the prefix arm's work); then
-      # each arm at twice its best rate, open loop (--overload): a queue of 16 (not 64) keeps each arm's drain short
+      # each arm at twice its best rate, open loop (--overload): a queue of 16 (not 64) keeps each arm's drain short;
+      # QPS_LEVELS and QPS_OVERLOAD as in qps_h100
       qps_setup
       PYTHONPATH=/tmp/site:$PWD step $s launch/bench_qps.py --serve-args "--preset flash-shaped --dtype bfloat16 \
 --profile /tmp/flash_tail0_b10.json --max-model-len 33280 --arena-rows 65536 --max-tokens-limit 64 \
 --prefill-chunk 8192 --max-batched-tokens 8192 --compile-threads 8 --warmup-documents 4x8192+32 --max-queue 16" \
-      --arms redknot,prefix,recompute --overload ${QPS_OVERLOAD:-2} --concurrency 1,4,16 --duration-s 30 \
+      --arms redknot,prefix,recompute --overload ${QPS_OVERLOAD:-2} --concurrency ${QPS_LEVELS:-1,4,16} --duration-s 30 \
       --warmup-requests 1 --warmup-max-rounds 3 --docs 8 --docs-per-request 4 \
       --doc-chars 8192 --prompt-chars 32 --output-len 64 --startup-timeout-s 600 \
       --headline $R/qps_headline_${d}_$today.json --out $R/qps_flash_${d}_$today.json ;;
