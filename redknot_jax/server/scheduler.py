@@ -182,7 +182,13 @@ class Scheduler(WarmUp):
 
     def set_reuse_batch(self, n: int) -> None:
         """At most `n` document requests waiting together prefill in one batch, in the sizes
-        `batch_sizes` (powers of two, and n; runtime.sub_batches): few compiled programs."""
+        `batch_sizes` (powers of two, and n; runtime.sub_batches): few compiled programs. Never
+        more than `slots` (no more are in flight, `_next_jobs`), so the warm-up compiles no batch
+        size that cannot run."""
+        if n > self.slots_n:
+            log.info("document batches capped at --slots %d (not %d): no more document requests are in flight",
+                     self.slots_n, n)
+            n = self.slots_n
         self.reuse_batch = n
         self.batch_sizes = tuple(sorted({1 << k for k in range(1, n.bit_length()) if 1 << k < n} | {n}))
 

@@ -82,7 +82,8 @@ def test_document_requests_in_flight_stay_within_the_slots():
 
     loop = asyncio.new_event_loop()
     try:
-        s = _sched(max_queue=8)  # 2 slots, batches of up to 4
+        s = _sched(max_queue=8)  # 2 slots: batches of up to 2, not the default 4
+        assert s.reuse_batch == 2 and s.batch_sizes == (2,)
         r1, r2, r3, r4 = (Job("reuse", loop, tokens=[3], docs=[]) for _ in range(4))
         p1 = Job("plain", loop, tokens=[3])
         s._pending.extend([r1, r2, r3, p1, r4])
@@ -742,7 +743,7 @@ def test_warmed_document_requests_compile_nothing():
     with pytest.raises(ValueError, match=r"warmup_documents: \(2, 32, 3\): .*fit max_model_len 64"):
         ServeConfig(max_model_len=64, warmup_documents=((2, 32, 3),))
     cfg, model, rt = _tiny_runtime()
-    sched = Scheduler(Engine(model, capacity=128), rt, Metrics(rt.counters), slots=2, prefill_chunk=16, warmup=(5,),
+    sched = Scheduler(Engine(model, capacity=128), rt, Metrics(rt.counters), slots=4, prefill_chunk=16, warmup=(5,),
                       warmup_documents=((2, 24, 3),), max_new_tokens=4, checkpoint_fingerprint="fp-test")
     def scrape():  # /metrics but what the warm-up is for: programs compiled, the arena's arrays allocated, memory
         return [ln for ln in sched.metrics.render().decode().splitlines()
