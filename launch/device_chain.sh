@@ -107,11 +107,14 @@ run_steps() {
     qps)  # issue #46's command F at 1 / 4 / 16 clients, served with the Flash profile at tail 0 and a 10 % budget
       # (the preset's 32K tail protects every row of a 32K request: RedKnot would do the prefix arm's work); then
       # each arm at twice its best rate, open loop (--overload): a queue of 16 (not 64) keeps each arm's drain short;
-      # QPS_LEVELS and QPS_OVERLOAD as in qps_h100
+      # QPS_LEVELS and QPS_OVERLOAD as in qps_h100. 16 slots (QPS_SLOTS): every one of 16 clients in flight, as a
+      # deployment sizes its batch to its load (vLLM's max_num_seqs); at 8, half of them wait in the queue (F4, one
+      # H100, 2026-12-07: RedKnot's TTFT p50 12.9 s at 16 clients, 1.6 s at 4)
       qps_setup
       PYTHONPATH=/tmp/site:$PWD step $s launch/bench_qps.py --serve-args "--preset flash-shaped --dtype bfloat16 \
 --profile /tmp/flash_tail0_b10.json --max-model-len 33280 --arena-rows 65536 --max-tokens-limit 64 \
---prefill-chunk 8192 --max-batched-tokens 8192 --compile-threads 8 --warmup-documents 4x8192+32 --max-queue 16" \
+--prefill-chunk 8192 --max-batched-tokens 8192 --compile-threads 8 --warmup-documents 4x8192+32 --max-queue 16 \
+--slots ${QPS_SLOTS:-16}" \
       --arms redknot,prefix,recompute --overload ${QPS_OVERLOAD:-2} --concurrency ${QPS_LEVELS:-1,4,16} --duration-s 30 \
       --warmup-requests 1 --warmup-max-rounds 3 --docs 8 --docs-per-request 4 \
       --doc-chars 8192 --prompt-chars 32 --output-len 64 --startup-timeout-s 600 \
