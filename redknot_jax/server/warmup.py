@@ -186,10 +186,11 @@ class WarmUp:
         rt, vocab = self.rt, self.eng.cfg.vocab_size
         rng = np.random.default_rng([n_docs, tokens, prompt])
         docs = []
-        for k in range(n_docs):
-            toks = rng.integers(2, vocab, tokens).astype(np.int32)
-            docs.append(Document(f"warmup-{k}", "", toks, shared=False, created=0, artifact=build_artifact(
-                rt.model, rt.profile, toks, checkpoint_fingerprint=self.fp, kernels=rt.consumer.kernels)))
+        with self._timed(f"{n_docs} documents of {tokens} tokens built"):
+            for k in range(n_docs):
+                toks = rng.integers(2, vocab, tokens).astype(np.int32)
+                docs.append(Document(f"warmup-{k}", "", toks, shared=False, created=0, artifact=build_artifact(
+                    rt.model, rt.profile, toks, checkpoint_fingerprint=self.fp, kernels=rt.consumer.kernels)))
         fits = 1  # the largest batch whose prefill ran
         for arm, size in [("redknot", 1)] + [("redknot", b) for b in self.batch_sizes if b > 1] + [("prefix", 1)]:
             if size > self.reuse_batch:  # capped below
