@@ -128,7 +128,9 @@ CI_METHOD = ("bootstrap over per-request records: each record's cycle time (its 
              "resampled with replacement, 2.5/97.5 percentiles; requests treated as independent")
 COUNTERS = ("redknot_requests_total", "redknot_http_responses_total", "redknot_cert_validated_total",
             "redknot_cert_fallback_total", "redknot_rejected_total", "redknot_artifact_tier_hits_total",
-            "redknot_cancelled_total")
+            "redknot_cancelled_total", "redknot_deferred_out_of_memory_total")
+# the server's batching per cell, as means of these histograms' observations (their _sum and _count)
+BATCHING = ("redknot_decode_batch_rows", "redknot_reuse_batch_requests", "redknot_reuse_decode_batch_rows")
 
 
 # ---------------------------------------------------------------------------------- statistics
@@ -284,13 +286,21 @@ def parse_memory(text: str) -> dict[str, float | None]:
 
 
 def parse_counters(text: str) -> dict[str, float]:
-    """The COUNTERS samples of a Prometheus text page, keyed by 'name{labels}'."""
+    """The COUNTERS samples of a Prometheus text page, and the BATCHING histograms' _sum and
+    _count, keyed by 'name{labels}'."""
+    names = set(COUNTERS) | {h + end for h in BATCHING for end in ("_sum", "_count")}
     out = {}
     for line in text.splitlines():
         m = re.match(r"^([a-z_]+)(\{[^}]*\})? ([0-9.eE+-]+|NaN)$", line)
-        if m and m.group(1) in COUNTERS:
+        if m and m.group(1) in names:
             out[m.group(1) + (m.group(2) or "")] = float(m.group(3))
     return out
+
+
+def batching_means(deltas: dict[str, float]) -> dict[str, float]:
+    """Per BATCHING histogram observed in a cell (warm-up rounds included), the mean observation:
+    rows per plain decode step, requests per batched document prefill, rows per document decode step."""
+    return {h: deltas[h + "_sum"] / deltas[h + "_count"] for h in BATCHING if deltas.get(h + "_count")}
 
 
 # ---------------------------------------------------------------------------------- server
@@ -819,6 +829,7 @@ def main(argv=None) -> dict:
                 c0, c1 = parse_counters(m0 if isinstance(m0, str) else ""), parse_counters(
                     m1 if isinstance(m1, str) else "")
                 cell["server_counter_deltas"] = {k: v - c0.get(k, 0.0) for k, v in c1.items() if v != c0.get(k, 0.0)}
+                cell["server_batching"] = batching_means(cell["server_counter_deltas"])
                 cell["summary"] = summarize(cell["records"], level, args.bootstrap, args.seed, args.duration_s)
                 cell["warmup_errors"] = sum(r["status"] != 200 for r in cell["warmup_records"])
                 out["cells"].append(cell)

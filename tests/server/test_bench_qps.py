@@ -176,6 +176,10 @@ def test_bench_against_real_server(tmp_path, monkeypatch, capsys):
         assert s["output_tokens"] == sum(r["completion_tokens"] for r in recs)
         if cell["arm"] == "redknot":
             assert all(r["cached_tokens"] > 0 for r in recs)
+            # the server's batching in the cell: RedKnot requests decode as rows of the document batch
+            assert 1 <= cell["server_batching"]["redknot_reuse_decode_batch_rows"] <= cell["concurrency"], cell
+        else:  # prefix-arm and Recomputed requests decode as rows of the plain batch
+            assert 1 <= cell["server_batching"]["redknot_decode_batch_rows"] <= cell["concurrency"], cell
         if cell["arm"] == "prefix":  # the first cited document: computed in no layer
             assert all(r["cached_tokens"] == 48 for r in recs)
         ttft = sorted(r["ttft_s"] for r in recs)  # the server's, per request
