@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import threading
 
 import numpy as np
 import jax
@@ -134,6 +135,9 @@ def grouped_matmul(x: jax.Array, w: jax.Array, sizes: jax.Array, tile: int = 512
     return out[:m]
 
 
+_IMPORT_LOCK = threading.Lock()
+
+
 def _mgpu_ragged_dot():
     """jax's Mosaic GPU grouped matmul. Its module imports `jax._src.test_util`, whose import
     installs absl's failure signal handler for the whole process (SIGTERM among its signals): a
@@ -142,14 +146,15 @@ def _mgpu_ragged_dot():
     import importlib
     import sys
 
-    if "jax._src.test_util" not in sys.modules:
-        from jax._src import util
+    with _IMPORT_LOCK:  # compile-ahead threads trace layers side by side
+        if "jax._src.test_util" not in sys.modules:
+            from jax._src import util
 
-        install, util.install_failure_signal_handler = util.install_failure_signal_handler, lambda *a, **k: None
-        try:
-            importlib.import_module("jax._src.test_util")
-        finally:
-            util.install_failure_signal_handler = install
+            install, util.install_failure_signal_handler = util.install_failure_signal_handler, lambda *a, **k: None
+            try:
+                importlib.import_module("jax._src.test_util")
+            finally:
+                util.install_failure_signal_handler = install
     from jax.experimental.pallas.ops.gpu.ragged_dot_mgpu import ragged_dot as mgpu_ragged_dot
     return mgpu_ragged_dot
 
