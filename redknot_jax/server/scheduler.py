@@ -119,6 +119,10 @@ class _Prefilling:
     cost: int
     dropped: set = dataclasses.field(default_factory=set)
 
+    def live(self) -> int:
+        """Requests still prefilling in the group."""
+        return len(self.preps) - len(self.dropped)
+
 
 @dataclasses.dataclass
 class _Reuse:
@@ -238,7 +242,7 @@ class Scheduler(WarmUp):
                 + sum(s is not None and s.job.kind == "reuse" for s in self._slots))
 
     def _prefill_requests(self) -> int:
-        return sum(self._prefill_requests_of(g) for g in self._prefilling)
+        return sum(g.live() for g in self._prefilling)
 
     def _run(self) -> None:
         try:
@@ -593,9 +597,6 @@ class Scheduler(WarmUp):
         rows = sum(int(p["req"].tokens.size) for p in preps)
         return _Prefilling(preps, steps, max(1, rows // (self.rt.cfg.num_layers * parts)))
 
-    def _prefill_requests_of(self, g: _Prefilling) -> int:
-        return len(g.preps) - len(g.dropped)
-
     def _cap_reuse_batch(self, n: int) -> None:
         """A batch of `n` requests ran out of device memory with nothing else in flight: it never
         fits, so later batches stay below its largest sub-batch (as the warm-up caps them) rather
@@ -622,7 +623,7 @@ class Scheduler(WarmUp):
             if p["job"] not in g.dropped and self._leaves(p["job"], late, "generation stopped"):
                 g.dropped.add(p["job"])
                 self.arena.release(p["arts"])
-        if len(g.dropped) == len(g.preps):
+        if not g.live():
             g.steps.close()
             self._prefilling.remove(g)
             return
@@ -636,7 +637,7 @@ class Scheduler(WarmUp):
             if len(g.preps) > 1:  # each then prefills on its own (and fails alone if it must)
                 log.error("batched document prefill failed; prefilling one at a time:\n%s", traceback.format_exc())
                 self.split_batches[len(g.preps), out_of_memory(e)] += 1
-                if out_of_memory(e) and self._in_flight() == self._prefill_requests_of(g):
+                if out_of_memory(e) and self._in_flight() == g.live():
                     self._cap_reuse_batch(len(g.preps))
                 self._prefilling[at:at + 1] = [self._prefill_group([p]) for p in g.preps if p["job"] not in g.dropped]
             else:

@@ -87,7 +87,11 @@ def test_document_requests_in_flight_stay_within_the_slots():
         r1, r2, r3, r4 = (Job("reuse", loop, tokens=[3], docs=[]) for _ in range(4))
         p1 = Job("plain", loop, tokens=[3])
         s._pending.extend([r1, r2, r3, p1, r4])
-        assert s._next_jobs(2) == ([], [r1, r2])  # the batch: as many as the 2 slots hold, not 4
+        s._reuse[:] = ["r0"]  # one decoding: room for one more, not a batch of 2
+        assert s._next_jobs(2) == ([], [r1])
+        s._pending.appendleft(r1)
+        s._reuse[:] = []
+        assert s._next_jobs(2) == ([], [r1, r2])
         s._reuse[:] = ["r1", "r2"]  # both decoding
         assert s._next_jobs(2) == ([], None) and list(s._pending) == [r3, p1, r4]  # r3 waits, p1 behind it
         s._reuse[:] = ["r1"]
