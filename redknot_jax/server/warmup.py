@@ -212,8 +212,9 @@ class WarmUp:
                 if not all(oom for _, oom in failed) or any(e[1] != 503 for e in bad):
                     raise RuntimeError(f"warm-up of {what}: the batched prefill failed (logged above)"
                                        + (f"; then {bad[0][2]}" if bad else ""))
-                log.warning("warm-up: %s ran out of device memory; document batches capped at %d", what, fits)
-                self.set_reuse_batch(fits)
+                if self.reuse_batch > fits:  # else the scheduler's _cap_reuse_batch capped (and logged) it
+                    log.warning("warm-up: %s ran out of device memory; document batches capped at %d", what, fits)
+                    self.set_reuse_batch(fits)
                 continue
             if bad:
                 raise RuntimeError(f"warm-up of {what}: {bad[0][2]}")

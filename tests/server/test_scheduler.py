@@ -722,12 +722,12 @@ def test_a_document_prefill_out_of_device_memory_waits_for_fewer_in_flight():
 
 
 # ------------------------------------------------------------------ document warm-up (in-process)
-def test_warmed_document_requests_compile_nothing():
+def test_warmed_document_requests_compile_nothing(caplog):
     """--warmup-documents: after warming requests of 2 documents of 24 tokens and a 3-token prompt,
     requests of that shape (other documents, other prompts, fewer tokens asked: decode states are
     made for --max-tokens-limit) compile no program, alone or batched; one citing 3 documents does.
-    A batch of 4 that runs out of device memory in the warm-up (injected) caps the batches at 2.
-    The warm-up leaves /metrics as it found it. Its flag is parsed, or refused naming the item."""
+    A batch of 4 that runs out of device memory in the warm-up (injected) caps the batches at 2 (logged
+    once). The warm-up leaves /metrics as it found it. Its flag is parsed, or refused naming the item."""
     import asyncio
 
     import jax
@@ -768,6 +768,7 @@ def test_warmed_document_requests_compile_nothing():
     assert sched.warmup_status()["done"] == 2 and not sched.arena.snapshot()["docs"]  # warm-up documents gone
     assert sched.warmup_status()["reuse_batch"] == 2 and sched.batch_sizes == (2,)
     assert sched.split_batches == {(4, True): 1}
+    assert sum("batches capped at 2" in r.getMessage() for r in caplog.records) == 1, caplog.records
     # the warm-up's requests are no client's: no TTFT, ledger, certificate or arena admission recorded
     assert scrape() == scraped and not sched.arena.stats["admitted"]
     rng = np.random.default_rng(9)
