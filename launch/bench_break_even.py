@@ -13,7 +13,10 @@ Timed, each the median of --repeats after a warm-up call (compiles excluded):
 
     python launch/bench_break_even.py --lengths 512,1024,2048 --out docs/results/break_even_cpu.json
     python launch/bench_break_even.py --preset flash-shaped --dtype bfloat16 --profile flash \\
-        --artifact-codec fp4 --lengths 16384,65536 --out break_even_h200.json        # one H200
+        --lengths 16384,65536 --out break_even_h200.json        # one H200
+
+The table serves only the profile it measured (`serve.py --break-even` refuses it for another):
+--profile and --artifact-codec as the server's.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import argparse
 import dataclasses
 import datetime
 import json
+import os
 import pathlib
 import statistics
 import sys
@@ -53,7 +57,8 @@ def main(argv=None):
                     help="safetensors checkpoint (default: the shipped QA model)")
     ap.add_argument("--preset", default=None, help="random weights of this preset instead (e.g. flash-shaped)")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    ap.add_argument("--profile", default="auto", help="auto (the checkpoint's) | flash | pro | tiny")
+    ap.add_argument("--profile", default="auto", help="as serve.py's: auto (the checkpoint's, else by layer count) | "
+                    "tiny | tiny-exact | flash | pro | profile.json (the table serves only this profile)")
     ap.add_argument("--artifact-codec", default=None, choices=["dense", "fp8", "fp4"],
                     help="how the artifacts are stored (reuse/codec.py; default: the profile's)")
     ap.add_argument("--lengths", type=lambda t: _ints(t, "--lengths"), default=[512, 1024, 2048])
@@ -69,13 +74,18 @@ def main(argv=None):
         ap.error(f"--lengths {short}: a request needs at least --docs + --question = {args.docs + args.question} tokens")
     if args.checkpoint and args.preset:
         ap.error("--checkpoint and --preset: give one of them")
+    if args.profile.endswith(".json") or os.sep in args.profile:  # a profile file, not a preset's name
+        try:
+            _cli.input_file(args.profile)
+        except argparse.ArgumentTypeError as e:
+            ap.error(f"--profile: {e}")
 
     import jax
     import jax.numpy as jnp
 
     from redknot_jax import config
     from redknot_jax.init import random_model
-    from redknot_jax.quality.model_config import profile_of
+    from redknot_jax.quality.model_config import PROFILE_FILE
     from redknot_jax.quality.train import load_model
     from redknot_jax.reuse import profile as profiles
     from redknot_jax.reuse.artifact import build_artifact
@@ -91,11 +101,11 @@ def main(argv=None):
         ckpt = args.checkpoint or str(DEFAULT_CKPT)
         model, fp = load_model(ckpt), f"checkpoint:{pathlib.Path(ckpt).name}"
         cfg = model.cfg
-    if args.profile == "auto":
-        prof = profile_of(args.checkpoint or str(DEFAULT_CKPT)) if not args.preset else profiles.flash_profile()
-    else:
-        prof = {"flash": profiles.flash_profile, "pro": profiles.pro_profile,
-                "tiny": lambda: profiles.tiny_profile(cfg.num_layers)}[args.profile]()
+    try:
+        prof = profiles.named(args.profile, cfg.num_layers,
+                              None if args.preset else str(pathlib.Path(args.checkpoint or DEFAULT_CKPT) / PROFILE_FILE))
+    except (ValueError, OSError, TypeError) as e:  # ProfileError, a file that is not a profile
+        ap.error(f"--profile: {e}")
     if args.artifact_codec:
         prof = dataclasses.replace(prof, artifact_codec=args.artifact_codec)
     rt = ReuseRuntime(model, prof, fp, prefix_cache=1)  # the first document's exact prefix, as the server holds it
@@ -164,7 +174,8 @@ def main(argv=None):
     result = {"device": str(jax.devices()[0].device_kind), "date": datetime.date.today().isoformat(),
               "command": "python launch/bench_break_even.py " + " ".join(argv if argv is not None else sys.argv[1:]),
               "jax": jax.__version__, "model": args.preset or pathlib.Path(args.checkpoint or DEFAULT_CKPT).name,
-              "profile": prof.name, "docs": args.docs, "question": args.question, "repeats": args.repeats,
+              "profile": prof.name, "profile_digest": prof.digest(), "docs": args.docs, "question": args.question,
+              "repeats": args.repeats,
               "points": points, "raw": raw}
     lines = ["| tokens | tier | Recomputed s | RedKnot s | faster |", "|---|---|---|---|---|"]
     for p in points:

@@ -8,9 +8,11 @@ arms' times are interpolated linearly; beyond them they scale in proportion to t
 the nearest point. The Recomputed arm does not depend on the tier, but each tier's points carry
 it, measured in the same run.
 
-The table is data (`launch/bench_break_even.py` writes it, with the device, date and command);
-the server reads it with `--break-even FILE` and then runs, for a request that does not name its
-arm, the one the table says is faster (`choose`), saying why in the response and the metrics.
+The table is data (`launch/bench_break_even.py` writes it, with the device, date, command and
+the RedKnot profile it measured); the server reads it with `--break-even FILE`, refuses a table
+of another profile than the one it serves (`check_profile`: another budget or tail is another
+RedKnot time), and then runs, for a request that does not name its arm, the one the table says
+is faster (`choose`), saying why in the response and the metrics.
 """
 
 from __future__ import annotations
@@ -20,6 +22,9 @@ import json
 import math
 
 TIERS = ("device", "host", "disk")
+SOURCE = {"device": "where the points were measured", "date": "when the points were measured",
+          "command": "how the points were measured", "profile": "the RedKnot profile measured (its name)",
+          "profile_digest": "the RedKnot profile measured (RedKnotProfile.digest)"}
 
 
 class BreakEvenError(ValueError):
@@ -43,7 +48,7 @@ class Choice:
 @dataclasses.dataclass(frozen=True)
 class BreakEven:
     """points: {tier: ((tokens, recompute_s, redknot_s), ...)} sorted by tokens; `source`: the
-    device, date and command that measured them."""
+    device, date and command that measured them, and the RedKnot profile (its name and digest)."""
 
     points: dict
     source: dict
@@ -53,10 +58,9 @@ class BreakEven:
         if not isinstance(d, dict) or not isinstance(d.get("points"), list) or not d["points"]:
             raise BreakEvenError("break-even table: expected {'device', 'date', 'command', 'points': [...]} "
                                  "with at least one point")
-        for f in ("device", "date", "command"):
+        for f in SOURCE:
             if not isinstance(d.get(f), str) or not d[f]:
-                raise BreakEvenError(f"break-even table: '{f}' must say where the points were measured, got "
-                                     f"{d.get(f)!r}")
+                raise BreakEvenError(f"break-even table: '{f}' must say {SOURCE[f]}, got {d.get(f)!r}")
         pts: dict[str, list] = {}
         for i, p in enumerate(d["points"]):
             if not isinstance(p, dict) or p.get("tier") not in TIERS:
@@ -74,8 +78,17 @@ class BreakEven:
             ns = [n for n, _, _ in ps]
             if len(set(ns)) != len(ns):
                 raise BreakEvenError(f"break-even table: tier {tier!r} has two points at one length ({sorted(ns)})")
-        return cls({t: tuple(sorted(ps)) for t, ps in pts.items()},
-                   {f: d[f] for f in ("device", "date", "command")})
+        return cls({t: tuple(sorted(ps)) for t, ps in pts.items()}, {f: d[f] for f in SOURCE})
+
+    def check_profile(self, profile) -> None:
+        """Refuses (BreakEvenError) a table measured with another RedKnot profile than `profile`
+        (a reuse.profile.RedKnotProfile): its RedKnot times would be another profile's."""
+        if self.source["profile_digest"] != profile.digest():
+            raise BreakEvenError(
+                f"break-even table: measured with RedKnot profile {self.source['profile']!r} (digest "
+                f"{self.source['profile_digest'][:12]}), but the server serves {profile.name!r} (digest "
+                f"{profile.digest()[:12]}); measure the served one (launch/bench_break_even.py --profile, as "
+                f"serve.py's)")
 
     @classmethod
     def read(cls, path) -> "BreakEven":

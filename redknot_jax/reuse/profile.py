@@ -27,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 from typing import Any, Mapping
 
 from redknot_jax.config import ModelConfig
@@ -241,6 +242,32 @@ def tiny_profile(n_layers: int) -> RedKnotProfile:
     _count("n_layers", n_layers, lo=3)  # at least one reusable layer between the fences
     return RedKnotProfile(name=f"tiny-1F-{n_layers - 2}R-1F", fence_first=1, fence_last=1,
                           boundary_rows=8, tail_rows=8)
+
+
+NAMES = ("auto", "tiny", "tiny-exact", "flash", "pro")  # `named`'s; else a profile JSON file
+
+
+def named(name: str, n_layers: int, shipped: str | None = None) -> RedKnotProfile:
+    """The profile `serve.py --profile` and the benchmarks name: `auto` (the file `shipped`, a
+    checkpoint's own redknot_profile.json, when it exists; else by layer count: flash, pro,
+    tiny), `tiny`, `tiny-exact` (the tiny profile with native MoE fan-out, so prefix-only requests
+    are exact: DESIGN §4, a prefix document at 0 plus new rows is the native computation),
+    `flash`, `pro`, or a profile JSON file."""
+    if name == "auto" and shipped and os.path.isfile(shipped):
+        name = shipped
+    elif name == "auto":
+        name = {43: "flash", 61: "pro"}.get(n_layers, "tiny")
+    if name == "tiny":
+        return tiny_profile(n_layers)
+    if name == "tiny-exact":
+        return dataclasses.replace(tiny_profile(n_layers), name=f"tiny-exact-{n_layers}", fanout_mode="native")
+    if name == "flash":
+        return flash_profile()
+    if name == "pro":
+        return pro_profile()
+    if os.path.isfile(name):
+        return RedKnotProfile.read(name)
+    raise ProfileError(f"profile: expected {', '.join(NAMES)} or a JSON file, got {name!r}")
 
 
 def head_row_ceiling(cfg: ModelConfig, profile: RedKnotProfile) -> float:

@@ -30,7 +30,6 @@ from redknot_jax.server.tokenizer import load_chat_template, load_tokenizer
 log = logging.getLogger("redknot.server")
 
 
-PROFILE_NAMES = ("auto", "tiny", "tiny-exact", "flash", "pro")  # `make_profile`'s; else a profile JSON file
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,8 +70,8 @@ class ServeConfig:
     compile_threads: int = 0  # threads compiling a call's distinct layer programs side by side (0: in turn)
 
     def __post_init__(self):
-        if self.profile not in PROFILE_NAMES and not os.path.isfile(self.profile):
-            raise ValueError(f"profile: expected {', '.join(PROFILE_NAMES)} or a JSON file, got {self.profile!r} "
+        if self.profile not in profiles.NAMES and not os.path.isfile(self.profile):
+            raise ValueError(f"profile: expected {', '.join(profiles.NAMES)} or a JSON file, got {self.profile!r} "
                              f"(no such file)")
         if self.artifact_codec is not None and self.artifact_codec not in CODECS:
             raise ValueError(f"artifact_codec: expected one of {', '.join(CODECS)}, got {self.artifact_codec!r}")
@@ -161,29 +160,6 @@ def model_source(sc: ServeConfig) -> tuple[str | None, str | None]:
     return None, "tiny"
 
 
-def make_profile(name: str, cfg: config.ModelConfig, checkpoint: str | None = None) -> profiles.RedKnotProfile:
-    """`auto`: the checkpoint's `redknot_profile.json` when it ships one, else by layer count
-    (flash, pro, tiny). `tiny-exact`: the tiny profile with native MoE fan-out, so prefix-only
-    requests are exact (DESIGN §4: a prefix document at 0 plus new rows is the native
-    computation)."""
-    if name == "auto" and checkpoint and os.path.isfile(os.path.join(checkpoint, PROFILE_FILE)):
-        name = os.path.join(checkpoint, PROFILE_FILE)
-    elif name == "auto":
-        name = {43: "flash", 61: "pro"}.get(cfg.num_layers, "tiny")
-    if name == "tiny":
-        return profiles.tiny_profile(cfg.num_layers)
-    if name == "tiny-exact":
-        return dataclasses.replace(profiles.tiny_profile(cfg.num_layers), name=f"tiny-exact-{cfg.num_layers}",
-                                   fanout_mode="native")
-    if name == "flash":
-        return profiles.flash_profile()
-    if name == "pro":
-        return profiles.pro_profile()
-    if os.path.isfile(name):
-        return profiles.RedKnotProfile.read(name)
-    raise ValueError(f"profile: expected {', '.join(PROFILE_NAMES)} or a JSON file, got {name!r}")
-
-
 @dataclasses.dataclass
 class ServerState:
     cfg: ServeConfig
@@ -207,12 +183,23 @@ def build_state(sc: ServeConfig) -> ServerState:
     t0 = time.perf_counter()
     dtype = jnp.dtype(sc.dtype)
     ckpt, preset = model_source(sc)
+    # the profile and the break-even table first: a mismatch is refused before the weights load
+    cfg = config.ModelConfig.from_json(os.path.join(ckpt, "config.json")) if ckpt else config.preset(preset)
+    prof = profiles.named(sc.profile, cfg.num_layers, os.path.join(ckpt, PROFILE_FILE) if ckpt else None)
+    if sc.artifact_codec is not None:
+        prof = dataclasses.replace(prof, artifact_codec=sc.artifact_codec)
+    break_even = None
+    if sc.break_even:
+        try:
+            break_even = BreakEven.read(sc.break_even)
+            break_even.check_profile(prof)
+        except BreakEvenError as e:
+            raise ValueError(f"break_even: {e}") from None
     if ckpt:
         from checkpoints_convert.safetensors_io import ShardedCheckpoint
         from redknot_jax.model import Model
         from redknot_jax.weights import load_checkpoint
 
-        cfg = config.ModelConfig.from_json(os.path.join(ckpt, "config.json"))
         model = Model(cfg, dtype)
         load_checkpoint(model, cfg, ckpt)
         files = ShardedCheckpoint(ckpt).fingerprint("size_mtime")
@@ -221,13 +208,9 @@ def build_state(sc: ServeConfig) -> ServerState:
     else:
         from redknot_jax.init import random_model
 
-        cfg = config.preset(preset)
         model = random_model(cfg, seed=0, dtype=dtype)
         fp = f"embedded-random:{preset}:seed0:{sc.dtype}:{cfg.fingerprint()}"
         name = sc.model_name or f"redknot-{preset}-random"
-    prof = make_profile(sc.profile, cfg, ckpt)
-    if sc.artifact_codec is not None:
-        prof = dataclasses.replace(prof, artifact_codec=sc.artifact_codec)
     rt = ReuseRuntime(model, prof, fp, kernels=sc.kernels, buckets=sc.shape_buckets, prefix_cache=sc.prefix_docs,
                       compile_threads=sc.compile_threads)
     eng = Engine(model, capacity=sc.max_model_len, kernels=sc.kernels, compile_threads=sc.compile_threads)
@@ -239,7 +222,7 @@ def build_state(sc: ServeConfig) -> ServerState:
                       warmup=(sc.warmup_buckets or "auto") if sc.warmup else None,
                       warmup_documents=sc.warmup_documents, max_new_tokens=sc.max_tokens_limit,
                       arena_rows=sc.arena_rows or 8 * sc.max_model_len, arena_docs=sc.arena_docs,
-                      break_even=BreakEven.read(sc.break_even) if sc.break_even else None, reuse_batch=sc.reuse_batch,
+                      break_even=break_even, reuse_batch=sc.reuse_batch,
                       max_batched_tokens=sc.max_batched_tokens)
     keys = load_api_keys(sc.api_keys_file, os.environ.get(sc.api_keys_env))
     log.info("model %s (%d layers), profile %s, kernels %r, %d API keys, loaded in %.1fs; warm-up: %s (on the model "

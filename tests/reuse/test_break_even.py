@@ -1,11 +1,15 @@
 """The break-even table (reuse/break_even.py): validation naming the bad field, interpolation
 between measured lengths, proportional extrapolation, the choice of arm, a request's tier."""
 
+import dataclasses
+
 import pytest
 
 from redknot_jax.reuse.break_even import BreakEven, BreakEvenError, request_tier
+from redknot_jax.reuse.profile import tiny_profile
 
-SRC = {"device": "cpu", "date": "2026-12-05", "command": "python launch/bench_break_even.py"}
+SRC = {"device": "cpu", "date": "2026-12-05", "command": "python launch/bench_break_even.py", "profile": "p",
+       "profile_digest": "0" * 64}
 
 
 def table(points):
@@ -33,6 +37,8 @@ def test_estimates_and_choice():
     ({"points": []}, "at least one point"),
     ({"device": "", "points": [{"tier": "host", "tokens": 5, "recompute_s": 1, "redknot_s": 1}]},
      "'device' must say where"),
+    ({"profile_digest": None, "points": [{"tier": "host", "tokens": 5, "recompute_s": 1, "redknot_s": 1}]},
+     "'profile_digest' must say the RedKnot profile measured"),
     ({"points": [{"tier": "ram", "tokens": 1, "recompute_s": 1, "redknot_s": 1}]}, r"points\[0\].tier.*'ram'"),
     ({"points": [{"tier": "host", "tokens": 0, "recompute_s": 1, "redknot_s": 1}]}, r"points\[0\].tokens.*0"),
     ({"points": [{"tier": "host", "tokens": 5, "recompute_s": -1, "redknot_s": 1}]}, r"points\[0\].recompute_s"),
@@ -42,6 +48,18 @@ def test_estimates_and_choice():
 def test_bad_tables_are_refused_naming_the_field(d, match):
     with pytest.raises(BreakEvenError, match=match):
         BreakEven.from_dict({**SRC, **d})
+
+
+def test_committed_cpu_table_serves_the_shipped_model():
+    """docs/benchmarks.md: `serve.py --break-even docs/results/break_even_cpu.json` serves the
+    shipped QA model: the table names that model's profile."""
+    import pathlib
+
+    from redknot_jax.quality import SHIPPED_MODEL
+    from redknot_jax.quality.model_config import profile_of
+
+    path = pathlib.Path(__file__).resolve().parents[2] / "docs" / "results" / "break_even_cpu.json"
+    BreakEven.read(path).check_profile(profile_of(SHIPPED_MODEL))
 
 
 def test_read_errors(tmp_path):
@@ -71,5 +89,11 @@ def test_bench_break_even_writes_a_table_the_server_reads(tmp_path, refused):
     assert {r["arm"] for r in res["raw"]} == {"recompute", "device", "host", "disk"}
     table = BreakEven.read(out)
     assert table.choose("disk", 64).arm in ("recompute", "redknot") and table.source["device"] == res["device"]
+    # it serves its own profile only (the codec is part of it)
+    table.check_profile(dataclasses.replace(tiny_profile(6), artifact_codec="fp8"))
+    with pytest.raises(BreakEvenError, match="measured with RedKnot profile 'tiny-1F-4R-1F'.*but the server serves "
+                                             "'tiny-1F-4R-1F'"):
+        table.check_profile(tiny_profile(6))
     refused(bench.main, ["--preset", "tiny", "--lengths", "4", "--docs", "2", "--question", "8"],
             r"--lengths \[4\]: a request needs at least")
+    refused(bench.main, ["--preset", "tiny", "--profile", "tinyy"], r"--profile: profile: expected auto, tiny, .*'tinyy'")

@@ -56,7 +56,10 @@ def test_checkpoint_profile_and_template(tmp_path):
     from redknot_jax.init import random_model
     from redknot_jax.quality.model_config import profile_of, qa_profile, qa_test_config
     from redknot_jax.quality.train import save_checkpoint, write_serving_files
-    from redknot_jax.server.state import make_profile
+    from redknot_jax.reuse.profile import named
+
+    def make_profile(name, cfg, ckpt):  # as the server's build_state resolves --profile
+        return named(name, cfg.num_layers, f"{ckpt}/{PROFILE_FILE}")
 
     cfg = qa_test_config()
     save_checkpoint(random_model(cfg, seed=0), tmp_path)

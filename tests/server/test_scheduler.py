@@ -260,7 +260,8 @@ def test_artifacts_persist_in_per_tenant_stores(tmp_path):
     # leaves for the continuous batch (a plain job, the documents' tokens first), says why, counted
     from redknot_jax.reuse.break_even import BreakEven
 
-    table = BreakEven.from_dict({"device": "cpu", "date": "2026-12-05", "command": "test", "points": [
+    table = BreakEven.from_dict({"device": "cpu", "date": "2026-12-05", "command": "test", "profile": rt.profile.name,
+                                 "profile_digest": rt.profile.digest(), "points": [
         {"tier": t, "tokens": 100, "recompute_s": 0.1, "redknot_s": 1.0} for t in ("device", "host", "disk")]})
     auto = Scheduler(Engine(model, capacity=64), rt, Metrics(rt.counters), slots=1, checkpoint_fingerprint="fp-test",
                      break_even=table)
@@ -316,6 +317,10 @@ def test_kernels_flag_is_resolved_or_refused():
         ServeConfig(arena_docs=0)
     with pytest.raises(ValueError, match="break_even: break-even table /nonexistent/t.json: .*No such file"):
         ServeConfig(break_even="/nonexistent/t.json")
+    # a break-even table of another profile than the served one: refused before the weights load
+    with pytest.raises(ValueError, match=r"break_even: .*measured with RedKnot profile 'qa-5F-4R-3F-b75-dev-refresh-"
+                                         r"restore' .*but the server serves 'tiny-1F-4R-1F'"):
+        build_state(ServeConfig(preset="tiny", break_even=str(ROOT / "docs/results/break_even_cpu.json"), warmup=False))
     # --profile names are checked with the flags (before any model loads); --artifact-codec reaches the profile
     with pytest.raises(ValueError, match=r"profile: expected auto, tiny, tiny-exact, flash, pro or a JSON file, "
                                          r"got 'tinyy' \(no such file\)"):
