@@ -32,7 +32,8 @@ import sys
 import tempfile
 import time
 
-import numpy as np
+os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")  # flash-shaped weights + a long pool: JAX's 75 % is too little
+import numpy as np  # noqa: E402
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 from launch import _cli  # noqa: E402

@@ -28,11 +28,8 @@ step() {  # name, then the command's arguments after `python`; STEP_TIMEOUT=S (d
   echo "== $name rc=$? $(date +%T)" >> $R/chain.log
 }
 
-qps_setup() {  # the `qps` steps': the server's wheels (.whl/), the Flash profile at tail 0 and a 10 % budget
+qps_setup() {  # the `qps` steps': the server's wheels (.whl/)
   pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl >> $R/chain.log 2>&1
-  python -c "import dataclasses, json; from redknot_jax.reuse.profile import flash_profile as f
-p = dataclasses.replace(f(), name='flash-tail0-b10', tail_rows=0, budget_override=0.1)
-json.dump(p.to_dict(), open('/tmp/flash_tail0_b10.json', 'w'))"
 }
 
 run_steps() {
@@ -74,9 +71,8 @@ run_steps() {
       --artifact-codec fp4 --lengths 16384,65536 --repeats 2 --out $R/break_even_${d}_$today.json ;;
     break_even_h100)  # the break-even table within an H100's 80 GB, for the profile steps qps and qps_h100 serve
       # (the Flash preset's at tail 0 and a 10 % budget: at these lengths its 32K tail protects every row)
-      qps_setup
-      step $s launch/bench_break_even.py --preset flash-shaped --dtype bfloat16 --profile /tmp/flash_tail0_b10.json \
-        --lengths 16384,32768 --repeats 2 --out $R/break_even_tail0_b10_${d}_$today.json ;;
+      step $s launch/bench_break_even.py --preset flash-shaped --dtype bfloat16 \
+        --profile launch/profiles/flash_tail0_b10.json --lengths 16384,32768 --repeats 2 --out $R/break_even_tail0_b10_${d}_$today.json ;;
     model64|model32) step $s launch/bench_model.py --lengths $([ $s = model64 ] && echo 65536 || echo 32768) \
       --decode-steps 16 --repeats 1 --json $R/bench_model_${s#model}k_${d}_$today.json ;;  # first call: the per-layer compile
     decode_batch) step $s launch/bench_ttft.py --lengths 32768 --repeats 1 --decode-steps 16 \
@@ -117,7 +113,7 @@ run_steps() {
       # H100, 2026-12-07: RedKnot's TTFT p50 12.9 s at 16 clients, 1.6 s at 4)
       qps_setup
       PYTHONPATH=/tmp/site:$PWD step $s launch/bench_qps.py --serve-args "--preset flash-shaped --dtype bfloat16 \
---profile /tmp/flash_tail0_b10.json --max-model-len 33280 --arena-rows 65536 --max-tokens-limit 64 \
+--profile launch/profiles/flash_tail0_b10.json --max-model-len 33280 --arena-rows 65536 --max-tokens-limit 64 \
 --prefill-chunk 8192 --max-batched-tokens 8192 --compile-threads 8 --warmup-documents 4x8192+32 --max-queue 16 \
 --slots ${QPS_SLOTS:-16}" \
       --arms redknot,prefix,recompute --overload ${QPS_OVERLOAD:-2} --concurrency ${QPS_LEVELS:-1,4,16} --duration-s 30 \
@@ -133,7 +129,7 @@ run_steps() {
       # narrow it to a short device budget
       qps_setup
       PYTHONPATH=/tmp/site:$PWD step $s launch/bench_qps.py --serve-args "--preset flash-shaped --dtype bfloat16 \
---profile /tmp/flash_tail0_b10.json --max-model-len 33280 --arena-rows 32768 --reuse-batch ${QPS_REUSE_BATCH:-2} \
+--profile launch/profiles/flash_tail0_b10.json --max-model-len 33280 --arena-rows 32768 --reuse-batch ${QPS_REUSE_BATCH:-2} \
 --max-tokens-limit 64 --prefill-chunk 8192 --max-batched-tokens 8192 --compile-threads 8 --warmup-documents 4x8192+32 \
 --max-queue 16" --arms redknot,prefix,recompute --overload ${QPS_OVERLOAD:-2} --concurrency ${QPS_LEVELS:-1,4,16} \
       --duration-s 30 --warmup-requests 1 --warmup-max-rounds 3 --docs 4 --docs-per-request 4 \

@@ -50,16 +50,20 @@ def test_bad_tables_are_refused_naming_the_field(d, match):
         BreakEven.from_dict({**SRC, **d})
 
 
-def test_committed_cpu_table_serves_the_shipped_model():
+def test_committed_tables_serve_their_profiles():
     """docs/benchmarks.md: `serve.py --break-even docs/results/break_even_cpu.json` serves the
-    shipped QA model: the table names that model's profile."""
+    shipped QA model, and the H100 table serves `--profile launch/profiles/flash_tail0_b10.json`:
+    each table names that profile."""
     import pathlib
 
     from redknot_jax.quality import SHIPPED_MODEL
     from redknot_jax.quality.model_config import profile_of
+    from redknot_jax.reuse.profile import RedKnotProfile
 
-    path = pathlib.Path(__file__).resolve().parents[2] / "docs" / "results" / "break_even_cpu.json"
-    BreakEven.read(path).check_profile(profile_of(SHIPPED_MODEL))
+    root = pathlib.Path(__file__).resolve().parents[2]
+    BreakEven.read(root / "docs/results/break_even_cpu.json").check_profile(profile_of(SHIPPED_MODEL))
+    BreakEven.read(root / "docs/results/break_even_tail0_b10_h100_s58.json").check_profile(
+        RedKnotProfile.read(root / "launch/profiles/flash_tail0_b10.json"))
 
 
 def test_read_errors(tmp_path):
