@@ -255,12 +255,12 @@ def main(argv=None):
                 geoms = [tp_geometry(cfg, tp, r) for r in range(tp)]
                 for r in range(tp):  # admission: each slice's payload hashed once
                     for s in slices:
-                        rt.hot_payload_digest(s[r])
+                        s[r].digest()
                 pool = con.pool(arts)
                 jax.block_until_ready(jax.tree.leaves(pool.layers))
 
                 def verdicts():
-                    return [rank_verdict(rank_reqs[r], expect, geoms[r], digest=rt.hot_payload_digest)
+                    return [rank_verdict(rank_reqs[r], expect, geoms[r])
                             for r in range(tp)]
 
                 def recompute(con=con):

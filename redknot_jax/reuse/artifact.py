@@ -48,6 +48,7 @@ class Artifact:
     certificate: Certificate
     prefix_layers: dict[int, dict] = dataclasses.field(default_factory=dict)
     _far: dict = dataclasses.field(default_factory=dict, init=False, repr=False, compare=False)  # far_mean's
+    _digest: str | None = dataclasses.field(default=None, init=False, repr=False, compare=False)  # digest()'s
 
     @property
     def length(self) -> int:
@@ -88,11 +89,15 @@ class Artifact:
         return dict(sorted(out.items()))
 
     @classmethod
-    def from_stored(cls, tokens, stored: dict[int, dict], certificate) -> "Artifact":
-        """The inverse of `stored_layers`."""
+    def from_stored(cls, tokens, stored: dict[int, dict], certificate, digest: str | None = None) -> "Artifact":
+        """The inverse of `stored_layers`; `digest`: the payload digest of exactly these arrays,
+        when the caller has just hashed them (the store's verified load), so `digest()` does not
+        hash them again."""
         layers = {i: d for i, d in stored.items() if PREFIX not in d}
         prefix = {i: d[PREFIX] for i, d in stored.items() if PREFIX in d}
-        return cls(tokens=tokens, layers=layers, certificate=certificate, prefix_layers=prefix)
+        art = cls(tokens=tokens, layers=layers, certificate=certificate, prefix_layers=prefix)
+        art._digest = digest
+        return art
 
     def payload(self) -> dict[str, np.ndarray]:
         """Flat name -> array view used for the checksum (a fence layer's: "0/['prefix']['kv']")."""
@@ -101,6 +106,16 @@ class Artifact:
             for name, v in jax.tree_util.tree_flatten_with_path(d)[0]:
                 out[f"{layer}/{jax.tree_util.keystr(name)}"] = np.asarray(v)
         return out
+
+    def digest(self) -> str:
+        """`certificate.payload_digest` of `payload()`, hashed once per artifact object (it is
+        immutable once built or loaded, as `far_mean` assumes; a changed copy is a new object):
+        certification compares it with the certificate's on every request. A verified load from
+        the artifact store hands over the digest it checked (`from_stored`), so a document read
+        from disk is hashed once, not again by the runtime."""
+        if self._digest is None:
+            self._digest = payload_digest(self.payload())
+        return self._digest
 
 
 def profile_parts(profile: RedKnotProfile) -> tuple[str, ...]:

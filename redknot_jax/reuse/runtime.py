@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import dataclasses
 import time
-import weakref
 
 import numpy as np
 import jax
@@ -39,8 +38,7 @@ from redknot_jax.reuse.artifact import local_head_mask, profile_parts, project_h
 from redknot_jax.reuse.consumer import Consumer, run_steps
 from redknot_jax.reuse.decode import DecodeState
 from redknot_jax.reuse.pool import DocPool
-from redknot_jax.reuse.certificate import (CertCounters, FallbackReason, TPGeometry, can_prefix, explain,
-                                           payload_digest, token_digest)
+from redknot_jax.reuse.certificate import CertCounters, FallbackReason, TPGeometry, can_prefix, explain, token_digest
 from redknot_jax.reuse.fanout import fanout_histogram, fanout_keep, mean_kept
 from redknot_jax.reuse.planner import (Plan, Request, concentration, fill_itop, latent_deviation, online_frames,
                                        plan_request, row_risk)
@@ -95,7 +93,6 @@ class ReuseRuntime:
         self.counters = CertCounters()
         self.local = local_head_mask(model, profile)
         self.reusable = list(profile.reusable_layers(self.cfg.num_layers))
-        self._verified: dict[int, tuple] = {}
         # Mosaic GPU kernels: resolve_kernels; buckets: the padded sizes (pool.Buckets); topk_stages:
         # the CSA selection's entry prefixes (indexer.select_topk_causal); block: every arm's query
         # block (Consumer; None: its default); compile_threads: Consumer's (layer programs compiled ahead)
@@ -119,22 +116,11 @@ class ReuseRuntime:
             bad = explain(art.certificate, expected_tokens_digest=token_digest(seg.tokens),
                           profile_digest=self.profile.digest(), model_digest=self.cfg.fingerprint(),
                           checkpoint_fingerprint=self.fingerprint, tp=self.tp, min_generation=self.min_generation,
-                          required_layers=self.reusable, actual_payload_digest=self.hot_payload_digest(art),
+                          required_layers=self.reusable, actual_payload_digest=art.digest(),
                           required_parts=profile_parts(self.profile), codec=self.profile.artifact_codec)
             if bad is not None:
                 return bad[0], f"segment {i}: {bad[1]}"
         return None
-
-    def hot_payload_digest(self, art) -> str:
-        """The artifact's payload digest, hashed once per in-memory artifact: its arrays are
-        immutable device arrays once built or loaded (the store verifies tile checksums on every
-        read from disk), so a hot artifact is not re-hashed on every request."""
-        hit = self._verified.get(id(art))
-        if hit is not None and hit[0]() is art:
-            return hit[1]
-        digest = payload_digest(art.payload())
-        self._verified[id(art)] = (weakref.ref(art), digest)
-        return digest
 
     # ------------------------------------------------------------------ arms
     def prefill(self, req: Request, arm: str = "redknot", require_reuse: bool = False, path: str = "jit",

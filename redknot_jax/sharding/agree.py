@@ -131,13 +131,11 @@ class RankVerdict:
         return self.reason is None
 
 
-def rank_verdict(segments: Iterable, expect: Expectation, geometry: TPGeometry,
-                 digest=None) -> RankVerdict:
+def rank_verdict(segments: Iterable, expect: Expectation, geometry: TPGeometry) -> RankVerdict:
     """Validate one rank's artifact slices. `segments`: objects with `.tokens` and `.artifact`
     (a rank's slice, or None for new rows), e.g. `planner.Segment`. The same checks as
-    `ReuseRuntime.certify`, against this rank's geometry. `digest(artifact)`, if given, hashes
-    a slice's payload (default: on every call; `ReuseRuntime.hot_payload_digest` hashes each
-    in-memory slice once, as the single-device runtime does for hot artifacts)."""
+    `ReuseRuntime.certify`, against this rank's geometry (a slice's payload hashed once per
+    slice object, `Artifact.digest`, as the single-device runtime does)."""
     idents = []
     for i, seg in enumerate(segments):
         art = seg.artifact
@@ -153,7 +151,7 @@ def rank_verdict(segments: Iterable, expect: Expectation, geometry: TPGeometry,
         bad = explain(cert, expected_tokens_digest=token_digest(seg.tokens), profile_digest=expect.profile_digest,
                       model_digest=expect.model_digest, checkpoint_fingerprint=expect.checkpoint_fingerprint,
                       tp=geometry, min_generation=expect.min_generation, required_layers=expect.required_layers,
-                      required_parts=expect.required_parts, codec=expect.codec, actual_payload_digest=digest(art) if digest else payload_digest(art.payload()))
+                      required_parts=expect.required_parts, codec=expect.codec, actual_payload_digest=art.digest())
         if bad is not None:
             return RankVerdict(bad[0], f"segment {i}: {bad[1]}", NO_DIGEST)
     return RankVerdict(None, "", json_digest({"format": FORMAT_VERSION, "segments": idents}))

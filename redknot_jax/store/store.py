@@ -238,8 +238,9 @@ class SliceMeta:
     def group_nbytes(self, group: int) -> int:
         return sum(int(e["nbytes"]) for e in self.tiles_of(group).values())
 
-    def assemble(self, arrays: Mapping[str, Any]):
-        """An `Artifact` from tile arrays (numpy or jax) of some or all layer groups."""
+    def assemble(self, arrays: Mapping[str, Any], digest: str | None = None):
+        """An `Artifact` from tile arrays (numpy or jax) of some or all layer groups; `digest`:
+        their payload digest, when the caller checked it (`Artifact.from_stored`)."""
         from redknot_jax.reuse.artifact import Artifact
 
         layers: dict[int, dict] = {}
@@ -249,7 +250,7 @@ class SliceMeta:
             for k in e["keys"][:-1]:
                 d = d.setdefault(k, {})
             d[e["keys"][-1]] = a
-        return Artifact.from_stored(self.tokens.copy(), dict(sorted(layers.items())), self.certificate)
+        return Artifact.from_stored(self.tokens.copy(), dict(sorted(layers.items())), self.certificate, digest)
 
 
 @dataclasses.dataclass
@@ -681,7 +682,7 @@ class ArtifactStore:
         try:
             meta = self.open_slice(doc_id, gen, tp)
             groups = meta.groups_for(layers)
-            arrays = {}
+            arrays, got = {}, None
             for g in groups:
                 arrays.update(self.read_group(meta, g))
             if len(groups) == len(meta.groups):
@@ -690,7 +691,7 @@ class ArtifactStore:
                     self._count("integrity_failures")
                     raise StoreIntegrityError(f"document {doc_id}, generation {gen}: payload digest {got}, "
                                               f"certificate says {meta.certificate.payload_digest}")
-            art = meta.assemble(arrays)
+            art = meta.assemble(arrays, got)  # the runtime's certification then hashes nothing again
             ok = True
             return art
         finally:

@@ -102,13 +102,21 @@ def test_publish_refuses_data_that_does_not_match_its_certificate(store):
 
 
 # ---------------------------------------------------------------------------- partial reads
-def test_a_layer_group_and_a_rank_slice_are_read_alone(store):
+def test_a_layer_group_and_a_rank_slice_are_read_alone(store, monkeypatch):
+    """... and a whole load hands its checked payload digest to the artifact (certification does
+    not hash it again, Artifact.digest); a part of one is hashed when asked."""
+    from redknot_jax.reuse import artifact
+
+    hashed = []
+    monkeypatch.setattr(artifact, "payload_digest", lambda a: hashed.append(1) or "partial")
     art = synthetic(4)
     p = store.publish(art)
     meta = store.open_slice(p.doc_id, p.generation)
     assert meta.groups == {0: (1, 2), 1: (3, 4)}
+    assert store.load(p.doc_id).digest() == art.certificate.payload_digest and not hashed
     before = store.stats()["bytes_read"]
     part = store.load(p.doc_id, layers=[3])
+    assert part.digest() == part.digest() == "partial" and len(hashed) == 1  # hashed once, kept
     assert sorted(part.layers) == [3, 4]  # the whole group holding layer 3, nothing else
     assert store.stats()["bytes_read"] - before == meta.group_nbytes(1) < sum(
         a.nbytes for a in art.payload().values())
