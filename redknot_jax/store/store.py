@@ -30,9 +30,10 @@ user-given name):
   construction) or takes the next number (`"retry"`). A reader therefore sees a generation
   whole or not at all, and a generation is written by exactly one builder.
 * Integrity: on every read from disk, generation.json is checked against
-  generation.sha256, each manifest against generation.json, the tokens and every tile read
-  against the manifest's SHA-256, and a full load also against the certificate's
-  payload_digest. Any mismatch, truncation or unreadable file is a `StoreIntegrityError`
+  generation.sha256, each manifest against generation.json, the tokens against the
+  manifest's SHA-256; a full load checks every tile against the certificate's payload_digest
+  (one hash of every byte; on a mismatch the tiles are read again against their own SHA-256,
+  to name the damaged one), a partial load or a layer group each tile. Any mismatch, truncation or unreadable file is a `StoreIntegrityError`
   with `FallbackReason.CHECKSUM`; nothing unverified is returned. Checksums detect
   corruption, not malice (whoever can write the store can rewrite the checksums).
 * Readers pin a generation (in-process refcount + a pin file under a shared flock); `gc`
@@ -638,12 +639,13 @@ class ArtifactStore:
                 self._pool = ThreadPoolExecutor(self.io_threads, thread_name_prefix="artifact-io")
             return self._pool
 
-    def read_group(self, meta: SliceMeta, group: int) -> dict[str, np.ndarray]:
-        """The verified tiles (name -> host array) of one layer group of one slice. The caller
-        keeps the generation pinned (`pin` / `pinned`) while it reads."""
+    def read_group(self, meta: SliceMeta, group: int, verify: bool = True) -> dict[str, np.ndarray]:
+        """The verified tiles (name -> host array) of one layer group of one slice (verify=False:
+        their checksums left to a caller that checks the payload digest over every group). The
+        caller keeps the generation pinned (`pin` / `pinned`) while it reads."""
         entries = meta.tiles_of(group)
         try:
-            out = get_codec(meta.codec).read_group(meta.path, entries, self._get_pool())
+            out = get_codec(meta.codec).read_group(meta.path, entries, self._get_pool(), verify)
         except TileError as e:
             if not meta.path.is_dir():
                 raise StoreMissError(FallbackReason.UNKNOWN_ARTIFACT,
@@ -682,12 +684,16 @@ class ArtifactStore:
         try:
             meta = self.open_slice(doc_id, gen, tp)
             groups = meta.groups_for(layers)
-            arrays, got = {}, None
+            # a whole slice is checked by its payload digest alone (one hash of every byte, bound to the
+            # certificate like the tile checksums); a part of one, tile by tile
+            arrays, got, whole = {}, None, len(groups) == len(meta.groups)
             for g in groups:
-                arrays.update(self.read_group(meta, g))
-            if len(groups) == len(meta.groups):
+                arrays.update(self.read_group(meta, g, verify=not whole))
+            if whole:
                 got = payload_digest(arrays)
                 if got != meta.certificate.payload_digest:
+                    for g in groups:  # which tile: read again, checked (raises, naming it)
+                        self.read_group(meta, g)
                     self._count("integrity_failures")
                     raise StoreIntegrityError(f"document {doc_id}, generation {gen}: payload digest {got}, "
                                               f"certificate says {meta.certificate.payload_digest}")

@@ -132,6 +132,8 @@ def test_damaged_files_are_checksum_failures(tmp_path, codec, target, art_codec,
     with pytest.raises(StoreIntegrityError) as e:
         store.load(doc)
     assert e.value.reason == FallbackReason.CHECKSUM
+    if target == "tile":  # caught by the payload digest (or the read), then named: its layer group
+        assert "group 1" in str(e.value), e.value
     c = CertCounters()
     profile = dataclasses.replace(PROFILE, artifact_codec=art_codec)
     assert store.lookup_for_request(art.tokens, profile, CFG, FP, counters=c) == FallbackReason.CHECKSUM
