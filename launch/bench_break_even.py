@@ -166,6 +166,7 @@ def main(argv=None):
             secs[name] = statistics.median(ts)
             raw.append({"tokens": n, "arm": name, "seconds": ts})
             bar.update()
+            _cli.echo(f"{n} tokens: {name} {secs[name]:.3f}s")  # as it ends (the bar draws only on a terminal)
         for tier in ("device", "host", "disk"):
             points.append({"tier": tier, "tokens": n, "recompute_s": round(secs["recompute"], 6),
                            "redknot_s": round(secs[tier], 6)})
