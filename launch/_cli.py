@@ -40,6 +40,12 @@ def input_file(text: str) -> str:
     return text
 
 
+def profile_arg(text: str) -> str:
+    """argparse type of --profile: a preset's name (reuse.profile.NAMES), else (a name ending in
+    .json or holding a path separator) a profile file that must exist."""
+    return input_file(text) if text.endswith(".json") or os.sep in text else text
+
+
 def checkpoint_dir(text: str) -> str:
     """argparse type: a checkpoint directory, i.e. one holding config.json."""
     if not os.path.isdir(text):

@@ -73,7 +73,8 @@ run_steps() {
       # (the Flash preset's at tail 0 and a 10 % budget: at these lengths its 32K tail protects every row);
       # BE_LENGTHS narrows it to a short device budget
       step $s launch/bench_break_even.py --preset flash-shaped --dtype bfloat16 \
-        --profile launch/profiles/flash_tail0_b10.json --lengths ${BE_LENGTHS:-16384,32768} --repeats 2 --out $R/break_even_tail0_b10_${d}_$today.json ;;
+        --profile launch/profiles/flash_tail0_b10.json --lengths ${BE_LENGTHS:-16384,32768} --repeats 2 \
+        --out $R/break_even_tail0_b10_${d}_$today.json ;;
     model64|model32) step $s launch/bench_model.py --lengths $([ $s = model64 ] && echo 65536 || echo 32768) \
       --decode-steps 16 --repeats 1 --json $R/bench_model_${s#model}k_${d}_$today.json ;;  # first call: the per-layer compile
     decode_batch) step $s launch/bench_ttft.py --lengths 32768 --repeats 1 --decode-steps 16 \

@@ -51,7 +51,7 @@ def main(argv=None):
     ap.add_argument("--preset", help="random-weight preset (e.g. tiny, with the byte-level fallback tokenizer) "
                                      "instead of a checkpoint")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    ap.add_argument("--profile", default="auto", help="auto (the checkpoint's redknot_profile.json, else by layer "
+    ap.add_argument("--profile", default="auto", type=_cli.profile_arg, help="auto (the checkpoint's redknot_profile.json, else by layer "
                     "count) | tiny | tiny-exact | flash | pro | profile.json")
     ap.add_argument("--artifact-codec", choices=["dense", "fp8", "fp4"],
                     help="how artifacts are stored (docs/store.md, 'Artifact codecs'; default: the profile's)")
@@ -116,11 +116,6 @@ def main(argv=None):
     if args.no_warmup and (args.warmup_buckets or args.warmup_documents):
         ap.error(f"{'--warmup-buckets' if args.warmup_buckets else '--warmup-documents'} and --no-warmup: give one "
                  f"of them")
-    if args.profile.endswith(".json") or os.sep in args.profile:  # a profile file, not a preset's name
-        try:
-            _cli.input_file(args.profile)
-        except argparse.ArgumentTypeError as e:
-            ap.error(f"--profile: {e}")
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     import jax

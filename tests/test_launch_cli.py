@@ -80,6 +80,7 @@ MISSING_INPUTS = [  # (script, command line, the flag that names the missing pat
     ("serve", ["--break-even", MISSING + "/t.json"], "--break-even"),
     (NOTEBOOK, ["--checkpoint", MISSING], "--checkpoint"),
     ("bench_break_even", ["--checkpoint", MISSING], "--checkpoint"),
+    ("bench_break_even", ["--profile", MISSING + "/p.json"], "--profile"),
     ("build_artifacts", ["--store", "/tmp/unused", "--corpus", MISSING + "/docs.jsonl"], "--corpus"),
     ("build_artifacts", ["--store", "/tmp/unused", "--demo", "1", "--checkpoint", MISSING], "--checkpoint"),
     ("eval_quality", ["--checkpoint", MISSING], "--checkpoint"),
@@ -111,7 +112,7 @@ def test_a_directory_without_config_json_is_not_a_checkpoint(tmp_path, monkeypat
 def test_serve_refuses_a_missing_profile_file_but_not_a_profile_name(monkeypatch, refused):
     _no_model(monkeypatch)
     serve = _load("serve")
-    refused(serve.main, ["--profile", MISSING + "/p.json"], rf"error: --profile: {MISSING}/p.json: no such file")
+    refused(serve.main, ["--profile", MISSING + "/p.json"], rf"argument --profile: {MISSING}/p.json: no such file")
     # a name is the server's to resolve (after the flags): not taken for a file
     refused(serve.main, ["--profile", "tiny-exact", "--no-warmup", "--warmup-buckets", "8"],
             "--warmup-buckets and --no-warmup: give one of them")

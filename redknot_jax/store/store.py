@@ -33,9 +33,10 @@ user-given name):
   generation.sha256, each manifest against generation.json, the tokens against the
   manifest's SHA-256; a full load checks every tile against the certificate's payload_digest
   (one hash of every byte; on a mismatch the tiles are read again against their own SHA-256,
-  to name the damaged one), a partial load or a layer group each tile. Any mismatch, truncation or unreadable file is a `StoreIntegrityError`
-  with `FallbackReason.CHECKSUM`; nothing unverified is returned. Checksums detect
-  corruption, not malice (whoever can write the store can rewrite the checksums).
+  to name the damaged one), a partial load or a layer group each tile. Any mismatch,
+  truncation or unreadable file is a `StoreIntegrityError` with `FallbackReason.CHECKSUM`;
+  nothing unverified is returned. Checksums detect corruption, not malice (whoever can write
+  the store can rewrite the checksums).
 * Readers pin a generation (in-process refcount + a pin file under a shared flock); `gc`
   (under the exclusive flock) removes unpinned generations older than the newest `keep` of
   each TP layout, builders' temporaries whose process is gone (or older than a grace
