@@ -32,7 +32,8 @@ import sys
 import tempfile
 import time
 
-os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")  # flash-shaped weights + a long pool: JAX's 75 % is too little
+# flash-shaped weights + a long pool: JAX's default 75 % of the GPU is too little
+os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
 import numpy as np  # noqa: E402
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
@@ -58,8 +59,8 @@ def main(argv=None):
                     help="safetensors checkpoint (default: the shipped QA model)")
     ap.add_argument("--preset", default=None, help="random weights of this preset instead (e.g. flash-shaped)")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    ap.add_argument("--profile", default="auto", type=_cli.profile_arg, help="as serve.py's: auto (the checkpoint's, else by layer count) | "
-                    "tiny | tiny-exact | flash | pro | profile.json (the table serves only this profile)")
+    ap.add_argument("--profile", default="auto", type=_cli.profile_arg,
+                    help="as serve.py's: auto (the checkpoint's, else by layer count) | tiny | tiny-exact | flash | pro | profile.json (the table serves only this profile)")
     ap.add_argument("--artifact-codec", default=None, choices=["dense", "fp8", "fp4"],
                     help="how the artifacts are stored (reuse/codec.py; default: the profile's)")
     ap.add_argument("--lengths", type=lambda t: _ints(t, "--lengths"), default=[512, 1024, 2048])
@@ -98,8 +99,8 @@ def main(argv=None):
         model, fp = load_model(ckpt), f"checkpoint:{pathlib.Path(ckpt).name}"
         cfg = model.cfg
     try:
-        prof = profiles.named(args.profile, cfg.num_layers,
-                              None if args.preset else str(pathlib.Path(args.checkpoint or DEFAULT_CKPT) / PROFILE_FILE))
+        shipped = None if args.preset else str(pathlib.Path(args.checkpoint or DEFAULT_CKPT) / PROFILE_FILE)
+        prof = profiles.named(args.profile, cfg.num_layers, shipped)
     except (ValueError, OSError, TypeError) as e:  # ProfileError, a file that is not a profile
         ap.error(f"--profile: {e}")
     if args.artifact_codec:
