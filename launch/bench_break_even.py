@@ -60,7 +60,8 @@ def main(argv=None):
     ap.add_argument("--preset", default=None, help="random weights of this preset instead (e.g. flash-shaped)")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--profile", default="auto", type=_cli.profile_arg,
-                    help="as serve.py's: auto (the checkpoint's, else by layer count) | tiny | tiny-exact | flash | pro | profile.json (the table serves only this profile)")
+                    help="as serve.py's: auto (the checkpoint's, else by layer count) | tiny | tiny-exact | flash | "
+                         "pro | profile.json (the table serves only this profile)")
     ap.add_argument("--artifact-codec", default=None, choices=["dense", "fp8", "fp4"],
                     help="how the artifacts are stored (reuse/codec.py; default: the profile's)")
     ap.add_argument("--lengths", type=lambda t: _ints(t, "--lengths"), default=[512, 1024, 2048])
