@@ -233,9 +233,10 @@ def build_artifact(model: Model, profile: RedKnotProfile, tokens, *, checkpoint_
     parts = ("prefix",) + profile_parts(profile)
     tp = tp or single_rank()
     art = Artifact(tokens=tokens, layers=layers, certificate=None, prefix_layers=prefix)
+    art._digest = payload_digest(art.payload())  # kept: its certification hashes nothing again (`digest`)
     art.certificate = Certificate(
         checkpoint_fingerprint=checkpoint_fingerprint, token_digest=token_digest(tokens),
         profile_digest=profile.digest(), model_digest=cfg.fingerprint(), tp=tp, generation=generation,
         format_version=FORMAT_VERSION, layers=tuple(sorted(art.stored_layers())), parts=tuple(sorted(parts)),
-        codec=profile.artifact_codec, payload_digest=payload_digest(art.payload()))
+        codec=profile.artifact_codec, payload_digest=art._digest)
     return art

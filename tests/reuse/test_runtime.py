@@ -155,11 +155,11 @@ def test_g_every_certificate_failure_falls_back_and_is_counted(model):
         FallbackReason.TP_GEOMETRY: (ReuseRuntime(model, prof, FP, tp=TPGeometry(2, 0, ((0, 1),))), Segment(d[0], good)),
         FallbackReason.STALE_GENERATION: (ReuseRuntime(model, prof, FP, min_generation=2), Segment(d[0], good)),
     }
-    corrupt = build(model, prof, d[0])
-    corrupt.layers[2]["zl"] = corrupt.layers[2]["zl"].at[3, 0, 0].add(1e-3)
+    layers = {i: dict(v) for i, v in good.layers.items()}  # a changed copy: an artifact object is immutable
+    layers[2]["zl"] = layers[2]["zl"].at[3, 0, 0].add(1e-3)  # (its digest is hashed once, by the builder)
+    corrupt = dataclasses.replace(good, layers=layers)
     cases[FallbackReason.CHECKSUM] = (rt, Segment(d[0], corrupt))
-    missing = build(model, prof, d[0])
-    del missing.layers[3]
+    missing = dataclasses.replace(good, layers={i: v for i, v in good.layers.items() if i != 3})
     cases[FallbackReason.MISSING_LAYERS] = (rt, Segment(d[0], missing))
     for reason, (r, seg) in cases.items():
         res = run(r, seg)
@@ -169,6 +169,7 @@ def test_g_every_certificate_failure_falls_back_and_is_counted(model):
             r.prefill(Request([seg, tail]), "redknot", require_reuse=True)
     ok = run(rt, Segment(d[0], good))
     assert ok.arm == "redknot" and rt.counters.validated >= 1
+    assert good._digest == good.certificate.payload_digest  # the builder's hash, kept for certification
 
 
 def test_h_local_rows_replaced_exactly_once(model):
