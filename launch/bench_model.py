@@ -4,7 +4,10 @@ Random bf16 weights (speed does not depend on values), every Flash dimension and
 schedule with 16 routed experts (top-6: FLOPs per token of Flash). For each length: chunked
 prefill (chunks of --chunk rows; equals one-shot prefill), then --decode-steps greedy decode
 steps at batch 1. Analytic FLOPs (recompute arm of the operator ledger) over time give
-TFLOP/s; MFU is against a bf16 matmul peak measured in the same run.
+TFLOP/s; MFU is against a bf16 matmul peak measured in the same run. Where a decode step's time
+goes: `decode_host_ms`, the host's time to dispatch one (4 steps enqueued, nothing read back), and
+`decode_device_ms`, the device's busy time in one (a trace of 2 steps, `redknot_jax.op_profile`);
+a step takes about the larger of the two.
 
     python launch/bench_model.py --lengths 8192,32768,65536 --out docs/bench_model.md
 """
@@ -18,6 +21,7 @@ import pathlib
 import platform
 import statistics
 import sys
+import tempfile
 import time
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")  # flash-shaped weights + a long pool: JAX's 75 % is too little
@@ -25,7 +29,7 @@ import numpy as np
 import jax
 import jax.numpy as jnp
 
-from redknot_jax import config
+from redknot_jax import config, op_profile
 from redknot_jax.generate import Engine
 from redknot_jax.init import random_model
 
@@ -108,10 +112,23 @@ def main(argv=None):
                 logits, cache = eng.decode(tok, cache)
                 tok = np.asarray(jnp.argmax(logits, -1))
             dec.append((time.perf_counter() - t0) / args.decode_steps)
+        t0 = time.perf_counter()
+        for _ in range(4):  # the host's side of a step: dispatched, nothing read back (the cache has 256 spare rows)
+            logits, cache = eng.decode(tok, cache)
+        host = (time.perf_counter() - t0) / 4
+        jax.block_until_ready(logits)
+        with tempfile.TemporaryDirectory() as trace:  # the device's side: its busy time in 2 steps
+            jax.profiler.start_trace(trace)
+            for _ in range(2):
+                logits, cache = eng.decode(tok, cache)
+            jax.block_until_ready(logits)
+            jax.profiler.stop_trace()
+            busy = op_profile.summarize(trace)["ops_ms"] / 2
         fl = prefill_flops(cfg, L)
         p, d = statistics.median(pre), statistics.median(dec)
         row = dict(length=L, chunk=args.chunk, prefill_s=p, prefill_tok_s=L / p, flops=fl, tflops=fl / p / 1e12,
-                   mfu=fl / p / 1e12 / peak, decode_ms=d * 1e3, decode_tok_s=1 / d, first_call_s=compile_s,
+                   mfu=fl / p / 1e12 / peak, decode_ms=d * 1e3, decode_tok_s=1 / d, decode_host_ms=host * 1e3,
+                   decode_device_ms=busy, first_call_s=compile_s,
                    prefill_runs=pre, decode_runs_ms=[x * 1e3 for x in dec])
         rows.append(row)
         _cli.echo(json.dumps(row))
@@ -121,11 +138,12 @@ def main(argv=None):
                 command="python launch/bench_model.py " + " ".join(sys.argv[1:] if argv is None else argv))
     if args.json:
         json.dump(dict(meta=meta, rows=rows), open(args.json, "w"), indent=1)
-    table = [f"| length | prefill s | prefill tok/s | TFLOP/s | MFU | decode ms/token (b=1) | decode tok/s | first call s |",
-             "|---|---|---|---|---|---|---|---|"]
+    table = ["| length | prefill s | prefill tok/s | TFLOP/s | MFU | decode ms/token (b=1) | decode tok/s | "
+             "host ms/step | device ms/step | first call s |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         table.append(f"| {r['length']} | {r['prefill_s']:.3f} | {r['prefill_tok_s']:.0f} | {r['tflops']:.0f} | "
-                     f"{r['mfu'] * 100:.1f} % | {r['decode_ms']:.1f} | {r['decode_tok_s']:.1f} | {r['first_call_s']:.0f} |")
+                     f"{r['mfu'] * 100:.1f} % | {r['decode_ms']:.1f} | {r['decode_tok_s']:.1f} | "
+                     f"{r['decode_host_ms']:.1f} | {r['decode_device_ms']:.1f} | {r['first_call_s']:.0f} |")
     text = "\n".join(table)
     print(text)
     if args.out:

@@ -1,19 +1,18 @@
 """One routed MoE layer on the device, Flash dimensions (hidden 4096, expert width 2048, top 6):
 its time against the token chunk (`MoE.__call__(chunk=)`, the tokens whose expert rows one
-grouped matmul takes) for each expert count and path (`MoE.experts`' kernels: mosaic, xla,
-ragged); at decode sizes (--tokens 1..16), the paths side by side.
+grouped matmul takes) for each expert count and path (`MoE.experts`' kernels: mosaic, xla); at
+decode sizes (--tokens 1..16), the paths side by side.
 
     python launch/bench_moe.py --tokens 16384 --experts 16,256 --chunks 4096,8192,16384
-    python launch/bench_moe.py --tokens 1 --experts 16,256 --chunks 4096 --kernels xla,ragged,mosaic
+    python launch/bench_moe.py --tokens 1 --experts 16,256 --chunks 4096 --kernels xla,mosaic
 
 Why: at 256 experts (Flash) a 4096-token chunk gives ~96 rows per expert, so each matmul reads
 every expert's weights (4 GB for w1) for under one 128-row tile of work each; the ragged_dot
 kernel ran at 23 % of the bf16 peak there against 64 % at 16 experts
 (`docs/results/kernels_ragged_dot_experts_h200.json`). Chunking does not change any token's
 result (each token's experts see the same rows), which `max_rel_diff` checks (against the first
-chunk of the first path). A decode step's few rows: "xla" runs each used expert once, "ragged" is
-XLA's ragged_dot, a dense dot over every expert on a GPU; `weights_gb_s` is the routed weights
-the rows use, read once, per second.
+chunk of the first path). `weights_gb_s`: the routed weights the rows use, read once, per second
+(at a decode step's few rows "xla" is XLA's ragged_dot, a dense dot over every expert on a GPU).
 """
 
 from __future__ import annotations
@@ -42,7 +41,7 @@ def main(argv=None):
     ap.add_argument("--experts", default="16,256")
     ap.add_argument("--chunks", default="4096,8192,16384")
     ap.add_argument("--kernels", default="mosaic", help="comma list of MoE paths: mosaic (the ragged_dot kernel), "
-                                                        "xla (by size), ragged (XLA's ragged_dot)")
+                                                        "xla (by size)")
     ap.add_argument("--hidden", type=int, default=4096)
     ap.add_argument("--inter", type=int, default=2048, help="expert width")
     ap.add_argument("--iters", type=int, default=5)

@@ -38,8 +38,8 @@ run_steps() {
   today=$(date +%Y%m%d)
   local steps=${1:-}
   if [ -z "$steps" ]; then  # what docs/benchmarks.md still lists as not measured, by device
-    if [ $d = h200 ]; then steps=ttft128,ttft64head,qps,break_even,ttft256build,ttft256,moe_decode,model64,decode_batch,pass_a,mhc
-    else steps=moe_decode,model32,qps_h100,buckets32,ops32,pass_a,decode_batch16; fi  # command F (qps) exceeds an H100's 80 GB
+    if [ $d = h200 ]; then steps=ttft128,ttft64head,qps,break_even,ttft256build,ttft256,model64,decode_batch,pass_a,mhc
+    else steps=qps_h100,buckets32,ops32,pass_a,decode_batch16,model32; fi  # command F (qps) exceeds an H100's 80 GB
   fi
   for s in ${steps//,/ }; do case $s in
     ttft64) step $s launch/bench_ttft.py --lengths 65536 --repeats 2 --layer-times --op-profile 2,20,21,40 \
@@ -104,11 +104,6 @@ run_steps() {
     plan32) step $s launch/bench_ttft.py --lengths 32768 --repeats 2 --layer-times --profiles tail0-b10-omit-fp4 \
       --no-prefix-arm --compile-threads 8 --out $R/ttft_32k_plan_${d}_$today.json ;;  # the request's host time
       # (redknot_plan_s) and TTFT in the least device time: layer programs compiled side by side
-    moe_decode) for t in 1 2 16; do  # a decode step's MoE: each used expert once (xla), XLA's ragged_dot (a dense dot
-        # over every expert) and the kernel, side by side at 16 and 256 experts (docs/kernels.md, ragged_dot); ~2 min
-        step ${s}_$t launch/bench_moe.py --tokens $t --experts 16,256 --chunks 4096 --kernels xla,ragged,mosaic \
-          --iters 20 --json $R/moe_decode_t${t}_${d}_$today.json
-      done ;;
     mhc) step $s launch/bench_mhc.py --rows 32768 --json $R/mhc_32k_${d}_$today.json ;;  # mHC's forms side by side
     ttft32) step $s launch/bench_ttft.py --lengths 32768 --repeats 2 --layer-times --op-profile 2,20,21,40 \
       --profiles tail0-b10-omit-fp4,tail0-b10-restore-fp4,fp4 --out $R/ttft_32k_fp4_${d}_$today.json ;;

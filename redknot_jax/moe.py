@@ -7,11 +7,7 @@ experts' FLOPs are spent: `grouped_matmul` (beside the kernel, `pallas/ragged_do
 fixed-size row tiles, each tile inside one expert's group (at most rows/tile + experts tiles),
 one dense matmul per tile. It replaces `jax.lax.ragged_dot`, its reference, which XLA runs 13x
 slower than a dense matmul on an H200 (47 vs 624 TFLOP/s, `launch/bench_gmm_probe.py`,
-2026-11-29): on a GPU, XLA's RaggedDotRewriter makes it a dense dot over every expert, so it also
-reads all e experts' weights however few rows it has. A decode step's few rows, fewer assignments
-than experts, therefore run each used expert once instead (`_experts_used`): every row through it,
-weighted by its routing weight there, at most n * k experts' weights read (Flash's 256 experts:
-6 of 256 for one row). With `kernels="mosaic"` the three expert matmuls run as one Mosaic GPU
+2026-11-29). With `kernels="mosaic"` the three expert matmuls run as one Mosaic GPU
 grouped-matmul kernel each (`redknot_jax.pallas.ragged_dot`) instead: the scan's per-tile ops
 were most of a long prefill layer's launches. An optional `keep` mask drops assignments (the
 RedKnot fan-out rule) without renormalising the kept weights.
@@ -90,14 +86,8 @@ class MoE(nnx.Module):
 
     def experts(self, x, sel, wts, keep=None, kernels: str = "xla"):
         """Sum over kept assignments of w * expert(x): x [n, d], sel/wts/keep [n, k] -> [n, d] fp32.
-        kernels: "xla" (by size: fewer assignments than experts, each used expert once; a few rows
-        per expert, XLA's ragged_dot; longer chunks, the tiled scan), "mosaic" (the Mosaic GPU
-        kernel), or "ragged" (`jax.lax.ragged_dot` at any size: the reference)."""
-        if kernels not in ("xla", "mosaic", "ragged"):
-            raise ValueError(f"MoE.experts: kernels must be 'xla', 'mosaic' or 'ragged', got {kernels!r}")
+        kernels: the grouped matmuls by XLA ("xla") or the Mosaic GPU kernel ("mosaic")."""
         n, k = sel.shape
-        if kernels == "xla" and n * k < self.e:
-            return self._experts_used(x, sel, wts, keep)
         eid = sel.reshape(-1)
         if keep is not None:
             eid = jnp.where(keep.reshape(-1), eid, self.e)  # dropped: sorted past every group
@@ -107,10 +97,12 @@ class MoE(nnx.Module):
         xs = x[tok]
         if kernels == "mosaic":
             gmm = lambda a, w, **kw: ragged_dot_kernel(a, w, sizes, **kw)
-        elif kernels == "xla" and n * k >= 64 * self.e:  # long chunks: tiled scan (a few dense tiles per expert)
+        elif kernels != "xla":
+            raise ValueError(f"MoE.experts: kernels must be 'xla' or 'mosaic', got {kernels!r}")
+        elif n * k >= 64 * self.e:  # long chunks: tiled scan (a few dense tiles per expert)
             tile = self.tile(n * k)
             gmm = lambda a, w, **kw: grouped_matmul(a, w, sizes, tile, **kw)
-        else:  # a few rows per expert: ragged_dot (the scan's per-tile launches dominate at a few rows;
+        else:  # decode-sized: ragged_dot (the scan's per-tile launches dominate at a few rows;
             # measured 287 vs 33 ms per flash-shaped decode token on an H200, 2026-11-29)
             gmm = lambda a, w, **kw: jax.lax.ragged_dot(a, w, sizes, precision=HIGHEST, **kw)
         h = swiglu(gmm(xs, self.w1[...]), gmm(xs, self.w3[...]), self.limit)
@@ -121,23 +113,6 @@ class MoE(nnx.Module):
         rank = jnp.zeros_like(order).at[order].set(jnp.arange(n * k, dtype=order.dtype))
         w = wts if keep is None else jnp.where(keep, wts, 0.0)
         return jnp.sum(out[rank].reshape(n, k, -1) * w[..., None], axis=1)
-
-    def _experts_used(self, x, sel, wts, keep=None):
-        """`experts` for fewer assignments than experts (a decode step's few rows): each used
-        expert's weights read once, every row through it, weighted by the row's routing weight
-        for it (0 if it does not route there). On a GPU XLA's ragged_dot is a dense dot over
-        every expert (its RaggedDotRewriter), which reads all e experts' weights for a few rows."""
-        n, k = sel.shape
-        w = wts if keep is None else jnp.where(keep, wts, 0.0)
-        used = jnp.unique(sel if keep is None else jnp.where(keep, sel, self.e), size=n * k, fill_value=self.e)
-        out = jnp.zeros(x.shape, jnp.float32)
-        for e in used:  # unrolled (n * k < e): no device loop; padding entries (e = self.e) weigh 0
-            pick = lambda v: jax.lax.dynamic_index_in_dim(v[...], jnp.minimum(e, self.e - 1), keepdims=False)
-            h = swiglu(jnp.dot(x, pick(self.w1), precision=HIGHEST), jnp.dot(x, pick(self.w3), precision=HIGHEST),
-                        self.limit)
-            y = jnp.dot(h.astype(x.dtype), pick(self.w2), preferred_element_type=jnp.float32, precision=HIGHEST)
-            out = out + y * jnp.sum(jnp.where(sel == e, w, 0.0), axis=1)[:, None]
-        return out
 
     def shared(self, x):
         g = jnp.einsum("nd,fd->nf", x, self.s1[...], precision=HIGHEST)
